@@ -1,0 +1,105 @@
+"""Every Redis key budgetq reads or writes, named in one place.
+
+All of a dataset's keys carry the dataset name in braces (``bq:ds:{name}:...``): in Redis Cluster the braces
+are a hash tag, so every key one of our Lua scripts touches for one dataset lives in one slot. Dataset names
+are validated by the producer (letters, digits, ``_``, ``-``) before they ever reach this module, so a name
+can never forge another dataset's key, an RQ job id or a path outside ``--out``.
+
+| key                         | type   | written by               | what                                              |
+| --------------------------- | ------ | ------------------------ | ------------------------------------------------- |
+| ``bq:datasets``             | set    | producer                 | every dataset name known to this Redis            |
+| ``bq:ds:{n}``               | hash   | producer, scripts        | budget, status (open/closed), run fingerprint,    |
+|                             |        |                          | request settings, counters (committed, ...)       |
+| ``bq:ds:{n}:used``          | string | ``commit`` script        | completion tokens committed: THE budget counter   |
+| ``bq:ds:{n}:done``          | hash   | ``commit`` script        | sample id -> completion tokens; exactly-once guard|
+| ``bq:ds:{n}:pending``       | hash   | producer, scripts        | sample id -> chunk id that holds it               |
+| ``bq:ds:{n}:chunks``        | zset   | producer, worker         | live chunk ids; score = lease deadline (ms) while |
+|                             |        |                          | running, +inf while queued                        |
+| ``bq:ds:{n}:seq``           | string | producer                 | chunk counter: chunk (= RQ job) ids never repeat  |
+| ``bq:ds:{n}:results``       | stream | ``commit`` script        | committed results not yet written to disk         |
+| ``bq:ds:{n}:failed``        | hash   | ``fail`` script          | sample id -> JSON reason, after every attempt     |
+| ``bq:ds:{n}:collector``     | string | producer                 | lock: the one ``produce`` collecting this dataset |
+
+RQ's own keys that our scripts touch (queue list, job hashes, canceled registry) are derived here from RQ's
+documented layout, so a change of RQ's layout is a change of this module only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "bq:"
+DATASETS = PREFIX + "datasets"
+
+#: The one RQ queue that every dataset shares; workers listen on it (``worker.settings.QUEUES``).
+QUEUE_NAME = "budgetq"
+
+# RQ 3.x key layout (rq/queue.py, rq/job.py, rq/registry.py).
+RQ_QUEUE = "rq:queue:" + QUEUE_NAME
+RQ_JOB_PREFIX = "rq:job:"
+RQ_CANCELED = "rq:canceled:" + QUEUE_NAME
+
+
+@dataclass(frozen=True)
+class DatasetKeys:
+    """The keys of one dataset. Build it only from a validated dataset name."""
+
+    name: str
+
+    @property
+    def base(self) -> str:
+        return f"{PREFIX}ds:{{{self.name}}}"
+
+    @property
+    def meta(self) -> str:
+        return self.base
+
+    @property
+    def used(self) -> str:
+        return self.base + ":used"
+
+    @property
+    def done(self) -> str:
+        return self.base + ":done"
+
+    @property
+    def pending(self) -> str:
+        return self.base + ":pending"
+
+    @property
+    def chunks(self) -> str:
+        return self.base + ":chunks"
+
+    @property
+    def seq(self) -> str:
+        return self.base + ":seq"
+
+    @property
+    def results(self) -> str:
+        return self.base + ":results"
+
+    @property
+    def failed(self) -> str:
+        return self.base + ":failed"
+
+    @property
+    def collector(self) -> str:
+        return self.base + ":collector"
+
+    def all(self) -> list[str]:
+        """Every key of the dataset (for ``--new-run``, which starts it over)."""
+        return [self.meta, self.used, self.done, self.pending, self.chunks, self.seq, self.results,
+                self.failed, self.collector]
+
+
+def chunk_id(dataset: str, seq: int) -> str:
+    """The RQ job id of a dataset's ``seq``-th chunk.
+
+    RQ re-pushes (and so runs twice) a job id enqueued twice, so ids come from a Redis counter and are never
+    reused. Ids allow only ``[A-Za-z0-9_-]``; the seq is the trailing ``-NNNNNNN``, so two (dataset, seq)
+    pairs never give the same id.
+    """
+    return f"bq-{dataset}-{seq:07d}"
+
+
+def rq_job_key(job_id: str) -> str:
+    return RQ_JOB_PREFIX + job_id

@@ -1,0 +1,46 @@
+"""The chunk job payload: the one contract between the producer and the workers.
+
+A chunk is one RQ job (JSON-serialized, never pickle). It carries everything a worker needs so the worker
+never imports transformers or reads the dataset files: the rendered ``input_ids`` of each sample, the
+sampling parameters and the thinking markers of the chat template.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, TypedDict
+
+VERSION = 1
+
+#: The job function, named by dotted string so the producer never imports worker code; the worker class
+#: runs nothing else.
+JOB_FUNCTION = "worker.jobs.run_chunk"
+
+
+class SamplePayload(TypedDict):
+    id: str
+    input_ids: list[int]
+    opens_think: bool  # the rendered prompt ends inside an open thinking tag
+
+
+class ThinkPayload(TypedDict):
+    start: str
+    end: str
+
+
+class ChunkPayload(TypedDict):
+    v: int
+    dataset: str
+    chunk: str
+    sampling_params: dict[str, Any]
+    think: ThinkPayload | None
+    samples: list[SamplePayload]
+
+
+def request_id(dataset: str, sample_id: str, attempt: int) -> str:
+    """A fixed-length SGLang rid: 28 hex of hash(dataset, sample) + 4 digits of attempt.
+
+    SGLang aborts by rid *prefix* and refuses a rid still in flight, so every rid has the same length (no rid
+    is a prefix of another) and each retry of a sample gets the next attempt number.
+    """
+    digest = hashlib.sha256(f"{dataset}\0{sample_id}".encode()).hexdigest()[:28]
+    return f"{digest}{attempt % 10000:04d}"
