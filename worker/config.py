@@ -1,0 +1,76 @@
+"""Worker settings, read from the environment once when a worker starts.
+
+Workers are started by plain ``rq worker`` commands, so the environment is their only configuration channel.
+The API key is kept here in memory and sent as a bearer token; it is never written to Redis or a log.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a whole number") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r}: must be positive")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float | None) -> float | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r}: must be positive")
+    return value
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    servers: tuple[str, ...] = ("http://127.0.0.1:30000",)
+    api_key: str | None = field(default=None, repr=False)
+    concurrency: int = 64  # requests in flight per worker process
+    max_attempts: int = 5  # per sample, for retryable errors (5xx, resets, timeouts, aborts)
+    connect_timeout: float = 10.0
+    request_timeout: float | None = None  # None: sized per request from max_new_tokens
+    min_tokens_per_second: float = 5.0  # the slowest decode we wait for before calling a request hung
+    backoff_cap: float = 20.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "WorkerConfig":
+        env = os.environ if env is None else env
+        servers = tuple(u.strip().rstrip("/") for u in env.get("SGLANG_URL", cls.servers[0]).split(",")
+                        if u.strip())
+        if not servers:
+            raise ValueError("SGLANG_URL is empty")
+        for url in servers:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"SGLANG_URL: {url!r} is not an http(s) URL")
+        return cls(
+            servers=servers,
+            api_key=env.get("SGLANG_API_KEY") or None,
+            concurrency=_int(env, "BUDGETQ_CONCURRENCY", cls.concurrency),
+            max_attempts=_int(env, "BUDGETQ_MAX_ATTEMPTS", cls.max_attempts),
+            connect_timeout=_float(env, "BUDGETQ_CONNECT_TIMEOUT", cls.connect_timeout) or cls.connect_timeout,
+            request_timeout=_float(env, "BUDGETQ_REQUEST_TIMEOUT", None),
+            min_tokens_per_second=_float(env, "BUDGETQ_MIN_TOKENS_PER_SECOND", cls.min_tokens_per_second)
+            or cls.min_tokens_per_second,
+            backoff_cap=_float(env, "BUDGETQ_BACKOFF_CAP", cls.backoff_cap) or cls.backoff_cap,
+        )
+
+    def timeout_for(self, max_new_tokens: int) -> float:
+        """Per-request deadline. aiohttp's default 300 s total would cut a 16K-token answer short."""
+        if self.request_timeout is not None:
+            return self.request_timeout
+        return 120.0 + max_new_tokens / self.min_tokens_per_second

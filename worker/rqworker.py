@@ -1,0 +1,72 @@
+"""``worker.Worker``: the RQ worker class budgetq's workers run (``rq worker -w worker.Worker``).
+
+Why a worker class and not flags: rq resolves ``-w`` before it reads the settings module, and a class is the
+one place that can *enforce* what a deployment must never get wrong:
+- JSON only. Whatever ``-S`` says, jobs are read with RQ's JSON serializer: a pickle payload written into
+  Redis by anyone is never unpickled (unpickling is code execution).
+- An allowlist. Even with JSON, RQ imports and calls any dotted name a job names; this worker fails every
+  job whose function is not in ``worker.jobs.ALLOWED``, without importing it.
+- No fork per job. Chunk jobs spend seconds to minutes waiting on SGLang; a forked work horse would re-open
+  the HTTP session and event loop per job. This is a SimpleWorker with one Runtime (loop, aiohttp session,
+  Redis ledger) for its life. Liveness comes from the chunk lease (budget/ledger.py), not from RQ's
+  abandoned-job detection, which takes the worker TTL plus a 600 s maintenance interval.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from rq.job import Job
+from rq.queue import Queue
+from rq.serializers import JSONSerializer
+from rq.worker import SimpleWorker
+
+from worker import jobs, runtime
+from worker.config import WorkerConfig
+
+log = logging.getLogger("budgetq.worker")
+
+
+class Worker(SimpleWorker):
+    def __init__(self, queues: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["serializer"] = JSONSerializer
+        super().__init__(queues, *args, **kwargs)
+        # The CLI built the Queue objects with its own serializer: rebuild them with ours.
+        self.queues = [Queue(q.name, connection=self.connection, serializer=JSONSerializer) for q in self.queues]
+        self._ordered_queues = self.queues[:]
+        self.config = WorkerConfig.from_env()
+        self.runtime = runtime.Runtime(self.connection, self.config, heartbeat=self._job_heartbeat)
+        runtime.install(self.runtime)
+        log.info("budgetq worker: %d server(s), %d requests in flight per worker, pid %d",
+                 len(self.config.servers), self.config.concurrency, os.getpid())
+
+    def _job_heartbeat(self) -> None:
+        # A SimpleWorker does not heartbeat while a job runs; the chunk's lease task calls this so the worker
+        # stays visible (rq-dashboard, `rq info`) through long chunks.
+        self.heartbeat(self.worker_ttl)
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        try:
+            func_name = job.func_name
+        except Exception as exc:  # not JSON, or not an RQ job at all
+            self._refuse(job, queue, f"unreadable job payload ({type(exc).__name__}); budgetq accepts JSON only")
+            return
+        if func_name not in jobs.ALLOWED:
+            self._refuse(job, queue, f"job function {func_name!r} is not allowed by worker.Worker")
+            return
+        super().execute_job(job, queue)
+
+    def _refuse(self, job: Job, queue: Queue, reason: str) -> None:
+        log.error("refused job %s: %s", job.id, reason)
+        try:
+            self.handle_job_failure(job, queue, exc_string=reason)
+        except Exception:  # the job hash may be garbage too; never let it take the worker down
+            log.exception("could not mark job %s failed", job.id)
+
+    def teardown(self) -> None:
+        super().teardown()
+        try:
+            self.runtime.close()
+        except Exception:
+            log.exception("closing the worker runtime")
