@@ -1,0 +1,134 @@
+"""The output files of a dataset, and the move of committed results from Redis onto disk.
+
+Order of operations is what makes collection exactly-once: a result is written, flushed and fsynced before
+it is deleted from the Redis stream; a crash in between leaves it in both, and the ids already in the file
+(loaded when the file is opened) keep the next collector from writing it twice. A torn last line (a crash
+mid-write) is cut off when the file is opened, before anything is appended.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import redis
+
+from budget import keys
+
+RESULTS = "raw_responses.jsonl"
+FAILED = "failed.jsonl"
+RUN = "run.json"
+
+FIELD_ORDER = ("id", "dataset", "messages", "response", "reasoning", "content", "reasoning_truncated",
+               "prompt_tokens", "completion_tokens", "finish_reason", "sampling_params")
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class ResultsFile:
+    """``out/<dataset>/raw_responses.jsonl``: append-only, fsynced, with the ids (and tokens) it holds."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tokens: dict[str, int] = {}
+        self.truncated_bytes = 0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._load()
+        self._fh = open(path, "ab")
+
+    def _load(self) -> None:
+        if not self.path.exists():
+            return
+        good = 0
+        with open(self.path, "rb") as fh:
+            for raw in fh:
+                if not raw.endswith(b"\n"):
+                    break  # torn tail: a crash mid-write
+                try:
+                    rec = json.loads(raw)
+                    sid, n = str(rec["id"]), int(rec["completion_tokens"])
+                except (ValueError, KeyError, TypeError):
+                    break  # cannot trust anything after a line we cannot read
+                self.tokens.setdefault(sid, n)
+                good += len(raw)
+        size = self.path.stat().st_size
+        if good < size:
+            self.truncated_bytes = size - good
+            with open(self.path, "r+b") as fh:
+                fh.truncate(good)
+                fh.flush()
+                os.fsync(fh.fileno())
+
+    def append(self, records: Iterable[dict[str, Any]]) -> int:
+        lines = []
+        for rec in records:
+            sid = rec["id"]
+            if sid in self.tokens:
+                continue
+            self.tokens[sid] = int(rec["completion_tokens"])
+            ordered = {k: rec.get(k) for k in FIELD_ORDER}
+            ordered.update({k: v for k, v in rec.items() if k not in ordered})
+            lines.append(json.dumps(ordered, ensure_ascii=False) + "\n")
+        if lines:
+            self._fh.write("".join(lines).encode())
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        return len(lines)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def collect(client: "redis.Redis[Any]", dataset: str, out: ResultsFile,
+            messages_for: Callable[[str], Any], batch: int = 1000) -> list[dict[str, Any]]:
+    """Move every committed result of ``dataset`` from its Redis stream into ``out``. Returns the new records."""
+    stream = keys.DatasetKeys(dataset).results
+    written: list[dict[str, Any]] = []
+    while True:
+        entries = client.xrange(stream, "-", "+", count=batch)
+        if not entries:
+            return written
+        records = []
+        for _entry_id, fields in entries:
+            rec = json.loads(fields[b"r"] if b"r" in fields else fields["r"])
+            rec["messages"] = messages_for(rec["id"])
+            records.append(rec)
+        new_ids = {r["id"] for r in records if r["id"] not in out.tokens}
+        out.append(records)
+        written.extend(r for r in records if r["id"] in new_ids)
+        client.xdel(stream, *[e[0] for e in entries])  # only after the fsync in append()
+
+
+def stream_ids(client: "redis.Redis[Any]", dataset: str) -> set[str]:
+    """Sample ids committed but not yet collected."""
+    stream = keys.DatasetKeys(dataset).results
+    ids: set[str] = set()
+    start = "-"
+    while True:
+        entries = client.xrange(stream, start, "+", count=5000)
+        for entry_id, fields in entries:
+            ids.add(_s(fields.get(b"id", fields.get("id"))))
+        if len(entries) < 5000:
+            return ids
+        start = "(" + _s(entries[-1][0])
+
+
+def write_failed(path: Path, failures: dict[str, dict[str, Any]]) -> None:
+    """Rewrite failed.jsonl from Redis' failed hash (atomic rename); remove it when nothing failed."""
+    if not failures:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for sid in sorted(failures):
+            fh.write(json.dumps({"id": sid, **failures[sid]}, ensure_ascii=False) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

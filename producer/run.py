@@ -1,0 +1,382 @@
+"""The attached producer: attach to (or start) a run, keep the queue topped up, recover dead chunks, collect.
+
+One ``Producer`` per ``produce`` command. Its state is rebuilt from Redis and the output files every time it
+attaches, so killing it (Ctrl-C, kill -9, a crash) loses nothing: the next ``produce`` with the same
+arguments picks up where the run is.
+
+Per loop step and dataset, in this order (the order is what keeps a sample from being enqueued twice):
+1. reclaim chunks whose lease expired (their worker died);
+2. snapshot the live chunks;
+3. collect committed results onto disk (a commit always precedes its chunk leaving the live set, so any
+   sample of a chunk missing from the snapshot is already collected or truly unfinished);
+4. give the unfinished samples of chunks that left the live set back to the to-do list;
+5. discard queued chunks if the dataset closed, else top the queue up to ``queue_depth`` chunks.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import redis
+
+from budget import keys
+from budget.ledger import Ledger
+from budget.payload import ThinkPayload
+from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, stream_ids, write_failed
+from producer.prepare import Prepared, settings_diff
+
+log = logging.getLogger("budgetq.produce")
+
+LOCK_TTL_MS = 30_000
+#: A chunk reclaimed this many times (its worker died each time it ran it) fails its unfinished samples:
+#: a sample that kills workers must not kill them forever.
+MAX_RECLAIMS = 3
+#: A queued chunk whose RQ job ended without the chunk ever starting (a failed job, a worker killed between
+#: dequeue and start) is checked this often and taken back.
+STALE_CHECK_S = 5.0
+
+
+class ProduceError(Exception):
+    """A user-facing failure with its exit code (1 runtime, 2 usage or input)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class RunOptions:
+    out_dir: Path
+    budgets: dict[str, int | None]  # explicit --budget per dataset; None: keep the stored one (or unlimited)
+    sampling_params: dict[str, Any]
+    settings: dict[str, Any]  # the run's fingerprinted settings (producer.prepare.run_settings)
+    think: ThinkPayload | None
+    chunk_size: int = 64
+    queue_depth: int = 16
+    new_run: bool = False
+    job: JobSettings = field(default_factory=JobSettings)
+    poll_s: float = 0.2
+    progress_s: float = 5.0
+
+
+@dataclass
+class DatasetRun:
+    prepared: Prepared
+    out: ResultsFile
+    lock_token: str
+    todo: deque[str]
+    chunk_samples: dict[str, list[str]]
+    done: set[str]
+    failed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reclaims: dict[str, int] = field(default_factory=dict)
+    status: str = "open"
+    used: int = 0
+    budget: int | None = None
+    finished: bool = False
+    queued_seen: dict[str, float] = field(default_factory=dict)
+    rate: deque[tuple[float, int]] = field(default_factory=deque)
+    enqueued_samples: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.prepared.name
+
+
+@dataclass
+class DatasetSummary:
+    name: str
+    status: str
+    done: int
+    selected: int
+    tokens: int
+    budget: int | None
+    failed: dict[str, dict[str, Any]]
+    not_run: int
+    invalid: int
+    duplicates: int
+    over_context: int
+    output: Path
+
+
+class Producer:
+    def __init__(self, client: "redis.Redis[Any]", datasets: list[Prepared], options: RunOptions,
+                 echo: Callable[[str], None] = print) -> None:
+        self.r = client
+        self.ledger = Ledger(client)
+        self.queue = make_queue(client)
+        self.datasets = datasets
+        self.opt = options
+        self.echo = echo
+        self.runs: list[DatasetRun] = []
+        self._last_progress = 0.0
+        self._last_stale_check = 0.0
+
+    # -- attach ----------------------------------------------------------------------------------------
+    def attach(self) -> None:
+        """Take every dataset's collector lock and rebuild its state. Nothing is enqueued yet.
+
+        Every dataset's stored settings are checked before anything is written, so a refused rerun
+        leaves Redis as it was."""
+        if not self.opt.new_run:
+            for prepared in self.datasets:
+                stored = self._stored_settings(prepared.name, self.opt.out_dir / prepared.name)
+                if stored is not None and stored != self.opt.settings:
+                    diff = "; ".join(settings_diff(stored, self.opt.settings))
+                    raise ProduceError(
+                        f"dataset {prepared.name}: this run's settings differ from the stored run ({diff}). "
+                        "Use the same options to resume, or --new-run to start the dataset over "
+                        "(its old output is kept aside).", 2)
+        try:
+            for prepared in self.datasets:
+                self.runs.append(self._attach_one(prepared))
+        except BaseException:
+            self.release()
+            raise
+
+    def _attach_one(self, p: Prepared) -> DatasetRun:
+        k = keys.DatasetKeys(p.name)
+        out_dir = self.opt.out_dir / p.name
+        stored = self._stored_settings(p.name, out_dir)
+        token = uuid.uuid4().hex
+        if not self.ledger.acquire_lock(k.collector, token, LOCK_TTL_MS):
+            raise ProduceError(f"dataset {p.name}: another produce is attached to it (it holds {k.collector}); "
+                               "stop that one, or wait up to 30 s after it died", 1)
+        if self.opt.new_run and (stored is not None or self.r.exists(k.meta)):
+            self._start_over(p.name, out_dir)
+        meta = {"name": p.name, "settings": json.dumps(self.opt.settings, sort_keys=True),
+                "queue": keys.QUEUE_NAME}
+        self.r.hset(k.meta, mapping=meta)
+        self.r.hsetnx(k.meta, "created_at", str(time.time()))
+        self.r.sadd(keys.DATASETS, p.name)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / RUN).write_text(json.dumps(self.opt.settings, indent=2, sort_keys=True) + "\n")
+
+        explicit = self.opt.budgets.get(p.name)
+        stored_budget = self.r.hget(k.meta, "budget")
+        if explicit is not None:
+            budget: int | None = explicit
+        elif stored_budget not in (None, b""):
+            budget = int(stored_budget)  # type: ignore[arg-type]
+        else:
+            budget = None
+        self.ledger.set_budget(p.name, budget)
+
+        out = ResultsFile(out_dir / RESULTS)
+        if out.truncated_bytes:
+            self.echo(f"{p.name}: cut a torn last line ({out.truncated_bytes} bytes) from {out.path}")
+        added, tokens = self.ledger.reconcile(p.name, list(out.tokens.items()))
+        if added:
+            self.echo(f"{p.name}: counted {added} responses ({tokens} tokens) found in {out.path}")
+        # Order matters: done first, then the stream. A commit landing in between is in both.
+        done = self.ledger.done_ids(p.name)
+        in_stream = stream_ids(self.r, p.name)
+        orphans = [sid for sid in done if sid not in out.tokens and sid not in in_stream]
+        if orphans:
+            removed, t = self.ledger.uncommit(p.name, orphans)
+            self.echo(f"{p.name}: {removed} committed responses ({t} tokens) are neither in {out.path} nor in "
+                      "Redis; they are uncounted and will be generated again")
+            for sid in orphans:
+                done.pop(sid, None)
+        self.r.delete(k.failed)  # a rerun retries what failed before
+
+        live = self.ledger.live_chunks(p.name)
+        chunk_samples: dict[str, list[str]] = {}
+        held: set[str] = set()
+        for sid, cid in self.ledger.holders(p.name).items():
+            if cid in live:
+                chunk_samples.setdefault(cid, []).append(sid)
+                held.add(sid)
+        done_ids = set(done) | set(out.tokens)
+        todo = deque(s.id for s in p.samples if s.id not in done_ids and s.id not in held)
+        return DatasetRun(prepared=p, out=out, lock_token=token, todo=todo, chunk_samples=chunk_samples,
+                          done=done_ids, budget=budget)
+
+    def _stored_settings(self, name: str, out_dir: Path) -> dict[str, Any] | None:
+        raw = self.r.hget(keys.DatasetKeys(name).meta, "settings")
+        if raw:
+            return dict(json.loads(raw))
+        run_file = out_dir / RUN
+        if run_file.exists():
+            return dict(json.loads(run_file.read_text()))
+        return None
+
+    def _start_over(self, name: str, out_dir: Path) -> None:
+        """--new-run: close and forget the dataset's stored run; keep its files aside, never delete them."""
+        k = keys.DatasetKeys(name)
+        self.r.hset(k.meta, "status", "closed")
+        self.ledger.discard(name, "replaced by --new-run")
+        self.r.delete(*[key for key in k.all() if key != k.collector])
+        if out_dir.exists() and any(out_dir.iterdir()):
+            aside = out_dir.parent / f"{name}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
+            out_dir.rename(aside)
+            self.echo(f"{name}: --new-run: previous output moved to {aside}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def run(self, detach: bool = False) -> list[DatasetSummary]:
+        try:
+            if detach:
+                for d in self.runs:
+                    d.status = self.ledger.state(d.name).status
+                    if d.status == "open":
+                        self._refill(d, everything=True)
+                return self.summaries()
+            while not self.step():
+                self._wait()
+            return self.summaries()
+        finally:
+            self.release()
+
+    def _wait(self) -> None:
+        streams = {keys.DatasetKeys(d.name).results: "$" for d in self.runs if not d.finished}
+        if streams:
+            # Wake up as soon as a result arrives, or after poll_s to look after leases and the queue.
+            self.r.xread(streams, block=int(self.opt.poll_s * 1000), count=1)
+
+    def step(self) -> bool:
+        now = time.monotonic()
+        check_stale = now - self._last_stale_check >= STALE_CHECK_S
+        if check_stale:
+            self._last_stale_check = now
+        for d in self.runs:
+            if not d.finished:
+                self._step_one(d, check_stale)
+        if now - self._last_progress >= self.opt.progress_s:
+            self._last_progress = now
+            self.echo(self.progress_line())
+        return all(d.finished for d in self.runs)
+
+    def _step_one(self, d: DatasetRun, check_stale: bool) -> None:
+        k = keys.DatasetKeys(d.name)
+        if not self.ledger.refresh_lock(k.collector, d.lock_token, LOCK_TTL_MS):
+            raise ProduceError(f"dataset {d.name}: lost the collector lock (Redis lost it, or another produce "
+                               "took over after this one stalled for 30 s)", 1)
+        reclaimed = set(self.ledger.reclaim(d.name))
+        if check_stale:
+            reclaimed |= self._reclaim_stale_queued(d)
+        for cid in sorted(reclaimed):
+            self.echo(f"{d.name}: chunk {cid} lost its worker; its unfinished samples go back in the queue")
+        live = self.ledger.live_chunks(d.name)
+        messages = d.prepared.messages_by_id
+        for rec in collect(self.r, d.name, d.out, lambda sid: messages.get(sid)):
+            d.done.add(rec["id"])
+            d.rate.append((time.monotonic(), int(rec["completion_tokens"])))
+        ended = [cid for cid in d.chunk_samples if cid not in live]
+        if ended:
+            d.failed = self.ledger.failed(d.name)
+            for cid in ended:
+                self._release(d, cid, cid in reclaimed)
+        state = self.ledger.state(d.name)
+        d.status, d.used = state.status, state.used
+        if state.status != "open":
+            if state.queued_chunks:
+                self.ledger.discard(d.name, "budget reached")
+        elif d.todo and state.queued_chunks < self.opt.queue_depth:
+            self._refill(d, max_chunks=self.opt.queue_depth - state.queued_chunks)
+        if (state.status != "open" or not d.todo) and not d.chunk_samples and not live \
+                and self.r.xlen(k.results) == 0:
+            d.failed = self.ledger.failed(d.name)
+            write_failed(self.opt.out_dir / d.name / FAILED, d.failed)
+            d.finished = True
+
+    def _release(self, d: DatasetRun, cid: str, reclaimed: bool) -> None:
+        for sid in d.chunk_samples.pop(cid, []):
+            if sid in d.done or sid in d.failed:
+                continue
+            if reclaimed:
+                d.reclaims[sid] = d.reclaims.get(sid, 0) + 1
+                if d.reclaims[sid] >= MAX_RECLAIMS:
+                    reason = {"id": sid, "reason": f"its chunk lost its worker {MAX_RECLAIMS} times", "status": None}
+                    if self.ledger.fail(d.name, sid, cid, reason):
+                        d.failed[sid] = reason
+                        continue
+            d.todo.append(sid)
+
+    def _reclaim_stale_queued(self, d: DatasetRun) -> set[str]:
+        """Queued chunks whose RQ job is gone or ended without starting the chunk."""
+        k = keys.DatasetKeys(d.name)
+        queued = [x.decode() for x in self.r.zrangebyscore(k.chunks, "+inf", "+inf")]
+        if not queued:
+            return set()
+        with self.r.pipeline(transaction=False) as p:
+            for cid in queued:
+                p.hget(keys.rq_job_key(cid), "status")
+            statuses = p.execute()
+        now = time.monotonic()
+        stale = set()
+        for cid, status in zip(queued, statuses):
+            st = status.decode() if status else None
+            if st in (None, "failed", "finished", "stopped", "canceled"):
+                stale.add(cid)
+            elif st == "started":  # popped by a worker that has not started it: give it three leases
+                first = d.queued_seen.setdefault(cid, now)
+                if now - first > 3 * 20:
+                    stale.add(cid)
+        for cid in stale:
+            d.queued_seen.pop(cid, None)
+            self.r.zrem(k.chunks, cid)
+        return stale
+
+    def _refill(self, d: DatasetRun, max_chunks: int = 0, everything: bool = False) -> None:
+        size = self.opt.chunk_size
+        chunks: list[list[Item]] = []
+        p = d.prepared
+        while d.todo and (everything or len(chunks) < max_chunks):
+            ids = [d.todo.popleft() for _ in range(min(size, len(d.todo)))]
+            chunks.append([Item(sid, p.input_ids[sid].tolist(), p.opens_think[sid]) for sid in ids])
+        if not chunks:
+            return
+        cids = enqueue_chunks(self.r, self.queue, d.name, chunks, sampling_params=self.opt.sampling_params,
+                              think=self.opt.think, settings=self.opt.job)
+        for cid, items in zip(cids, chunks):
+            d.chunk_samples[cid] = [it.id for it in items]
+            d.enqueued_samples += len(items)
+
+    # -- reporting -------------------------------------------------------------------------------------
+    def progress_line(self) -> str:
+        parts = []
+        now = time.monotonic()
+        for d in self.runs:
+            while d.rate and now - d.rate[0][0] > 60:
+                d.rate.popleft()
+            span = now - d.rate[0][0] if d.rate else 0.0
+            tps = sum(n for _, n in d.rate) / span if span > 1 else 0.0
+            budget = f"{d.used}/{d.budget}" if d.budget is not None else f"{d.used}/unlimited"
+            eta = ""
+            if tps > 0 and d.budget is not None and d.used < d.budget:
+                eta = f" eta {int((d.budget - d.used) / tps)}s"
+            state = "done" if d.finished else d.status
+            parts.append(f"{d.name}: {state} tokens {budget} samples {len(d.done)}/{len(d.prepared.samples)} "
+                         f"{tps:.0f} tok/s{eta}")
+        return " | ".join(parts)
+
+    def summaries(self) -> list[DatasetSummary]:
+        out = []
+        for d in self.runs:
+            p = d.prepared
+            closed = d.status == "closed"
+            complete = all(s.id in d.done or s.id in d.failed for s in p.samples)
+            status = "complete" if complete else ("budget reached" if closed else
+                                                  ("running (detached)" if d.chunk_samples else "incomplete"))
+            not_run = sum(1 for s in p.samples if s.id not in d.done and s.id not in d.failed)
+            out.append(DatasetSummary(
+                name=d.name, status=status, done=len(d.done), selected=len(p.samples), tokens=d.used,
+                budget=d.budget, failed=d.failed, not_run=not_run, invalid=len(p.invalid),
+                duplicates=len(p.duplicates), over_context=len(p.over_context),
+                output=self.opt.out_dir / d.name / RESULTS))
+        return out
+
+    def release(self) -> None:
+        for d in self.runs:
+            try:
+                self.ledger.release_lock(keys.DatasetKeys(d.name).collector, d.lock_token)
+            except redis.RedisError:
+                pass  # it expires by itself
+            d.out.close()
