@@ -94,6 +94,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         raise RenderError(f"tokenizer directory not found: {directory}")
     # Best effort for whatever imports transformers after us; local_files_only below is the real guarantee.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found": we need no models
     from transformers import AutoTokenizer
 
     try:

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import pytest
 import redis
 
 from tests.redis_server import RedisServer
+
+if TYPE_CHECKING:
+    from sglang_sim.launch import SimProcess
+    from tests.procs import Workers
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +35,42 @@ def r(redis_url: str) -> Iterator["redis.Redis[bytes]"]:
     client: redis.Redis[bytes] = redis.Redis.from_url(redis_url)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from demo.tokenizer import build_tokenizer
+    return build_tokenizer(tmp_path_factory.mktemp("tok"), thinking="open")
+
+
+@pytest.fixture
+def sim_factory() -> Iterator[Callable[..., "SimProcess"]]:
+    from sglang_sim.launch import SimProcess
+    started: list[SimProcess] = []
+
+    def start(*args: str) -> SimProcess:
+        sim = SimProcess(list(args))
+        sim.start()
+        started.append(sim)
+        return sim
+
+    yield start
+    for sim in started:
+        sim.stop()
+
+
+@pytest.fixture
+def workers(redis_url: str, tmp_path: Path) -> Iterator[Callable[[str], "Workers"]]:
+    from tests.procs import Workers
+    made: list[Workers] = []
+
+    def make(sim_url: str, **env: str) -> Workers:
+        logdir = tmp_path / "worker-logs"
+        logdir.mkdir(exist_ok=True)
+        w = Workers(redis_url, sim_url, logdir, env)
+        made.append(w)
+        return w
+
+    yield make  # type: ignore[misc]
+    for w in made:
+        w.stop_all()

@@ -1,0 +1,144 @@
+"""Bad input, bad budgets, missing files: a clear message naming file and line, exit 2, Redis untouched."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from producer.cli import main
+from tests.procs import produce_cmd
+
+GOOD = '{"id": 1, "prompt": "hello"}\n{"id": 2, "messages": [{"role": "user", "content": "hi"}]}\n'
+
+
+@pytest.fixture
+def seeded(r: "redis.Redis[Any]") -> "redis.Redis[Any]":
+    r.set("someone-elses-key", "x")  # a database that is not empty: exit 2 must leave it exactly so
+    return r
+
+
+def run(args: list[str], redis_url: str) -> Any:
+    return CliRunner().invoke(main, [*args, "--redis-url", redis_url], catch_exceptions=False)
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("bad_line, reason", [
+    ("{not json", "not valid JSON"),
+    ('{"id": 3}', 'no "messages", "prompt" or "conversations"'),
+    ('{"prompt": ""}', "prompt"),
+    ('{"messages": [{"role": "bot", "content": "x"}]}', "messages[0].role"),
+    ('[1, 2]', "not a JSON object"),
+])
+def test_bad_line_is_refused_with_file_and_line(tmp_path: Path, redis_url: str, seeded: Any, tokenizer_dir: Path,
+                                                bad_line: str, reason: str) -> None:
+    path = write(tmp_path, "ds.jsonl", GOOD + bad_line + "\n")
+    res = run([str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10"], redis_url)
+    assert res.exit_code == 2
+    assert f"{path}:3:" in res.output and reason in res.output
+    assert "Traceback" not in res.output
+    assert seeded.dbsize() == 1
+
+
+def test_skip_invalid_skips_and_reports(tmp_path: Path, redis_url: str, tokenizer_dir: Path) -> None:
+    path = write(tmp_path, "ds.jsonl", GOOD + "{oops\n")
+    res = run([str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10", "--skip-invalid",
+               "--detach", "--out", str(tmp_path / "out")], redis_url)
+    assert res.exit_code == 0, res.output
+    assert f"skipped {path}:3:" in res.output
+
+
+@pytest.mark.parametrize("budget", ["-1", "0.5", "NaN", "abc", "9223372036854775808", "1e6", "ds=", "nope=5"])
+def test_bad_budget_exit_2(tmp_path: Path, redis_url: str, seeded: Any, tokenizer_dir: Path, budget: str) -> None:
+    path = write(tmp_path, "ds.jsonl", GOOD)
+    res = run([str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10", "--budget", budget], redis_url)
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output
+    assert seeded.dbsize() == 1
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("missing.jsonl", "not found"),
+    ("bad.name=ds.jsonl", "bad.name"),
+    ("a:b=ds.jsonl", "a:b"),
+])
+def test_bad_file_arguments(tmp_path: Path, redis_url: str, seeded: Any, tokenizer_dir: Path, arg: str,
+                            message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    write(tmp_path, "ds.jsonl", GOOD)
+    monkeypatch.chdir(tmp_path)
+    res = run([arg, "--tokenizer", str(tokenizer_dir), "--max-tokens", "10"], redis_url)
+    assert res.exit_code == 2, res.output
+    assert message in res.output
+    assert seeded.dbsize() == 1
+
+
+def test_two_files_with_one_name(tmp_path: Path, redis_url: str, seeded: Any, tokenizer_dir: Path) -> None:
+    a = write(tmp_path, "ds.jsonl", GOOD)
+    (tmp_path / "b").mkdir()
+    b = write(tmp_path / "b", "ds.jsonl", GOOD)
+    res = run([str(a), str(b), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10"], redis_url)
+    assert res.exit_code == 2
+    assert seeded.dbsize() == 1
+
+
+def test_max_tokens_is_required(tmp_path: Path, redis_url: str, tokenizer_dir: Path) -> None:
+    path = write(tmp_path, "ds.jsonl", GOOD)
+    res = run([str(path), "--tokenizer", str(tokenizer_dir)], redis_url)
+    assert res.exit_code == 2
+    assert "--max-tokens" in res.output
+
+
+def test_over_context_prompts_are_skipped_not_sent(tmp_path: Path, redis_url: str, tokenizer_dir: Path) -> None:
+    long_prompt = "word " * 400
+    path = write(tmp_path, "ds.jsonl", GOOD + '{"id": "long", "prompt": "%s"}\n' % long_prompt)
+    res = run([str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "100", "--max-context", "300",
+               "--detach", "--out", str(tmp_path / "out")], redis_url)
+    assert res.exit_code == 0, res.output
+    assert f"{path}:3: prompt of" in res.output
+    assert "2 samples ready" in res.output
+
+
+def test_settings_change_refused_without_new_run(tmp_path: Path, redis_url: str, r: "redis.Redis[Any]",
+                                                 tokenizer_dir: Path) -> None:
+    path = write(tmp_path, "ds.jsonl", GOOD)
+    out = str(tmp_path / "out")
+    first = run([str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10", "--detach", "--out", out],
+                redis_url)
+    assert first.exit_code == 0, first.output
+    size = r.dbsize()
+    again = run([str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "20", "--detach", "--out", out],
+                redis_url)
+    assert again.exit_code == 2
+    assert "max_new_tokens: stored 10, now 20" in again.output and "--new-run" in again.output
+    assert r.dbsize() == size
+    fresh = run([str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "20", "--detach", "--out", out,
+                 "--new-run"], redis_url)
+    assert fresh.exit_code == 0, fresh.output
+
+
+def test_budget_zero_sends_nothing(tmp_path: Path, redis_url: str, r: "redis.Redis[Any]",
+                                   tokenizer_dir: Path) -> None:
+    path = write(tmp_path, "ds.jsonl", GOOD)
+    res = run([str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10", "--budget", "0",
+               "--out", str(tmp_path / "out")], redis_url)
+    assert res.exit_code == 0, res.output
+    assert r.llen("rq:queue:budgetq") == 0
+    assert "budget reached" in res.output
+
+
+def test_redis_unreachable_is_exit_1_without_traceback(tmp_path: Path, tokenizer_dir: Path) -> None:
+    path = write(tmp_path, "ds.jsonl", GOOD)
+    res = subprocess.run([*produce_cmd(), str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10",
+                          "--redis-url", "redis://:s3cret@127.0.0.1:1/0"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 1
+    assert "cannot reach Redis" in res.stderr and "Traceback" not in res.stderr
+    assert "s3cret" not in res.stderr  # secrets never reach a log

@@ -1,0 +1,182 @@
+"""End to end on real parts: produce (CLI subprocess) -> Redis -> rq worker subprocesses -> sglang-sim over HTTP."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from budget import keys
+from tests.procs import produce_cmd, read_jsonl, sim_stats, wait_for
+
+DATA = Path(__file__).resolve().parent.parent / "demo" / "data"
+GLAIVE = DATA / "glaive_fc.jsonl"  # 120 samples
+CODE = DATA / "code_instruct.jsonl"  # 150 samples
+TRACES = DATA / "agent_traces.jsonl"  # 80 samples
+
+
+def produce(args: list[str], redis_url: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*produce_cmd(), *args, "--redis-url", redis_url], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def check_exact(r: "redis.Redis[Any]", out: Path, name: str) -> list[dict[str, Any]]:
+    """The promise: no id twice, and the counter equals Sum(completion_tokens) in the file."""
+    recs = read_jsonl(out / name / "raw_responses.jsonl")
+    ids = [x["id"] for x in recs]
+    assert len(ids) == len(set(ids)), f"{name}: duplicate ids in the output"
+    used = int(r.get(keys.DatasetKeys(name).used) or 0)
+    assert used == sum(x["completion_tokens"] for x in recs), f"{name}: counter drift"
+    assert r.hlen(keys.DatasetKeys(name).done) == len(recs)
+    return recs
+
+
+def test_budget_hit_and_unbudgeted_complete(redis_url: str, r: "redis.Redis[Any]", tokenizer_dir: Path,
+                                            tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    sim = sim_factory("--time-scale", "20", "--mean-tokens", "300", "--seed", "1")
+    pool = workers(sim.url, BUDGETQ_CONCURRENCY="8")
+    for i in range(3):
+        pool.start(f"w{i}")
+    out = tmp_path / "out"
+    budget = 15_000
+    res = produce([str(GLAIVE), str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "1024",
+                   "--budget", f"code_instruct={budget}", "--chunk-size", "8", "--queue-depth", "4",
+                   "--out", str(out)], redis_url)
+    assert res.returncode == 0, res.stderr
+    assert "budget reached" in res.stdout and "complete" in res.stdout
+
+    code = check_exact(r, out, "code_instruct")
+    total = sum(x["completion_tokens"] for x in code)
+    assert total >= budget
+    # File order is commit order. Everything committed after the crossing commit was already in flight when
+    # the dataset closed: at most 3 workers x 8 requests.
+    running = 0
+    crossing = next(i for i, x in enumerate(code) if (running := running + x["completion_tokens"]) >= budget)
+    assert len(code) - crossing - 1 <= 3 * 8
+    assert len(code) < 150, "the budget should have stopped the dataset early"
+
+    glaive = check_exact(r, out, "glaive_fc")
+    assert sorted(x["id"] for x in glaive) == sorted({str(x["id"]) for x in read_jsonl(GLAIVE)})
+    assert all(x["finish_reason"] in ("stop", "length") for x in glaive + code)
+    assert all(x["messages"] and x["sampling_params"]["max_new_tokens"] == 1024 for x in glaive)
+
+    # Every response the simulator produced is in a file (no faults: nothing was retried or aborted).
+    stats = sim_stats(sim.url)
+    assert stats["completed"] == len(code) + len(glaive)
+    assert stats["aborted"] == 0
+    # Nothing of the closed dataset is left in the queue or live.
+    assert not [j for j in r.lrange(keys.RQ_QUEUE, 0, -1) if b"code_instruct" in j]
+    assert r.zcard(keys.DatasetKeys("code_instruct").chunks) == 0
+
+    # Running produce again on the finished run enqueues and sends nothing, and changes no file.
+    before = {p: p.read_bytes() for p in out.rglob("raw_responses.jsonl")}
+    again = produce([str(GLAIVE), str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "1024",
+                     "--out", str(out)], redis_url)
+    assert again.returncode == 0, again.stderr
+    assert sim_stats(sim.url)["submitted"] == stats["submitted"]
+    assert r.llen(keys.RQ_QUEUE) == 0
+    assert {p: p.read_bytes() for p in out.rglob("raw_responses.jsonl")} == before
+
+
+def test_reasoning_split_from_open_think_prompt(redis_url: str, r: "redis.Redis[Any]", tokenizer_dir: Path,
+                                                tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    # The template ends the prompt with "<think>\n": the output holds only "reasoning</think>answer".
+    sim = sim_factory("--time-scale", "50", "--mean-tokens", "120", "--max-running", "64")
+    workers(sim.url).start("w0")
+    out = tmp_path / "out"
+    res = produce([str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "200", "--out", str(out),
+                   "--max-samples", "30"], redis_url)
+    assert res.returncode == 0, res.stderr
+    recs = check_exact(r, out, "agent_traces")
+    assert len(recs) == 30
+    for x in recs:
+        if x["finish_reason"] == "stop":
+            assert x["reasoning"] and x["content"] and not x["reasoning_truncated"]
+            assert x["response"].startswith(x["reasoning"].split()[0])
+        elif "</think>" not in x["response"]:
+            assert x["reasoning_truncated"] and x["reasoning"] and x["content"] == ""
+        assert x["messages"][-1]["role"] != "assistant"  # the old answer was dropped
+
+
+def test_kill9_worker_mid_run_exactly_once(redis_url: str, r: "redis.Redis[Any]", tokenizer_dir: Path,
+                                           tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    # Slow enough that chunks are mid-flight when the worker dies: ~3 s per request.
+    sim = sim_factory("--tokens-per-second-per-request", "100", "--mean-tokens", "300", "--seed", "3")
+    pool = workers(sim.url, BUDGETQ_CONCURRENCY="16")
+    victim = pool.start("victim")
+    pool.start("steady")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*produce_cmd(), str(GLAIVE), "--tokenizer", str(tokenizer_dir), "--max-tokens",
+                             "2048", "--chunk-size", "16", "--queue-depth", "2", "--out", str(out),
+                             "--redis-url", redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = out / "glaive_fc" / "raw_responses.jsonl"
+    try:
+        wait_for(lambda: len(read_jsonl(results)) >= 10, 60, "first results")
+        wait_for(lambda: r.zcount(keys.DatasetKeys("glaive_fc").chunks, "-inf", "(inf") >= 2, 30,
+                 "both workers running a chunk")
+        os.kill(victim.pid, signal.SIGKILL)  # no horse: worker.Worker runs jobs in-process
+        victim.wait()
+        pool.start("replacement")
+        stdout, stderr = proc.communicate(timeout=120)  # the run finishes within 2 minutes of the kill
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "lost its worker" in stderr
+    recs = check_exact(r, out, "glaive_fc")
+    assert sorted(x["id"] for x in recs) == sorted({str(x["id"]) for x in read_jsonl(GLAIVE)})
+    stats = sim_stats(sim.url)
+    # Only the killed worker's in-flight requests were redone (the simulator aborted them on disconnect).
+    assert stats["completed"] == len(recs)
+    assert 0 < stats["aborted"] <= 16
+
+
+def test_produce_kill9_and_rerun_resumes(redis_url: str, r: "redis.Redis[Any]", tokenizer_dir: Path,
+                                         tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    sim = sim_factory("--tokens-per-second-per-request", "200", "--mean-tokens", "200", "--seed", "4")
+    pool = workers(sim.url, BUDGETQ_CONCURRENCY="16")
+    pool.start("w0")
+    pool.start("w1")
+    out = tmp_path / "out"
+    args = [str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "1024", "--chunk-size", "10",
+            "--queue-depth", "2", "--budget", "20k", "--out", str(out), "--redis-url", redis_url]
+    proc = subprocess.Popen([*produce_cmd(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    results = out / "code_instruct" / "raw_responses.jsonl"
+    wait_for(lambda: len(read_jsonl(results)) >= 15, 60, "first results")
+    proc.kill()
+    proc.wait()
+    # Simulate a crash mid-write too: a torn last line is cut before anything is appended.
+    with open(results, "ab") as fh:
+        fh.write(b'{"id": "torn", "completion_tok')
+    res = subprocess.run([*produce_cmd(), *args], capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert "torn last line" in res.stderr
+    recs = check_exact(r, out, "code_instruct")
+    assert sum(x["completion_tokens"] for x in recs) >= 20_000
+    assert sim_stats(sim.url)["completed"] == len(recs)
+
+
+def test_resume_counts_existing_file_on_a_fresh_redis(redis_url: str, r: "redis.Redis[Any]", tokenizer_dir: Path,
+                                                      tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    """The seed's case: a run that already made 6.4M of 10M resumes and makes only what is missing."""
+    sim = sim_factory("--time-scale", "50", "--mean-tokens", "200", "--seed", "5")
+    workers(sim.url, BUDGETQ_CONCURRENCY="8").start("w0")
+    out = tmp_path / "out"
+    base = [str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "1024", "--chunk-size", "8",
+            "--out", str(out)]
+    first = produce([*base, "--max-samples", "40"], redis_url)
+    assert first.returncode == 0, first.stderr
+    made = read_jsonl(out / "code_instruct" / "raw_responses.jsonl")
+    assert len(made) == 40
+    r.flushall()  # Redis lost everything; the output file is the truth
+    before = sim_stats(sim.url)["completed"]
+    second = produce([*base, "--max-samples", "60"], redis_url)
+    assert second.returncode == 0, second.stderr
+    assert "counted 40 responses" in second.stderr
+    recs = check_exact(r, out, "code_instruct")
+    assert len(recs) == 60
+    assert sim_stats(sim.url)["completed"] - before == 20

@@ -1,0 +1,492 @@
+"""The SGLang simulator honours reference/sglang-generate.md and models a GPU batch cheaply.
+
+Servers run in-process on a free loopback port (sglang_sim.serve), except one test that starts the
+real console script. Waiting for a server-side state (a request now running, an abort booked) polls
+the engine's counters under a deadline: the simulator exposes no event for those.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import statistics
+import time
+from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from sglang_sim import SimConfig, SimProcess, serve
+from sglang_sim.config import THINK_CLOSE_ID, THINK_OPEN_ID, from_argv
+from sglang_sim.engine import Engine
+from sglang_sim.prefix_cache import PrefixCache
+from sglang_sim.server import STATE, SimServer, make_app
+from sglang_sim.textgen import Lexicon, OutputPlan, render
+
+pytestmark = pytest.mark.timeout(20)
+
+T = TypeVar("T")
+FAST = SimConfig(time_scale=1000.0)  # 300-token answers in well under a millisecond of compute
+SLOW = SimConfig(length_dist="fixed", mean_tokens=20000, tokens_per_second_per_request=1000)  # ~20 s each
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+@contextlib.asynccontextmanager
+async def sim_and_client(cfg: SimConfig) -> AsyncIterator[tuple[SimServer, aiohttp.ClientSession]]:
+    async with serve(cfg, port=0) as sim, aiohttp.ClientSession(base_url=sim.url) as client:
+        yield sim, client
+
+
+async def post(client: aiohttp.ClientSession, path: str, body: object) -> tuple[int, Any]:
+    async with client.post(path, json=body) as resp:
+        data = await resp.json() if resp.content_type == "application/json" else await resp.text()
+        return resp.status, data
+
+
+async def until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.002)
+
+
+def gen_body(n_prompt: int = 20, **sampling: Any) -> dict[str, Any]:
+    return {"input_ids": list(range(10, 10 + n_prompt)), "sampling_params": sampling}
+
+
+# -- the response contract --------------------------------------------------------------------
+
+
+def check_invariants(out: dict[str, Any], max_new: int, eos: int = 2) -> str:
+    meta = out["meta_info"]
+    ids, text, finish = out["output_ids"], out["text"], meta["finish_reason"]
+    assert meta["completion_tokens"] == len(ids)
+    assert set(meta) >= {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency"}
+    if finish["type"] == "stop":
+        assert finish == {"type": "stop", "matched": eos}
+        assert ids[-1] == eos and eos not in ids[:-1]
+        assert len(ids) < max_new
+        # one pseudo-word (or marker) per token; the EOS has no text
+        assert len(text.split()) == len(ids) - 1
+    else:
+        assert finish == {"type": "length", "length": max_new}
+        assert len(ids) == max_new and eos not in ids
+        assert len(text.split()) == len(ids)
+    return str(finish["type"])
+
+
+def test_stop_and_length_invariants() -> None:
+    async def go() -> None:
+        async with sim_and_client(FAST) as (_, client):
+            outs = await asyncio.gather(*(post(client, "/generate", gen_body(max_new_tokens=300)) for _ in range(60)))
+        kinds = set()
+        for status, out in outs:
+            assert status == 200
+            kind = check_invariants(out, 300)
+            kinds.add(kind)
+            if kind == "stop":  # default style "open": the reasoning is closed, never opened
+                assert "</think>" in out["text"] and "<think>" not in out["text"]
+                assert THINK_CLOSE_ID in out["output_ids"] and THINK_OPEN_ID not in out["output_ids"]
+        assert kinds == {"stop", "length"}
+
+    run(go())
+
+
+def test_length_cut_inside_reasoning_has_no_close_tag() -> None:
+    async def go() -> None:
+        async with sim_and_client(FAST.replace(length_dist="fixed", mean_tokens=500)) as (_, client):
+            status, out = await post(client, "/generate", gen_body(max_new_tokens=10))
+        assert status == 200 and check_invariants(out, 10) == "length"
+        assert "</think>" not in out["text"]
+
+    run(go())
+
+
+def test_default_max_new_tokens_is_128() -> None:
+    async def go() -> None:
+        async with sim_and_client(FAST.replace(length_dist="fixed", mean_tokens=1000)) as (_, client):
+            status, out = await post(client, "/generate", {"text": "hello there"})
+        assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 128}
+        assert out["meta_info"]["prompt_tokens"] == 2
+
+    run(go())
+
+
+@pytest.mark.parametrize("style", ["open", "full", "none"])
+def test_reasoning_styles(style: str) -> None:
+    cfg = FAST.replace(length_dist="fixed", mean_tokens=50, reasoning_style=style)
+
+    async def go() -> None:
+        async with sim_and_client(cfg) as (_, client):
+            status, out = await post(client, "/generate", gen_body(max_new_tokens=100))
+        assert status == 200 and check_invariants(out, 100) == "stop"
+        text, ids = out["text"], out["output_ids"]
+        assert text.startswith("<think>\n") == (style == "full")
+        assert ("\n</think>\n\n" in text) == (style != "none")
+        if style == "full":
+            assert ids[0] == THINK_OPEN_ID
+        if style != "none":
+            reasoning, answer = text.split("</think>")
+            assert len(reasoning.split()) - (style == "full") == round(0.6 * (49 - (2 if style == "full" else 1)))
+
+    run(go())
+
+
+def test_render_every_prefix_is_consistent() -> None:
+    lex = Lexicon(0)
+    plan = OutputPlan(natural_len=30, reasoning_words=17, offset=32760, style="full")  # wraps the stream
+    full_text, full_ids = render(lex, plan, 29, 2)
+    for n in range(30):
+        text, ids = render(lex, plan, n, None)
+        assert len(ids) == n and ids == full_ids[:n]
+        assert len(text.split()) == n
+        assert full_text.startswith(text.rstrip())
+
+
+def test_ignore_eos_and_min_new_tokens() -> None:
+    async def go() -> None:
+        async with sim_and_client(FAST.replace(length_dist="fixed", mean_tokens=5)) as (_, client):
+            _, out = await post(client, "/generate", gen_body(max_new_tokens=40, ignore_eos=True))
+            assert check_invariants(out, 40) == "length"
+            _, out = await post(client, "/generate", gen_body(max_new_tokens=40, min_new_tokens=20))
+            assert check_invariants(out, 40) == "stop" and len(out["output_ids"]) == 21
+
+    run(go())
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+EITHER = "Either text, input_ids or input_embeds should be provided."
+
+
+def value_err(fragment: str) -> Callable[[Any], bool]:
+    return lambda body: isinstance(body["error"], dict) and fragment in body["error"]["message"]
+
+
+def contract_err(body: Any) -> bool:
+    return isinstance(body["error"], str)
+
+
+def type_err(body: Any) -> bool:
+    return body["object"] == "error" and body["type"] == "Bad Request" and body["code"] == 400 and "param" in body
+
+
+@pytest.mark.parametrize(
+    "body,check",
+    [
+        ({"sampling_params": {}}, value_err(EITHER)),
+        ({"text": "a", "input_ids": [1]}, value_err(EITHER)),
+        ({"input_ids": []}, value_err("input_ids cannot be empty")),
+        ({"input_ids": [[1], [2]]}, value_err("batch not supported by simulator")),
+        ({"text": "a", "sampling_params": {"top_p": 0.0}}, lambda b: b == {"error": {"message": "top_p must be in (0, 1], got 0.0."}}),
+        ({"text": "a", "sampling_params": {"temperature": -0.5}}, value_err("temperature must be a non-negative")),
+        ({"text": "a", "sampling_params": {"top_k": 0}}, value_err("top_k must be -1")),
+        ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, value_err("max_new_tokens must be at least 0")),
+        ({"text": "a", "sampling_params": {"max_tokens": 5}}, contract_err),
+        ({"text": "a", "sampling_params": {"max_new_tokens": 1.5}}, type_err),
+        ({"text": "a", "sampling_params": {"temperature": "hot"}}, type_err),
+        ({"text": "a", "sampling_params": {"ignore_eos": "yes"}}, type_err),
+        ({"text": 5}, type_err),
+        ({"input_ids": ["a"]}, type_err),
+        ([1, 2], type_err),
+        ({"input_ids": [1] * 40000}, value_err("longer than the model's context length")),
+        ({"input_ids": [1] * 32000, "sampling_params": {"max_new_tokens": 768}}, value_err("context length")),
+        ({"text": "a", "stream": True}, value_err("stream not supported by sglang-sim")),
+    ],
+)
+def test_error_shapes(body: object, check: Callable[[Any], bool]) -> None:
+    async def go() -> None:
+        async with sim_and_client(FAST) as (sim, client):
+            status, out = await post(client, "/generate", body)
+            assert status == 400 and check(out), out
+            assert sim.engine.stats().submitted == 0
+
+    run(go())
+
+
+def test_invalid_json_is_a_type_error() -> None:
+    async def go() -> None:
+        async with sim_and_client(FAST) as (_, client):
+            async with client.post("/generate", data=b"{nope", headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 400 and type_err(await r.json())
+
+    run(go())
+
+
+def test_duplicate_rid_while_in_flight_then_reusable() -> None:
+    async def go() -> None:
+        async with sim_and_client(SLOW) as (sim, client):
+            first = asyncio.create_task(post(client, "/generate", {**gen_body(max_new_tokens=30000), "rid": "dup"}))
+            await until(lambda: sim.engine.stats().running == 1)
+            status, out = await post(client, "/generate", {**gen_body(), "rid": "dup"})
+            assert status == 400 and "Duplicate request ID detected" in out["error"]["message"]
+            await post(client, "/abort_request", {"rid": "dup"})
+            status, out = await first
+            assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
+            status, out = await post(client, "/generate", {**gen_body(max_new_tokens=0), "rid": "dup"})
+            assert status == 200 and out["meta_info"]["id"] == "dup"
+
+    run(go())
+
+
+def test_api_key() -> None:
+    async def go() -> None:
+        async with sim_and_client(FAST.replace(api_key="sekrit")) as (sim, client):
+            async with client.post("/generate", json={"text": "a"}) as r:
+                assert r.status == 401
+            async with client.post("/generate", json={"text": "a"}, headers={"Authorization": "Bearer sekrit"}) as r:
+                assert r.status == 200
+            async with client.get("/health") as r:
+                assert r.status == 200
+            async with client.get("/get_server_info", headers={"Authorization": "Bearer sekrit"}) as r:
+                assert (await r.json())["api_key"] == "***"
+
+    run(go())
+
+
+# -- the speed model ---------------------------------------------------------------------------
+
+
+def test_latency_grows_with_load() -> None:
+    # 200 tokens at 1000 tok/s = 0.2 simulated s; time_scale 5 -> 40 ms on the wall for a lone request.
+    # 16 requests (4x saturation) share 4 x 1000 tok/s: each ends after 0.8 simulated s.
+    cfg = SimConfig(length_dist="fixed", mean_tokens=200, saturation_batch=4, time_scale=5.0)
+
+    async def go() -> None:
+        async with sim_and_client(cfg) as (sim, client):
+            _, alone = await post(client, "/generate", gen_body(max_new_tokens=500))
+            loaded = await asyncio.gather(*(post(client, "/generate", gen_body(max_new_tokens=500)) for _ in range(16)))
+            stats = sim.engine.stats()
+        single = alone["meta_info"]["e2e_latency"]
+        mean_loaded = statistics.mean(out["meta_info"]["e2e_latency"] for _, out in loaded)
+        assert 0.035 < single < 0.2
+        assert mean_loaded > 2.5 * single
+        assert stats.completed == 17 and stats.completion_tokens_total == 17 * 200
+        assert stats.running_integral / stats.uptime > 1.0  # occupancy is visible to a benchmark
+
+    run(go())
+
+
+def test_engine_shares_throughput_exactly() -> None:
+    # saturation 1: the batch makes 1000 x 5 = 5000 tok/s on the wall, split between whoever decodes.
+    # A (100 tokens) and B (300) share it: A ends at 200/5000 = 40 ms; B then runs alone, ending at 80 ms.
+    async def go() -> None:
+        engine = Engine(SimConfig(saturation_batch=1, time_scale=5.0), PrefixCache(16, 0))
+        t0 = time.monotonic()
+        a, b = engine.submit(engine.next_seq(), [1], 100), engine.submit(engine.next_seq(), [1], 300)
+        assert (await a.future).generated == 100
+        ta = time.monotonic() - t0
+        assert (await b.future).generated == 300
+        tb = time.monotonic() - t0
+        assert 0.039 < ta < 0.055 and 0.079 < tb < 0.1
+        stats = engine.stats()
+        assert stats.completed == 2 and abs(stats.decoding_integral - (2 * ta + (tb - ta))) < 0.01
+
+    run(go())
+
+
+def test_fifo_queue_beyond_max_running() -> None:
+    cfg = SimConfig(length_dist="fixed", mean_tokens=100, max_running=2, time_scale=2.0)  # 50 ms per wave
+
+    async def go() -> None:
+        async with sim_and_client(cfg) as (sim, client):
+            tasks = [asyncio.create_task(post(client, "/generate", gen_body())) for _ in range(6)]
+            await until(lambda: sim.engine.stats().submitted == 6)
+            stats = sim.engine.stats()
+            assert stats.running == 2 and stats.queued <= 4
+            async with client.get("/metrics") as r:
+                text = await r.text()
+            assert 'sglang:num_running_reqs{model_name="sglang-sim"} 2.0' in text and "sglang:num_queue_reqs" in text
+            latencies = sorted(out["meta_info"]["e2e_latency"] for _, out in await asyncio.gather(*tasks))
+        assert latencies[-1] > 2.5 * latencies[0]  # the last pair waited for two waves
+
+    run(go())
+
+
+def test_prefill_time_and_prefix_cache() -> None:
+    # 2000 uncached tokens at 10k tok/s = 0.2 simulated s = 50 ms wall; the repeat is mostly cached.
+    cfg = SimConfig(length_dist="fixed", mean_tokens=1, prefill_tokens_per_second=10000, time_scale=4.0)
+
+    async def go() -> None:
+        async with sim_and_client(cfg) as (_, client):
+            _, first = await post(client, "/generate", gen_body(n_prompt=2000))
+            _, again = await post(client, "/generate", gen_body(n_prompt=2000))
+            async with client.post("/flush_cache") as r:
+                assert r.status == 200
+            _, flushed = await post(client, "/generate", gen_body(n_prompt=2000))
+        assert first["meta_info"]["cached_tokens"] == 0 and first["meta_info"]["e2e_latency"] > 0.045
+        assert 1984 <= again["meta_info"]["cached_tokens"] <= 1999
+        assert again["meta_info"]["e2e_latency"] < first["meta_info"]["e2e_latency"] / 2
+        assert flushed["meta_info"]["cached_tokens"] == 0
+
+    run(go())
+
+
+def test_prefix_cache_unit() -> None:
+    cache = PrefixCache(page_size=4, capacity_pages=3)
+    assert cache.match_and_insert(list(range(10))) == 0
+    assert cache.match_and_insert(list(range(10))) == 8
+    assert cache.match_and_insert(list(range(8))) == 7  # never the whole prompt
+    assert cache.match_and_insert([0, 1, 2, 3, 9, 9, 9, 9]) == 4
+    assert len(cache) == 3  # LRU bound
+
+
+def test_zero_latency() -> None:
+    async def go() -> None:
+        async with sim_and_client(SLOW.replace(zero_latency=True)) as (_, client):
+            t0 = time.monotonic()
+            _, out = await post(client, "/generate", gen_body(max_new_tokens=30000))
+            assert time.monotonic() - t0 < 1.0
+            assert check_invariants(out, 30000) == "stop" and len(out["output_ids"]) == 20000
+
+    run(go())
+
+
+# -- aborts ------------------------------------------------------------------------------------
+
+
+def test_client_disconnect_aborts_and_frees_rid() -> None:
+    async def go() -> None:
+        async with sim_and_client(SLOW) as (sim, client):
+            async with aiohttp.ClientSession(base_url=sim.url) as leaving:
+                gone = asyncio.create_task(post(leaving, "/generate", {**gen_body(max_new_tokens=30000), "rid": "gone"}))
+                await until(lambda: sim.engine.stats().running == 1)
+                gone.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await gone
+            await until(lambda: sim.engine.stats().aborted == 1)
+            assert sim.engine.stats().running == 0
+            status, _ = await post(client, "/generate", {**gen_body(max_new_tokens=0), "rid": "gone"})
+            assert status == 200
+
+    run(go())
+
+
+def test_disconnect_sweep_without_handler_cancellation() -> None:
+    async def go() -> None:
+        runner = web.AppRunner(make_app(SLOW.replace(disconnect_check_interval=0.05)))  # no handler_cancellation
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        engine = runner.app[STATE].engine
+        try:
+            async with aiohttp.ClientSession(base_url=url) as leaving:
+                gone = asyncio.create_task(post(leaving, "/generate", gen_body(max_new_tokens=30000)))
+                await until(lambda: engine.stats().running == 1)
+                gone.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await gone
+            await until(lambda: engine.stats().aborted == 1)
+        finally:
+            await runner.cleanup()
+
+    run(go())
+
+
+def test_abort_request_prefix_semantics() -> None:
+    cfg = SLOW.replace(max_running=1)
+
+    async def go() -> None:
+        async with sim_and_client(cfg) as (sim, client):
+            def start(rid: str) -> asyncio.Task[tuple[int, Any]]:
+                return asyncio.create_task(post(client, "/generate", {**gen_body(max_new_tokens=30000), "rid": rid}))
+
+            running = start("job-1")
+            await until(lambda: sim.engine.stats().running == 1)
+            queued, other = start("job-10"), start("other")
+            await until(lambda: sim.engine.stats().queued == 2)
+            await asyncio.sleep(0.01)  # let job-1 decode a few tokens
+            # Like SGLang's tokenizer manager: a rid that is not itself in flight aborts nothing...
+            assert (await post(client, "/abort_request", {"rid": "job"}))[0] == 200
+            assert sim.engine.stats().aborted == 0
+            # ...an in-flight one aborts every rid it prefixes (the scheduler's startswith match).
+            assert (await post(client, "/abort_request", {"rid": "job-1", "abort_all": False}))[0] == 200
+            (s1, r1), (s2, r2) = await running, await queued
+            assert s1 == s2 == 200
+            f1, f2 = r1["meta_info"]["finish_reason"], r2["meta_info"]["finish_reason"]
+            assert f1["type"] == f2["type"] == "abort" and set(f1) == {"type", "message", "status_code", "err_type"}
+            assert f2["message"] == "Abort before prefill" and r2["output_ids"] == [] and r2["meta_info"]["prompt_tokens"] == 0
+            assert 0 < r1["meta_info"]["completion_tokens"] == len(r1["output_ids"]) < 30000
+            assert 2 not in r1["output_ids"]
+            assert not other.done()
+            await post(client, "/abort_request", {"rid": "", "abort_all": True})
+            _, r3 = await other
+            assert r3["meta_info"]["finish_reason"]["type"] == "abort"
+
+    run(go())
+
+
+# -- determinism -------------------------------------------------------------------------------
+
+
+async def _outputs(cfg: SimConfig, bodies: list[dict[str, Any]]) -> list[tuple[str, list[int]]]:
+    async with sim_and_client(cfg) as (_, client):
+        res = []
+        for body in bodies:
+            _, out = await post(client, "/generate", body)
+            res.append((out["text"], out["output_ids"]))
+        return res
+
+
+def test_determinism() -> None:
+    bodies = [gen_body(n_prompt=5 + i, max_new_tokens=400) for i in range(5)]
+    a = run(_outputs(FAST.replace(seed=7), bodies))
+    b = run(_outputs(FAST.replace(seed=7), bodies))
+    c = run(_outputs(FAST.replace(seed=8), bodies))
+    assert a == b and a != c
+    seeded = gen_body(max_new_tokens=400, sampling_seed=42)
+    greedy = gen_body(max_new_tokens=400, temperature=0)
+    d = run(_outputs(FAST, [seeded, bodies[0], seeded, greedy, bodies[1], greedy]))
+    assert d[0] == d[2] and d[3] == d[5] and d[0] != d[3]
+
+
+# -- other endpoints and the CLI ----------------------------------------------------------------
+
+
+def test_info_endpoints() -> None:
+    async def go() -> None:
+        async with sim_and_client(FAST) as (sim, client):
+            await post(client, "/generate", gen_body())
+            for path in ("/health", "/health_generate"):
+                async with client.get(path) as r:
+                    assert r.status == 200
+            async with client.get("/get_model_info") as r:
+                assert await r.json() == {"model_path": "sglang-sim", "tokenizer_path": None, "is_generation": True}
+            async with client.get("/get_server_info") as r:
+                info = await r.json()
+            assert info["version"] == "0.5.23-sim" and info["port"] == sim.port
+            assert info["internal_states"][0]["last_gen_throughput"] > 0
+            async with client.get("/sim/stats") as r:
+                stats = await r.json()
+            assert stats["completed"] == 1 and stats["running"] == 0 and stats["queued"] == 0
+            assert {"aborted", "completion_tokens_total", "running_integral", "uptime", "mean_running"} <= set(stats)
+
+    run(go())
+
+
+def test_cli_parsing() -> None:
+    cfg = from_argv(["--port", "1", "--no-reasoning", "--length-dist", "fixed", "--time-scale", "3"])
+    assert (cfg.port, cfg.reasoning_style, cfg.length_dist, cfg.time_scale) == (1, "none", "fixed", 3.0)
+    assert from_argv([]) == SimConfig()
+    with pytest.raises(SystemExit):
+        from_argv(["--time-scale", "0"])
+
+
+def test_console_script_subprocess() -> None:
+    script = shutil.which("sglang-sim")
+    assert script, "the package must be pip-installed (editable) so the console script exists"
+    with SimProcess(["--time-scale", "100"], command=[script]) as sim:
+
+        async def go() -> None:
+            async with aiohttp.ClientSession(base_url=sim.url) as client:
+                status, out = await post(client, "/generate", gen_body(max_new_tokens=50))
+                assert status == 200 and check_invariants(out, 50) in ("stop", "length")
+
+        run(go())
+        proc = sim.proc
+    assert proc is not None and proc.returncode == 0  # SIGTERM is a clean shutdown
