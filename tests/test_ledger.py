@@ -1,0 +1,136 @@
+"""The budget scripts on a real redis-server: exactly-once under races, close, discard, leases, reconcile."""
+from __future__ import annotations
+
+import json
+import threading
+import zlib
+import time
+from typing import Any
+
+import redis
+from rq import Queue
+from rq.job import Job
+from rq.registry import CanceledJobRegistry
+from rq.serializers import JSONSerializer
+
+from budget import keys
+from budget.ledger import Admit, Ledger
+from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+
+
+def enqueue(r: "redis.Redis[Any]", name: str, n_chunks: int, size: int = 2) -> list[str]:
+    chunks = [[Item(f"{name}-{c}-{i}", [1, 2, 3], False) for i in range(size)] for c in range(n_chunks)]
+    return enqueue_chunks(r, make_queue(r), name, chunks, sampling_params={"max_new_tokens": 8}, think=None,
+                          settings=JobSettings())
+
+
+def test_commit_counts_once_under_racing_threads(r: "redis.Redis[Any]", redis_url: str) -> None:
+    Ledger(r).set_budget("ds", None)
+    outcomes: list[bool] = []
+    lock = threading.Lock()
+
+    def commit_all() -> None:
+        ledger = Ledger(redis.Redis.from_url(redis_url))
+        for i in range(200):
+            ok = ledger.commit("ds", f"s{i}", 7, {"id": f"s{i}"}).committed
+            with lock:
+                outcomes.append(ok)
+
+    threads = [threading.Thread(target=commit_all) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes.count(True) == 200 and outcomes.count(False) == 600
+    k = keys.DatasetKeys("ds")
+    assert int(r.get(k.used) or 0) == 200 * 7
+    assert r.xlen(k.results) == 200
+
+
+def test_commit_closes_at_budget_once(r: "redis.Redis[Any]") -> None:
+    ledger = Ledger(r)
+    assert ledger.set_budget("ds", 20) == "open"
+    closes = [ledger.commit("ds", f"s{i}", 8, {}).closed_now for i in range(5)]
+    assert closes == [False, False, True, False, False]  # 8, 16, 24 >= 20 closes; later in-flight ones count
+    state = ledger.state("ds")
+    assert state.status == "closed" and state.used == 40
+
+
+def test_admit_refuses_closed_revoked_and_foreign_samples(r: "redis.Redis[Any]") -> None:
+    ledger = Ledger(r)
+    ledger.set_budget("ds", 10)
+    a, b = enqueue(r, "ds", 2)
+    assert ledger.start_chunk("ds", a) == "ok"
+    assert ledger.admit("ds", "ds-0-0", a) is Admit.START
+    assert ledger.admit("ds", "ds-1-0", a) is Admit.SKIP  # held by chunk b
+    ledger.commit("ds", "ds-0-0", 3, {})
+    assert ledger.admit("ds", "ds-0-0", a) is Admit.SKIP  # already committed
+    ledger.commit("ds", "ds-0-1", 30, {})
+    assert ledger.admit("ds", "ds-0-1", a) is Admit.CLOSED
+    assert ledger.start_chunk("ds", b) == "closed"
+
+
+def test_discard_removes_only_that_datasets_jobs_and_shows_them_canceled(r: "redis.Redis[Any]") -> None:
+    ledger = Ledger(r)
+    ledger.set_budget("a", 5)
+    ledger.set_budget("b", None)
+    ids_a = enqueue(r, "a", 3)
+    ids_b = enqueue(r, "b", 2)
+    assert ledger.discard("a", "budget reached") == 0  # still open: nothing to discard
+    ledger.commit("a", "x", 9, {})
+    assert ledger.discard("a", "budget reached") == 3
+    assert ledger.discard("a", "budget reached") == 0  # safe to repeat
+    assert [x.decode() for x in r.lrange(keys.RQ_QUEUE, 0, -1)] == ids_b
+    job = Job.fetch(ids_a[0], connection=r, serializer=JSONSerializer)
+    assert job.get_status() == "canceled" and "budget reached" in (job.description or "")
+    registry = CanceledJobRegistry(keys.QUEUE_NAME, connection=r, serializer=JSONSerializer)
+    assert sorted(registry.get_job_ids()) == sorted(ids_a)
+
+
+def test_discard_of_ten_thousand_chunks(r: "redis.Redis[Any]") -> None:
+    """Correctness at size (the timing target lives in bench/, not here)."""
+    ledger = Ledger(r)
+    ledger.set_budget("big", 1)
+    ledger.set_budget("other", None)
+    enqueue(r, "big", 10_000, size=1)
+    others = enqueue(r, "other", 5, size=1)
+    ledger.commit("big", "x", 1, {})
+    assert ledger.discard("big", "budget reached") == 10_000
+    assert r.llen(keys.RQ_QUEUE) == 5
+    assert [x.decode() for x in r.lrange(keys.RQ_QUEUE, 0, -1)] == others
+
+
+def test_lease_expiry_is_reclaimed_and_the_zombie_is_fenced(r: "redis.Redis[Any]") -> None:
+    ledger = Ledger(r)
+    ledger.set_budget("ds", None)
+    (cid,) = enqueue(r, "ds", 1)
+    assert ledger.start_chunk("ds", cid, lease_ms=50) == "ok"
+    assert ledger.reclaim("ds") == []
+    time.sleep(0.1)  # let the 50 ms lease lapse: the lease is Redis TIME, there is no event to wait on
+    assert ledger.reclaim("ds") == [cid]
+    assert ledger.refresh_chunk("ds", cid) is False  # the old worker learns it lost the chunk
+    assert ledger.admit("ds", "ds-0-0", cid) is Admit.REVOKED
+    assert ledger.commit("ds", "ds-0-1", 4, {}).committed  # an in-flight response still counts once
+
+
+def test_reconcile_and_uncommit(r: "redis.Redis[Any]") -> None:
+    ledger = Ledger(r)
+    ledger.set_budget("ds", 100)
+    ledger.commit("ds", "a", 10, {})
+    assert ledger.reconcile("ds", [("a", 10), ("b", 20), ("c", 80)]) == (2, 100)
+    state = ledger.state("ds")
+    assert state.used == 110 and state.status == "closed"
+    assert ledger.uncommit("ds", ["c", "zz"]) == (1, 80)
+    state = ledger.state("ds")
+    assert state.used == 30 and state.status == "open"
+
+
+def test_enqueue_batch_is_atomic_with_bookkeeping(r: "redis.Redis[Any]") -> None:
+    ids = enqueue(r, "ds", 3)
+    k = keys.DatasetKeys("ds")
+    assert r.zcard(k.chunks) == 3 and r.hlen(k.pending) == 6 and r.llen(keys.RQ_QUEUE) == 3
+    job = Queue(keys.QUEUE_NAME, connection=r, serializer=JSONSerializer).fetch_job(ids[0])
+    assert job is not None and job.func_name == "worker.jobs.run_chunk"
+    assert job.timeout == JobSettings().job_timeout and job.failure_ttl == JobSettings().failure_ttl
+    raw = zlib.decompress(r.hget(keys.rq_job_key(ids[0]), "data"))  # RQ zlib-compresses job data
+    assert json.loads(raw)[2][0]["samples"][0]["input_ids"] == [1, 2, 3]  # JSON on the wire, never pickle
