@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install what budgetq needs on a fresh machine: redis-server (Debian package, when missing) and the
+# project with its test extra. Safe to run again: it skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: installing redis-server with apt-get" >&2
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "bootstrap: redis-server is missing and apt-get is not available; install Redis >= 6.2" >&2
+    exit 1
+  fi
+fi
+
+PY="${PYTHON:-python3}"
+# Reinstall unless this very checkout is the one installed (an editable install of another clone would
+# otherwise be what the tests import).
+here="$(pwd -P)"
+if ! "$PY" -c "import sys, budget, pytest, hypothesis, pytest_timeout; sys.exit(not budget.__file__.startswith('$here/'))" \
+     >/dev/null 2>&1 || ! command -v produce >/dev/null 2>&1 || ! command -v rq >/dev/null 2>&1; then
+  echo "bootstrap: pip install -e '.[test]'" >&2
+  "$PY" -m pip install -q -e '.[test]'
+fi
