@@ -1,0 +1,160 @@
+"""The simulator's settings: one frozen dataclass, and the argparse front end that fills it.
+
+Every knob of the model lives here so the engine, the text generator and the HTTP layer receive one
+`SimConfig` as a parameter and read nothing from the environment.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Sequence, cast
+
+LengthDist = Literal["lognormal", "exponential", "fixed"]
+ReasoningStyle = Literal["open", "full", "none"]
+
+LENGTH_DISTS: tuple[LengthDist, ...] = ("lognormal", "exponential", "fixed")
+REASONING_STYLES: tuple[ReasoningStyle, ...] = ("open", "full", "none")
+
+# Token ids of the thinking markers, as in the Qwen3 vocabulary, so output_ids look like a real model's.
+THINK_OPEN_ID = 151667
+THINK_CLOSE_ID = 151668
+# Pseudo-words get ids from here upwards; small ids stay free for EOS/BOS-like specials.
+WORD_ID_BASE = 1000
+# How many distinct pseudo-words the lexicon holds (ids WORD_ID_BASE .. WORD_ID_BASE + LEXICON_SIZE - 1).
+LEXICON_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """All parameters of one simulated SGLang server. Defaults mirror a mid-size GPU deployment."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    # Contract
+    eos_id: int = 2
+    context_length: int = 32768
+    # Output lengths and text
+    seed: int = 0
+    length_dist: LengthDist = "lognormal"
+    mean_tokens: float = 300.0
+    sigma: float = 0.8
+    reasoning_style: ReasoningStyle = "open"
+    reasoning_fraction: float = 0.6
+    # Speed model (simulated seconds; all divided by time_scale on the wall clock)
+    tokens_per_second_per_request: float = 1000.0
+    saturation_batch: int = 64
+    max_running: int = 256
+    prefill_tokens_per_second: float = 0.0
+    time_scale: float = 1.0
+    zero_latency: bool = False
+    # Prefix cache: pages of `prefix_cache_page` tokens, at most `prefix_cache_pages` of them (0 = off)
+    prefix_cache_page: int = 16
+    prefix_cache_pages: int = 200_000
+    # How often (wall seconds) in-flight requests are checked for a vanished client, as a backstop to
+    # aiohttp's handler cancellation (SGLang itself checks about every 4 s).
+    disconnect_check_interval: float = 1.0
+
+    def __post_init__(self) -> None:
+        problems = validate(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def replace(self, **changes: object) -> "SimConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def validate(cfg: SimConfig) -> list[str]:
+    """Every reason `cfg` is unusable; empty when it is fine."""
+    problems = []
+    if cfg.length_dist not in LENGTH_DISTS:
+        problems.append(f"length_dist must be one of {LENGTH_DISTS}")
+    if cfg.reasoning_style not in REASONING_STYLES:
+        problems.append(f"reasoning_style must be one of {REASONING_STYLES}")
+    if not 0.0 <= cfg.reasoning_fraction <= 1.0:
+        problems.append("reasoning_fraction must be in [0, 1]")
+    if cfg.mean_tokens < 1:
+        problems.append("mean_tokens must be >= 1")
+    if cfg.sigma < 0:
+        problems.append("sigma must be >= 0")
+    if cfg.tokens_per_second_per_request <= 0:
+        problems.append("tokens_per_second_per_request must be > 0")
+    if cfg.saturation_batch < 1 or cfg.max_running < 1:
+        problems.append("saturation_batch and max_running must be >= 1")
+    if cfg.prefill_tokens_per_second < 0:
+        problems.append("prefill_tokens_per_second must be >= 0 (0 = free prefill)")
+    if cfg.time_scale <= 0:
+        problems.append("time_scale must be > 0")
+    if cfg.context_length < 2:
+        problems.append("context_length must be >= 2")
+    if cfg.prefix_cache_page < 1 or cfg.prefix_cache_pages < 0:
+        problems.append("prefix_cache_page must be >= 1 and prefix_cache_pages >= 0")
+    if cfg.disconnect_check_interval <= 0:
+        problems.append("disconnect_check_interval must be > 0")
+    if cfg.eos_id < 0 or cfg.eos_id in (THINK_OPEN_ID, THINK_CLOSE_ID) or (
+        WORD_ID_BASE <= cfg.eos_id < WORD_ID_BASE + LEXICON_SIZE
+    ):
+        problems.append(
+            f"eos_id must be >= 0 and outside the simulator's own ids ({WORD_ID_BASE}.."
+            f"{WORD_ID_BASE + LEXICON_SIZE - 1}, {THINK_OPEN_ID}, {THINK_CLOSE_ID})"
+        )
+    return problems
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `sglang-sim` command line; option names follow the SimConfig fields."""
+    d = SimConfig()
+    p = argparse.ArgumentParser(
+        prog="sglang-sim",
+        description="A CPU-cheap simulator of SGLang's native /generate HTTP API.",
+        epilog="Example: sglang-sim --port 30000 --time-scale 20 --mean-tokens 500",
+    )
+    p.add_argument("--host", default=d.host, help="bind address (default %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="TCP port, 0 = any free one (default %(default)s)")
+    p.add_argument("--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY' (like SGLang)")
+    p.add_argument("--eos-id", type=int, default=d.eos_id, help="token id ending a stopped output (default %(default)s)")
+    p.add_argument("--context-length", type=int, default=d.context_length, help="default %(default)s")
+    p.add_argument("--seed", type=int, default=d.seed, help="RNG seed for lengths and words (default %(default)s)")
+    p.add_argument("--length-dist", choices=LENGTH_DISTS, default=d.length_dist, help="default %(default)s")
+    p.add_argument("--mean-tokens", type=float, default=d.mean_tokens, help="mean natural output length (default %(default)s)")
+    p.add_argument("--sigma", type=float, default=d.sigma, help="lognormal shape (default %(default)s)")
+    p.add_argument("--reasoning", action=argparse.BooleanOptionalAction, default=True,
+                   help="emit a reasoning part closed by </think> (default on; --no-reasoning = style none)")
+    p.add_argument("--reasoning-style", choices=REASONING_STYLES, default=d.reasoning_style,
+                   help="open: 'r</think>a' (prompt ends with <think>), full: '<think>r</think>a', none (default %(default)s)")
+    p.add_argument("--reasoning-fraction", type=float, default=d.reasoning_fraction,
+                   help="share of output tokens spent reasoning (default %(default)s)")
+    p.add_argument("--tokens-per-second-per-request", type=float, default=d.tokens_per_second_per_request,
+                   help="decode speed of one request while the batch is below saturation (default %(default)s)")
+    p.add_argument("--saturation-batch", type=int, default=d.saturation_batch,
+                   help="running requests beyond which aggregate throughput stops growing (default %(default)s)")
+    p.add_argument("--max-running", type=int, default=d.max_running,
+                   help="requests decoded at once; more wait in a FIFO queue (default %(default)s)")
+    p.add_argument("--prefill-tokens-per-second", type=float, default=d.prefill_tokens_per_second,
+                   help="serial prefill speed for uncached prompt tokens, 0 = free (default %(default)s)")
+    p.add_argument("--time-scale", type=float, default=d.time_scale,
+                   help="divide every simulated duration by this (default %(default)s)")
+    p.add_argument("--zero-latency", action="store_true", help="answer at once (overhead benchmarks)")
+    p.add_argument("--prefix-cache-page", type=int, default=d.prefix_cache_page,
+                   help="prefix cache granularity in tokens (default %(default)s)")
+    p.add_argument("--prefix-cache-pages", type=int, default=d.prefix_cache_pages,
+                   help="prefix cache capacity in pages, 0 = no cache (default %(default)s)")
+    p.add_argument("--disconnect-check-interval", type=float, default=d.disconnect_check_interval,
+                   help="seconds between sweeps for vanished clients (default %(default)s)")
+    return p
+
+
+def from_argv(argv: Sequence[str] | None = None) -> SimConfig:
+    """Parse a command line into a SimConfig; bad values exit with argparse's usage error."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    style = cast(ReasoningStyle, ns.reasoning_style if ns.reasoning else "none")
+    fields = {f.name for f in dataclasses.fields(SimConfig)}
+    values = {k: v for k, v in vars(ns).items() if k in fields}
+    values["reasoning_style"] = style
+    try:
+        return SimConfig(**values)
+    except ValueError as e:
+        parser.error(str(e))

@@ -1,0 +1,100 @@
+"""JSON bodies the simulator sends back: /generate results, server info and Prometheus metrics.
+
+Kept apart from the routes so the contract invariants (completion_tokens == len(output_ids), EOS
+last on a stop and absent from the text, length == max_new_tokens on a length finish) live in one
+small function that tests can read next to reference/sglang-generate.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sglang_sim.config import SimConfig
+from sglang_sim.engine import EngineStats, Outcome
+from sglang_sim.textgen import Lexicon, OutputPlan, render
+
+VERSION = "0.5.23-sim"
+MODEL_PATH = "sglang-sim"
+# finish_reason messages as SGLang words them.
+ABORT_QUEUED_MESSAGE = "Abort before prefill"
+ABORT_RUNNING_MESSAGE = "Aborted by AbortReq."
+
+
+def generate_body(
+    lexicon: Lexicon,
+    cfg: SimConfig,
+    rid: str,
+    plan: OutputPlan,
+    stops: bool,
+    max_new_tokens: int,
+    prompt_tokens: int,
+    outcome: Outcome,
+    e2e_latency: float,
+) -> dict[str, Any]:
+    """The 200 body of one /generate request (finished or aborted)."""
+    finish: dict[str, Any]
+    if outcome.aborted:
+        message = ABORT_RUNNING_MESSAGE if outcome.started else ABORT_QUEUED_MESSAGE
+        finish = {"type": "abort", "message": message, "status_code": None, "err_type": None}
+        text, output_ids = render(lexicon, plan, outcome.generated, None)
+        if not outcome.started:
+            prompt_tokens = 0  # SGLang reports a request aborted in the queue with zero counts
+    elif stops:
+        finish = {"type": "stop", "matched": cfg.eos_id}
+        text, output_ids = render(lexicon, plan, plan.body_len(), cfg.eos_id)
+    else:
+        finish = {"type": "length", "length": max_new_tokens}
+        text, output_ids = render(lexicon, plan, max_new_tokens, None)
+    return {
+        "text": text,
+        "output_ids": output_ids,
+        "meta_info": {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(output_ids),
+            "cached_tokens": outcome.cached_tokens if outcome.started else 0,
+            "e2e_latency": e2e_latency,
+        },
+    }
+
+
+def server_info(cfg: SimConfig, stats: EngineStats) -> dict[str, Any]:
+    """/get_server_info: server args (api key masked), internal_states and version, as SGLang."""
+    args = dataclasses.asdict(cfg)
+    args["api_key"] = None if cfg.api_key is None else "***"
+    return {
+        **args,
+        "model_path": MODEL_PATH,
+        "tokenizer_path": None,
+        "max_running_requests": cfg.max_running,
+        "internal_states": [{"last_gen_throughput": stats.last_gen_throughput}],
+        "version": VERSION,
+    }
+
+
+def stats_body(cfg: SimConfig, stats: EngineStats) -> dict[str, Any]:
+    """/sim/stats: counters plus occupancy integrals for benchmarks."""
+    body = dataclasses.asdict(stats)
+    body["mean_running"] = stats.running_integral / stats.uptime if stats.uptime > 0 else 0.0
+    body["time_scale"] = cfg.time_scale
+    return body
+
+
+def metrics_text(stats: EngineStats) -> str:
+    """/metrics in Prometheus text format with SGLang's metric names."""
+    label = f'{{model_name="{MODEL_PATH}"}}'
+    rows = [
+        ("num_running_reqs", "gauge", "The number of running requests.", stats.running),
+        ("num_queue_reqs", "gauge", "The number of requests in the waiting queue.", stats.queued),
+        ("gen_throughput", "gauge", "The generation throughput (token/s).", stats.last_gen_throughput),
+        ("prompt_tokens_total", "counter", "Number of prefill tokens processed.", stats.prompt_tokens_total),
+        ("generation_tokens_total", "counter", "Number of generation tokens processed.", stats.completion_tokens_total),
+        ("cached_tokens_total", "counter", "Number of cached prompt tokens.", stats.cached_tokens_total),
+        ("num_requests_total", "counter", "Number of requests processed.", stats.completed + stats.aborted),
+        ("num_aborted_requests_total", "counter", "Number of requests aborted.", stats.aborted),
+    ]
+    lines: list[str] = []
+    for name, kind, help_text, value in rows:
+        lines += [f"# HELP sglang:{name} {help_text}", f"# TYPE sglang:{name} {kind}", f"sglang:{name}{label} {float(value)}"]
+    return "\n".join(lines) + "\n"

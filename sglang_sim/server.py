@@ -1,0 +1,258 @@
+"""The HTTP face of the simulator: SGLang's native routes on aiohttp.
+
+`make_app(cfg)` builds the application; `start_server(cfg)` runs it in the current event loop on a
+loopback port and returns a handle (what tests and the demo use in-process).
+
+Client disconnects abort the request, as SGLang does: with `handler_cancellation=True` (set by
+`start_server` and by the console script) aiohttp cancels the handler at once; a sweep every
+`disconnect_check_interval` seconds catches the same thing when the app runs under a runner
+without it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from sglang_sim.config import SimConfig
+from sglang_sim.engine import Engine, Job
+from sglang_sim.prefix_cache import PrefixCache
+from sglang_sim.responses import MODEL_PATH, generate_body, metrics_text, server_info, stats_body
+from sglang_sim.textgen import Lexicon, input_digest, lexicon_for, plan_output, request_rng
+from sglang_sim.validation import ApiError, parse_generate, type_error, value_error
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A /generate request the server is working on, keyed by rid."""
+
+    job: Job
+    request: web.Request
+
+
+@dataclass(eq=False)
+class SimState:
+    """Everything one simulated server owns; stored on the app, never global."""
+
+    cfg: SimConfig
+    engine: Engine
+    lexicon: Lexicon
+    inflight: dict[str, InFlight] = field(default_factory=dict)
+
+
+STATE: web.AppKey[SimState] = web.AppKey("sglang_sim_state", SimState)
+
+
+def _error(e: ApiError) -> web.Response:
+    return web.json_response(dict(e.body), status=e.status)
+
+
+async def _read_json(request: web.Request) -> object:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise type_error(f"JSON decode error: {e}") from None
+
+
+async def generate(request: web.Request) -> web.Response:
+    """POST /generate: validate, plan the output, wait for the engine, answer per the contract."""
+    st = request.app[STATE]
+    t0 = time.monotonic()
+    try:
+        spec = parse_generate(await _read_json(request), st.cfg)
+    except ApiError as e:
+        return _error(e)
+    rid = spec.rid if spec.rid is not None else uuid.uuid4().hex
+    if rid in st.inflight:
+        return _error(value_error(f"Duplicate request ID detected: {rid}"))
+    engine = st.engine
+    seq = engine.next_seq()
+    keyed = spec.sampling_seed is not None or spec.greedy
+    rng = request_rng(st.cfg, seq, input_digest(spec.raw_prompt) if keyed else "", spec.sampling_seed, spec.greedy)
+    plan = plan_output(st.cfg, rng, spec.min_new_tokens)
+    # SGLang checks the length limit before EOS, so an EOS drawn exactly at max_new_tokens is a length finish.
+    stops = not spec.ignore_eos and plan.natural_len < spec.max_new_tokens
+    job = engine.submit(seq, spec.prompt, plan.natural_len if stops else spec.max_new_tokens)
+    st.inflight[rid] = InFlight(job, request)
+    try:
+        outcome = await job.future
+    except asyncio.CancelledError:
+        engine.abort(job)  # the client went away: free the slot, as SGLang does
+        raise
+    finally:
+        if st.inflight.get(rid) is not None and st.inflight[rid].job is job:
+            del st.inflight[rid]
+    body = generate_body(
+        st.lexicon, st.cfg, rid, plan, stops, spec.max_new_tokens, len(spec.prompt), outcome, time.monotonic() - t0
+    )
+    return web.json_response(body)
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """POST /abort_request {"rid", "abort_all"}: SGLang semantics, 200 whatever happened.
+
+    As in SGLang's tokenizer manager, nothing happens unless `rid` is itself in flight (or
+    abort_all); then every in-flight rid starting with it is aborted (the scheduler's prefix match).
+    """
+    st = request.app[STATE]
+    try:
+        body = await _read_json(request)
+    except ApiError as e:
+        return _error(e)
+    if not isinstance(body, dict) or not isinstance(body.get("rid", ""), str):
+        return _error(type_error("rid: Input should be a valid string"))
+    rid: str = body.get("rid", "")
+    abort_all = bool(body.get("abort_all", False))
+    if abort_all or rid in st.inflight:
+        st.engine.abort_many([f.job for other, f in st.inflight.items() if abort_all or other.startswith(rid)])
+    return web.Response(status=200)
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health and /health_generate: always healthy once listening."""
+    return web.Response(status=200)
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    """GET /get_model_info."""
+    return web.json_response({"model_path": MODEL_PATH, "tokenizer_path": None, "is_generation": True})
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    """GET /get_server_info."""
+    st = request.app[STATE]
+    return web.json_response(server_info(st.cfg, st.engine.stats()))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics (Prometheus text)."""
+    return web.Response(text=metrics_text(request.app[STATE].engine.stats()), content_type="text/plain")
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """GET|POST /flush_cache: drops the prefix cache when idle (400 otherwise), like SGLang."""
+    ok = request.app[STATE].engine.flush_cache()
+    return web.Response(text="Cache flushed.\n" if ok else "Cache not flushed: requests pending.\n", status=200 if ok else 400)
+
+
+async def sim_stats(request: web.Request) -> web.Response:
+    """GET /sim/stats: simulator-only counters for benchmarks."""
+    st = request.app[STATE]
+    return web.json_response(stats_body(st.cfg, st.engine.stats()))
+
+
+def _auth_middleware(api_key: str) -> Middleware:
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        # SGLang leaves OPTIONS, /health* and /metrics* open.
+        if request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics")):
+            return await handler(request)
+        if request.headers.get("Authorization") != f"Bearer {api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return auth
+
+
+async def _disconnect_sweeper(app: web.Application) -> AsyncIterator[None]:
+    st = app[STATE]
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(st.cfg.disconnect_check_interval)
+            gone = []
+            for f in st.inflight.values():
+                transport = f.request.transport
+                if transport is None or transport.is_closing():
+                    gone.append(f.job)
+            if gone:
+                st.engine.abort_many(gone)
+
+    task = asyncio.create_task(sweep())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    app[STATE].engine.close()  # ends every in-flight handler so shutdown does not wait for them
+
+
+def make_app(cfg: SimConfig) -> web.Application:
+    """A ready aiohttp application simulating one SGLang server. Run it with handler_cancellation=True."""
+    middlewares = [_auth_middleware(cfg.api_key)] if cfg.api_key else []
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    cache = PrefixCache(cfg.prefix_cache_page, cfg.prefix_cache_pages)
+    app[STATE] = SimState(cfg=cfg, engine=Engine(cfg, cache), lexicon=lexicon_for(cfg.seed))
+    app.router.add_route("POST", "/generate", generate)
+    app.router.add_route("PUT", "/generate", generate)
+    app.router.add_post("/abort_request", abort_request)
+    for path in ("/health", "/health_generate"):
+        app.router.add_get(path, health)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_get("/sim/stats", sim_stats)
+    app.cleanup_ctx.append(_disconnect_sweeper)
+    app.on_shutdown.append(_on_shutdown)
+    return app
+
+
+@dataclass
+class SimServer:
+    """A simulator running in this process's event loop (see start_server)."""
+
+    app: web.Application
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. http://127.0.0.1:30000."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def engine(self) -> Engine:
+        """The engine, for stats in tests."""
+        return self.app[STATE].engine
+
+    async def stop(self) -> None:
+        """Abort what is in flight and close the listening socket."""
+        await self.runner.cleanup()
+
+
+async def start_server(cfg: SimConfig, host: str | None = None, port: int | None = None) -> SimServer:
+    """Serve `cfg` in the running loop on host/port (defaults from cfg; port 0 = a free one)."""
+    app = make_app(cfg)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    bind_host = cfg.host if host is None else host
+    site = web.TCPSite(runner, bind_host, cfg.port if port is None else port)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = int(runner.addresses[0][1])
+    app[STATE].cfg = cfg.replace(host=bind_host, port=bound)  # so /get_server_info tells the truth
+    return SimServer(app=app, runner=runner, host=bind_host, port=bound)
+
+
+@contextlib.asynccontextmanager
+async def serve(cfg: SimConfig, host: str | None = None, port: int | None = None) -> AsyncIterator[SimServer]:
+    """`async with serve(cfg, port=0) as sim:` ... sim.url ...; stops the server on exit."""
+    server = await start_server(cfg, host, port)
+    try:
+        yield server
+    finally:
+        await server.stop()
