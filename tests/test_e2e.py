@@ -180,3 +180,53 @@ def test_resume_counts_existing_file_on_a_fresh_redis(redis_url: str, r: "redis.
     recs = check_exact(r, out, "code_instruct")
     assert len(recs) == 60
     assert sim_stats(sim.url)["completed"] - before == 20
+
+
+def test_final_400_is_recorded_failed_and_retried_on_rerun(redis_url: str, r: "redis.Redis[Any]",
+                                                           tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
+                                                           workers: Any) -> None:
+    # The server's context is smaller than ours: long prompts get SGLang's 400, which is never retried.
+    small = sim_factory("--time-scale", "50", "--mean-tokens", "50", "--context-length", "400")
+    first_worker = workers(small.url).start("w0")
+    out = tmp_path / "out"
+    args = [str(GLAIVE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "200", "--max-samples", "40",
+            "--out", str(out)]
+    res = produce(args, redis_url)
+    assert res.returncode == 0, res.stderr  # failed samples do not change the exit code
+    failed = read_jsonl(out / "glaive_fc" / "failed.jsonl")
+    recs = check_exact(r, out, "glaive_fc")
+    assert failed and len(failed) + len(recs) == 40
+    # A 400 is final: sent once, never retried.
+    assert all("context length" in f["reason"] and f["status"] == 400 and f["attempts"] == 1 for f in failed)
+    assert f"failed {failed[0]['id']}" in res.stdout
+
+    first_worker.terminate()
+    first_worker.wait(30)
+    big = sim_factory("--time-scale", "50", "--mean-tokens", "50")
+    workers(big.url).start("w1")
+    again = produce(args, redis_url)
+    assert again.returncode == 0, again.stderr
+    assert not (out / "glaive_fc" / "failed.jsonl").exists()
+    assert len(check_exact(r, out, "glaive_fc")) == 40
+    assert sim_stats(big.url)["completed"] == len(failed)
+
+
+def test_one_collector_per_dataset_and_ctrl_c_detaches(redis_url: str, r: "redis.Redis[Any]", tokenizer_dir: Path,
+                                                       tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = [*produce_cmd(), str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "100", "--out",
+            str(out), "--redis-url", redis_url]
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # no workers
+    try:
+        wait_for(lambda: r.exists(keys.DatasetKeys("agent_traces").collector) == 1, 60, "first produce attached")
+        second = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1
+        assert "another produce is attached" in second.stderr and "Traceback" not in second.stderr
+        first.send_signal(signal.SIGINT)
+        _, err = first.communicate(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130 and "detached" in err
+    assert r.exists(keys.DatasetKeys("agent_traces").collector) == 0  # released: a rerun attaches at once
+    assert r.llen(keys.RQ_QUEUE) > 0  # the queued work stays for the workers

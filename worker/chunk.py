@@ -67,6 +67,7 @@ async def generate_sample(client: SGLangClient, config: WorkerConfig, dataset: s
                 continue  # a previous run of this sample still holds the rid: not a failure
             attempt += 1
             if not err.retryable or attempt >= config.max_attempts:
+                err.attempts = rid_no
                 raise
             log.info("%s/%s attempt %d failed (%s), retrying", dataset, sample["id"], attempt, err.reason)
             await asyncio.sleep(backoff(attempt, config.backoff_cap, err.retry_after))
@@ -123,7 +124,7 @@ async def process_chunk(chunk: ChunkPayload, *, ledger: Ledger, client: SGLangCl
                 report.errors.append(f"{sample['id']}: {err.reason}")
                 if ledger.fail(dataset, sample["id"], chunk_id,
                                {"id": sample["id"], "reason": err.reason, "status": err.status,
-                                "attempts": report.attempts}):
+                                "attempts": err.attempts}):
                     report.failed += 1
                 return
             outcome = ledger.commit(dataset, sample["id"], gen.completion_tokens,

