@@ -166,7 +166,7 @@ def run_cmd(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], ma
                          think={"start": think.start, "end": think.end} if think else None,
                          chunk_size=chunk_size, queue_depth=queue_depth, new_run=new_run,
                          job=JobSettings(job_timeout=job_timeout))
-    client: redis.Redis[Any] = redis.Redis.from_url(redis_url)
+    client: redis.Redis = redis.Redis.from_url(redis_url)
     try:
         client.ping()
     except redis.RedisError as exc:

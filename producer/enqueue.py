@@ -33,11 +33,11 @@ class Item:
     opens_think: bool
 
 
-def make_queue(client: "redis.Redis[Any]") -> Queue:
+def make_queue(client: "redis.Redis") -> Queue:
     return Queue(keys.QUEUE_NAME, connection=client, serializer=JSONSerializer)
 
 
-def enqueue_chunks(client: "redis.Redis[Any]", queue: Queue, dataset: str, chunks: Sequence[Sequence[Item]], *,
+def enqueue_chunks(client: "redis.Redis", queue: Queue, dataset: str, chunks: Sequence[Sequence[Item]], *,
                    sampling_params: dict[str, Any], think: ThinkPayload | None,
                    settings: JobSettings) -> list[str]:
     """Enqueue ``chunks`` (lists of samples) for ``dataset``; returns their chunk ids in order."""
@@ -47,7 +47,7 @@ def enqueue_chunks(client: "redis.Redis[Any]", queue: Queue, dataset: str, chunk
     last = int(client.incrby(k.seq, len(chunks)))
     ids = [keys.chunk_id(dataset, seq) for seq in range(last - len(chunks) + 1, last + 1)]
     datas = []
-    pending: dict[str, str] = {}
+    pending: dict[Any, Any] = {}
     for cid, items in zip(ids, chunks):
         samples: list[SamplePayload] = [
             {"id": it.id, "input_ids": it.input_ids, "opens_think": it.opens_think} for it in items]

@@ -86,13 +86,13 @@ class ResultsFile:
         self._fh.close()
 
 
-def collect(client: "redis.Redis[Any]", dataset: str, out: ResultsFile,
+def collect(client: "redis.Redis", dataset: str, out: ResultsFile,
             messages_for: Callable[[str], Any], batch: int = 1000) -> list[dict[str, Any]]:
     """Move every committed result of ``dataset`` from its Redis stream into ``out``. Returns the new records."""
     stream = keys.DatasetKeys(dataset).results
     written: list[dict[str, Any]] = []
     while True:
-        entries = client.xrange(stream, "-", "+", count=batch)
+        entries: Any = client.xrange(stream, "-", "+", count=batch)
         if not entries:
             return written
         records = []
@@ -106,13 +106,13 @@ def collect(client: "redis.Redis[Any]", dataset: str, out: ResultsFile,
         client.xdel(stream, *[e[0] for e in entries])  # only after the fsync in append()
 
 
-def stream_ids(client: "redis.Redis[Any]", dataset: str) -> set[str]:
+def stream_ids(client: "redis.Redis", dataset: str) -> set[str]:
     """Sample ids committed but not yet collected."""
     stream = keys.DatasetKeys(dataset).results
     ids: set[str] = set()
     start = "-"
     while True:
-        entries = client.xrange(stream, start, "+", count=5000)
+        entries: Any = client.xrange(stream, start, "+", count=5000)
         for entry_id, fields in entries:
             ids.add(_s(fields.get(b"id", fields.get("id"))))
         if len(entries) < 5000:

@@ -118,7 +118,7 @@ class DatasetSummary:
 
 
 class Producer:
-    def __init__(self, client: "redis.Redis[Any]", datasets: list[Prepared], options: RunOptions,
+    def __init__(self, client: "redis.Redis", datasets: list[Prepared], options: RunOptions,
                  echo: Callable[[str], None] = print) -> None:
         self.r = client
         self.ledger = Ledger(client)
@@ -162,7 +162,7 @@ class Producer:
                                "stop that one, or wait up to 30 s after it died", 1)
         if self.opt.new_run and (stored is not None or self.r.exists(k.meta)):
             self._start_over(p.name, out_dir)
-        meta = {"name": p.name, "settings": json.dumps(self.opt.settings, sort_keys=True),
+        meta: dict[Any, Any] = {"name": p.name, "settings": json.dumps(self.opt.settings, sort_keys=True),
                 "queue": keys.QUEUE_NAME}
         self.r.hset(k.meta, mapping=meta)
         self.r.hsetnx(k.meta, "created_at", str(time.time()))
@@ -215,14 +215,15 @@ class Producer:
         making the user wait for its TTL after a crash or kill -9."""
         if self.ledger.acquire_lock(key, token, LOCK_TTL_MS):
             return True
-        holder = self.r.get(key)
-        if holder is None:
+        raw: Any = self.r.get(key)
+        if raw is None:
             return self.ledger.acquire_lock(key, token, LOCK_TTL_MS)
-        host, _, rest = holder.decode().partition(":")
+        holder = raw.decode()
+        host, _, rest = holder.partition(":")
         pid = rest.partition(":")[0]
         if host != socket.gethostname() or not pid.isdigit() or _pid_alive(int(pid)):
             return False
-        self.ledger.release_lock(key, holder.decode())
+        self.ledger.release_lock(key, holder)
         if self.ledger.acquire_lock(key, token, LOCK_TTL_MS):
             self.echo(f"took over {key} from produce pid {pid}, which is no longer running")
             return True
@@ -265,7 +266,7 @@ class Producer:
             self.release()
 
     def _wait(self) -> None:
-        streams = {keys.DatasetKeys(d.name).results: "$" for d in self.runs if not d.finished}
+        streams: Any = {keys.DatasetKeys(d.name).results: "$" for d in self.runs if not d.finished}
         if streams:
             # Wake up as soon as a result arrives, or after poll_s to look after leases and the queue.
             self.r.xread(streams, block=int(self.opt.poll_s * 1000), count=1)
@@ -332,7 +333,8 @@ class Producer:
     def _reclaim_stale_queued(self, d: DatasetRun) -> set[str]:
         """Queued chunks whose RQ job is gone or ended without starting the chunk."""
         k = keys.DatasetKeys(d.name)
-        queued = [x.decode() for x in self.r.zrangebyscore(k.chunks, "+inf", "+inf")]
+        found: Any = self.r.zrangebyscore(k.chunks, "+inf", "+inf")
+        queued = [x.decode() for x in found]
         if not queued:
             return set()
         with self.r.pipeline(transaction=False) as p:

@@ -25,7 +25,7 @@ _current: "Runtime | None" = None
 
 
 class Runtime:
-    def __init__(self, connection: "redis.Redis[Any]", config: WorkerConfig,
+    def __init__(self, connection: "redis.Redis", config: WorkerConfig,
                  heartbeat: Callable[[], None] | None = None) -> None:
         self.connection = connection
         self.config = config

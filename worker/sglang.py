@@ -67,14 +67,14 @@ def parse_generation(body: Any, max_new_tokens: int, server: str) -> Generation:
         raise GenerateError(f"generation aborted: {message}", retryable=True)
     if kind not in ("stop", "length"):
         raise GenerateError(f"malformed response: finish_reason {finish!r}", retryable=True)
-    tokens = meta.get("completion_tokens")
+    tokens: Any = meta.get("completion_tokens")
     if not _is_int(tokens) or not 0 <= tokens <= max_new_tokens:
         raise GenerateError(f"malformed response: completion_tokens {tokens!r} "
                             f"(expected 0..{max_new_tokens})", retryable=True)
     output_ids = body.get("output_ids")
     if output_ids is not None and (not isinstance(output_ids, list) or len(output_ids) != tokens):
         raise GenerateError("malformed response: output_ids do not match completion_tokens", retryable=True)
-    prompt_tokens = meta.get("prompt_tokens")
+    prompt_tokens: Any = meta.get("prompt_tokens")
     if not _is_int(prompt_tokens) or prompt_tokens < 0:
         raise GenerateError(f"malformed response: prompt_tokens {prompt_tokens!r}", retryable=True)
     cached = meta.get("cached_tokens", 0)

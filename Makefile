@@ -1,0 +1,26 @@
+.PHONY: setup install demo test typecheck clean
+
+PYTHON ?= python3
+
+# Idempotent: redis-server via apt-get when missing, and `pip install -e '.[test]'` unless this checkout is installed.
+setup:
+	PYTHON=$(PYTHON) bash scripts/bootstrap.sh
+
+install:
+	$(PYTHON) -m pip install -e '.[test]'
+
+# Private redis-server, sglang-sim and 3 rq workers on 127.0.0.1, then produce on demo/data.
+demo: setup
+	$(PYTHON) -m demo.run
+
+# What CI runs (.ci/run): the whole suite, then mypy.
+test: setup
+	$(PYTHON) -m pytest -q
+	$(PYTHON) -m mypy
+
+typecheck:
+	$(PYTHON) -m mypy
+
+clean:
+	rm -rf .demo out .pytest_cache .mypy_cache build
+	find budget producer worker sglang_sim demo tests -name __pycache__ -type d -prune -exec rm -rf {} +
