@@ -45,7 +45,7 @@ DEFAULT_BUDGETS: Final = ("code_instruct=30k",)
 MAX_TOKENS: Final = 2048
 # 20x faster than the simulated GPU, ~400-token answers: the three datasets take seconds, not minutes.
 SIM_ARGS: Final = ("--time-scale", "20", "--mean-tokens", "400")
-WORKER_CONCURRENCY: Final = 32
+WORKER_CONCURRENCY: Final = 8  # small, so the in-flight tail past the budget stays small
 #: Marks a work dir as the demo's, and lists the pids a ``--keep-running`` demo left up.
 MARKER: Final = "budgetq-demo.json"
 #: What a new run replaces inside the work dir; nothing else there is ever deleted.
@@ -320,7 +320,8 @@ def run_demo(workdir: Path, n_workers: int, budgets: Sequence[str], keep_running
                    f"  rq-dashboard --bind {HOST} --port 9181 --redis-url {redis_url}\n"
                    f"  or, with nothing to install: rq info --url {redis_url} --interval 1")
         args = [*(str(data / f"{name}.jsonl") for name in DATASETS), "--tokenizer", str(tokenizer),
-                "--max-tokens", str(MAX_TOKENS), *(a for b in budgets for a in ("--budget", b)),
+                "--max-tokens", str(MAX_TOKENS), "--chunk-size", "16",
+                *(a for b in budgets for a in ("--budget", b)),
                 "--out", str(workdir / "out"), "--redis-url", redis_url]
         click.echo("demo: produce " + " ".join(args) + "\n")
         code = run_produce([sys.executable, "-m", "producer.cli", *args], services, workers)

@@ -101,6 +101,19 @@ def run_cmd(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], ma
             temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
             chat_template_kwargs: str | None, skip_invalid: bool, chunk_size: int, queue_depth: int,
             new_run: bool, detach: bool, job_timeout: int, quiet: bool) -> None:
+    try:
+        _run(**locals())
+    except KeyboardInterrupt:
+        # Before attach nothing was written; after it the run goes on in the workers. Either way: detach.
+        click.echo("\ndetached: the workers go on; run the same command again to resume and collect.", err=True)
+        sys.exit(130)
+
+
+def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], max_tokens: int,
+         max_context: int | None, max_samples: int | None, out_dir: Path, redis_url: str,
+         temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
+         chat_template_kwargs: str | None, skip_invalid: bool, chunk_size: int, queue_depth: int,
+         new_run: bool, detach: bool, job_timeout: int, quiet: bool) -> None:
     # Everything that can be wrong with the input is found before Redis is touched.
     from producer.reader import InputError, read_all
     from producer.render import RenderError, Renderer, default_max_context, load_tokenizer
@@ -179,9 +192,6 @@ def run_cmd(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], ma
         raise (InputProblem if exc.exit_code == 2 else RuntimeProblem)(str(exc)) from None
     except redis.RedisError as exc:
         raise RuntimeProblem(f"Redis error: {exc}") from None
-    except KeyboardInterrupt:
-        click.echo("\ndetached: the workers go on; run the same command again to resume and collect.", err=True)
-        sys.exit(130)
     from producer.report import summary_table
     click.echo(summary_table(summaries, detached=detach))
 
