@@ -31,8 +31,8 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
 
 
 @pytest.fixture
-def r(redis_url: str) -> Iterator["redis.Redis[bytes]"]:
-    client: redis.Redis[bytes] = redis.Redis.from_url(redis_url)
+def r(redis_url: str) -> Iterator["redis.Redis"]:
+    client: redis.Redis = redis.Redis.from_url(redis_url)
     yield client
     client.close()
 

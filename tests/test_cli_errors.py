@@ -16,7 +16,7 @@ GOOD = '{"id": 1, "prompt": "hello"}\n{"id": 2, "messages": [{"role": "user", "c
 
 
 @pytest.fixture
-def seeded(r: "redis.Redis[Any]") -> "redis.Redis[Any]":
+def seeded(r: "redis.Redis") -> "redis.Redis":
     r.set("someone-elses-key", "x")  # a database that is not empty: exit 2 must leave it exactly so
     return r
 
@@ -106,7 +106,7 @@ def test_over_context_prompts_are_skipped_not_sent(tmp_path: Path, redis_url: st
     assert "2 samples ready" in res.output
 
 
-def test_settings_change_refused_without_new_run(tmp_path: Path, redis_url: str, r: "redis.Redis[Any]",
+def test_settings_change_refused_without_new_run(tmp_path: Path, redis_url: str, r: "redis.Redis",
                                                  tokenizer_dir: Path) -> None:
     path = write(tmp_path, "ds.jsonl", GOOD)
     out = str(tmp_path / "out")
@@ -124,7 +124,7 @@ def test_settings_change_refused_without_new_run(tmp_path: Path, redis_url: str,
     assert fresh.exit_code == 0, fresh.output
 
 
-def test_budget_zero_sends_nothing(tmp_path: Path, redis_url: str, r: "redis.Redis[Any]",
+def test_budget_zero_sends_nothing(tmp_path: Path, redis_url: str, r: "redis.Redis",
                                    tokenizer_dir: Path) -> None:
     path = write(tmp_path, "ds.jsonl", GOOD)
     res = run([str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10", "--budget", "0",

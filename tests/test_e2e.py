@@ -24,7 +24,7 @@ def produce(args: list[str], redis_url: str, timeout: float = 180) -> subprocess
                           timeout=timeout)
 
 
-def check_exact(r: "redis.Redis[Any]", out: Path, name: str) -> list[dict[str, Any]]:
+def check_exact(r: "redis.Redis", out: Path, name: str) -> list[dict[str, Any]]:
     """The promise: no id twice, and the counter equals Sum(completion_tokens) in the file."""
     recs = read_jsonl(out / name / "raw_responses.jsonl")
     ids = [x["id"] for x in recs]
@@ -35,7 +35,7 @@ def check_exact(r: "redis.Redis[Any]", out: Path, name: str) -> list[dict[str, A
     return recs
 
 
-def test_budget_hit_and_unbudgeted_complete(redis_url: str, r: "redis.Redis[Any]", tokenizer_dir: Path,
+def test_budget_hit_and_unbudgeted_complete(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                             tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     sim = sim_factory("--time-scale", "20", "--mean-tokens", "300", "--seed", "1")
     pool = workers(sim.url, BUDGETQ_CONCURRENCY="8")
@@ -82,7 +82,7 @@ def test_budget_hit_and_unbudgeted_complete(redis_url: str, r: "redis.Redis[Any]
     assert {p: p.read_bytes() for p in out.rglob("raw_responses.jsonl")} == before
 
 
-def test_reasoning_split_from_open_think_prompt(redis_url: str, r: "redis.Redis[Any]", tokenizer_dir: Path,
+def test_reasoning_split_from_open_think_prompt(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                 tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     # The template ends the prompt with "<think>\n": the output holds only "reasoning</think>answer".
     sim = sim_factory("--time-scale", "50", "--mean-tokens", "120", "--max-running", "64")
@@ -102,7 +102,7 @@ def test_reasoning_split_from_open_think_prompt(redis_url: str, r: "redis.Redis[
         assert x["messages"][-1]["role"] != "assistant"  # the old answer was dropped
 
 
-def test_kill9_worker_mid_run_exactly_once(redis_url: str, r: "redis.Redis[Any]", tokenizer_dir: Path,
+def test_kill9_worker_mid_run_exactly_once(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                            tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     # Slow enough that chunks are mid-flight when the worker dies: ~3 s per request.
     sim = sim_factory("--tokens-per-second-per-request", "100", "--mean-tokens", "300", "--seed", "3")
@@ -135,7 +135,7 @@ def test_kill9_worker_mid_run_exactly_once(redis_url: str, r: "redis.Redis[Any]"
     assert 0 < stats["aborted"] <= 16
 
 
-def test_produce_kill9_and_rerun_resumes(redis_url: str, r: "redis.Redis[Any]", tokenizer_dir: Path,
+def test_produce_kill9_and_rerun_resumes(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                          tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     sim = sim_factory("--tokens-per-second-per-request", "200", "--mean-tokens", "200", "--seed", "4")
     pool = workers(sim.url, BUDGETQ_CONCURRENCY="16")
@@ -160,7 +160,7 @@ def test_produce_kill9_and_rerun_resumes(redis_url: str, r: "redis.Redis[Any]", 
     assert sim_stats(sim.url)["completed"] == len(recs)
 
 
-def test_resume_counts_existing_file_on_a_fresh_redis(redis_url: str, r: "redis.Redis[Any]", tokenizer_dir: Path,
+def test_resume_counts_existing_file_on_a_fresh_redis(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                       tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     """The seed's case: a run that already made 6.4M of 10M resumes and makes only what is missing."""
     sim = sim_factory("--time-scale", "50", "--mean-tokens", "200", "--seed", "5")
@@ -182,7 +182,7 @@ def test_resume_counts_existing_file_on_a_fresh_redis(redis_url: str, r: "redis.
     assert sim_stats(sim.url)["completed"] - before == 20
 
 
-def test_final_400_is_recorded_failed_and_retried_on_rerun(redis_url: str, r: "redis.Redis[Any]",
+def test_final_400_is_recorded_failed_and_retried_on_rerun(redis_url: str, r: "redis.Redis",
                                                            tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
                                                            workers: Any) -> None:
     # The server's context is smaller than ours: long prompts get SGLang's 400, which is never retried.
@@ -211,7 +211,7 @@ def test_final_400_is_recorded_failed_and_retried_on_rerun(redis_url: str, r: "r
     assert sim_stats(big.url)["completed"] == len(failed)
 
 
-def test_one_collector_per_dataset_and_ctrl_c_detaches(redis_url: str, r: "redis.Redis[Any]", tokenizer_dir: Path,
+def test_one_collector_per_dataset_and_ctrl_c_detaches(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                        tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = [*produce_cmd(), str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "100", "--out",
@@ -230,3 +230,20 @@ def test_one_collector_per_dataset_and_ctrl_c_detaches(redis_url: str, r: "redis
     assert first.returncode == 130 and "detached" in err
     assert r.exists(keys.DatasetKeys("agent_traces").collector) == 0  # released: a rerun attaches at once
     assert r.llen(keys.RQ_QUEUE) > 0  # the queued work stays for the workers
+
+
+def test_sigterm_finishes_the_current_chunk_then_exits(redis_url: str, r: "redis.Redis[Any]", tokenizer_dir: Path,
+                                                       tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    sim = sim_factory("--tokens-per-second-per-request", "100", "--mean-tokens", "150", "--length-dist", "fixed")
+    worker = workers(sim.url).start("w0")
+    res = produce([str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "400", "--chunk-size", "8",
+                   "--max-samples", "16", "--detach", "--out", str(tmp_path / "out")], redis_url)
+    assert res.returncode == 0, res.stderr
+    chunks = keys.DatasetKeys("agent_traces").chunks
+    wait_for(lambda: r.zcount(chunks, "-inf", "(inf") == 1, 30, "the first chunk running")
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(30) == 0
+    # The running chunk finished (8 committed, nothing aborted); the other chunk is still queued for others.
+    assert r.hlen(keys.DatasetKeys("agent_traces").done) == 8
+    assert sim_stats(sim.url)["aborted"] == 0
+    assert r.zcount(chunks, "+inf", "+inf") == 1 and r.llen(keys.RQ_QUEUE) == 1

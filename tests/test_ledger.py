@@ -18,13 +18,13 @@ from budget.ledger import Admit, Ledger
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 
 
-def enqueue(r: "redis.Redis[Any]", name: str, n_chunks: int, size: int = 2) -> list[str]:
+def enqueue(r: "redis.Redis", name: str, n_chunks: int, size: int = 2) -> list[str]:
     chunks = [[Item(f"{name}-{c}-{i}", [1, 2, 3], False) for i in range(size)] for c in range(n_chunks)]
     return enqueue_chunks(r, make_queue(r), name, chunks, sampling_params={"max_new_tokens": 8}, think=None,
                           settings=JobSettings())
 
 
-def test_commit_counts_once_under_racing_threads(r: "redis.Redis[Any]", redis_url: str) -> None:
+def test_commit_counts_once_under_racing_threads(r: "redis.Redis", redis_url: str) -> None:
     Ledger(r).set_budget("ds", None)
     outcomes: list[bool] = []
     lock = threading.Lock()
@@ -47,7 +47,7 @@ def test_commit_counts_once_under_racing_threads(r: "redis.Redis[Any]", redis_ur
     assert r.xlen(k.results) == 200
 
 
-def test_commit_closes_at_budget_once(r: "redis.Redis[Any]") -> None:
+def test_commit_closes_at_budget_once(r: "redis.Redis") -> None:
     ledger = Ledger(r)
     assert ledger.set_budget("ds", 20) == "open"
     closes = [ledger.commit("ds", f"s{i}", 8, {}).closed_now for i in range(5)]
@@ -56,7 +56,7 @@ def test_commit_closes_at_budget_once(r: "redis.Redis[Any]") -> None:
     assert state.status == "closed" and state.used == 40
 
 
-def test_admit_refuses_closed_revoked_and_foreign_samples(r: "redis.Redis[Any]") -> None:
+def test_admit_refuses_closed_revoked_and_foreign_samples(r: "redis.Redis") -> None:
     ledger = Ledger(r)
     ledger.set_budget("ds", 10)
     a, b = enqueue(r, "ds", 2)
@@ -70,7 +70,7 @@ def test_admit_refuses_closed_revoked_and_foreign_samples(r: "redis.Redis[Any]")
     assert ledger.start_chunk("ds", b) == "closed"
 
 
-def test_discard_removes_only_that_datasets_jobs_and_shows_them_canceled(r: "redis.Redis[Any]") -> None:
+def test_discard_removes_only_that_datasets_jobs_and_shows_them_canceled(r: "redis.Redis") -> None:
     ledger = Ledger(r)
     ledger.set_budget("a", 5)
     ledger.set_budget("b", None)
@@ -87,7 +87,7 @@ def test_discard_removes_only_that_datasets_jobs_and_shows_them_canceled(r: "red
     assert sorted(registry.get_job_ids()) == sorted(ids_a)
 
 
-def test_discard_of_ten_thousand_chunks(r: "redis.Redis[Any]") -> None:
+def test_discard_of_ten_thousand_chunks(r: "redis.Redis") -> None:
     """Correctness at size (the timing target lives in bench/, not here)."""
     ledger = Ledger(r)
     ledger.set_budget("big", 1)
@@ -100,7 +100,7 @@ def test_discard_of_ten_thousand_chunks(r: "redis.Redis[Any]") -> None:
     assert [x.decode() for x in r.lrange(keys.RQ_QUEUE, 0, -1)] == others
 
 
-def test_lease_expiry_is_reclaimed_and_the_zombie_is_fenced(r: "redis.Redis[Any]") -> None:
+def test_lease_expiry_is_reclaimed_and_the_zombie_is_fenced(r: "redis.Redis") -> None:
     ledger = Ledger(r)
     ledger.set_budget("ds", None)
     (cid,) = enqueue(r, "ds", 1)
@@ -113,7 +113,7 @@ def test_lease_expiry_is_reclaimed_and_the_zombie_is_fenced(r: "redis.Redis[Any]
     assert ledger.commit("ds", "ds-0-1", 4, {}).committed  # an in-flight response still counts once
 
 
-def test_reconcile_and_uncommit(r: "redis.Redis[Any]") -> None:
+def test_reconcile_and_uncommit(r: "redis.Redis") -> None:
     ledger = Ledger(r)
     ledger.set_budget("ds", 100)
     ledger.commit("ds", "a", 10, {})
@@ -125,7 +125,7 @@ def test_reconcile_and_uncommit(r: "redis.Redis[Any]") -> None:
     assert state.used == 30 and state.status == "open"
 
 
-def test_enqueue_batch_is_atomic_with_bookkeeping(r: "redis.Redis[Any]") -> None:
+def test_enqueue_batch_is_atomic_with_bookkeeping(r: "redis.Redis") -> None:
     ids = enqueue(r, "ds", 3)
     k = keys.DatasetKeys("ds")
     assert r.zcard(k.chunks) == 3 and r.hlen(k.pending) == 6 and r.llen(keys.RQ_QUEUE) == 3

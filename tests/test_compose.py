@@ -1,0 +1,549 @@
+"""docker-compose.yml, Dockerfile and .dockerignore keep the promises docs/deployment.md makes.
+
+No Docker engine is needed: the compose file is read with PyYAML and checked for its security properties
+(loopback-only ports, dashboard auth + JSON serializer, durable non-evicting Redis, graceful worker stops),
+and every command a service runs is checked against this project: the console scripts exist, the flags are
+ones the real CLIs (rq, rq-dashboard, sglang-sim) accept, and the worker class and settings import.
+`docker compose config` also runs where a compose plugin is installed, and is skipped elsewhere.
+"""
+from __future__ import annotations
+
+import base64
+import configparser
+import importlib
+import importlib.metadata
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+SETUP_CFG = ROOT / "setup.cfg"
+DEPLOYMENT_DOC = ROOT / "docs" / "deployment.md"
+
+WORKER_ARGV = ["rq", "worker", "-w", "worker.Worker", "-c", "worker.settings"]
+OUR_IMAGE_SERVICES = ("dashboard", "sim", "worker", "produce")
+SECRETISH = re.compile(r"(?:^|_)(?:PASSWORD|PASSWD|PASS|SECRET|TOKEN|API_?KEY|CREDENTIALS?)(?:$|_)", re.I)
+DUMMY_AUTH = {"RQ_DASHBOARD_USERNAME": "compose-test-user", "RQ_DASHBOARD_PASSWORD": "compose-test-password"}
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+class MissingVariable(Exception):
+    pass
+
+
+def interpolate(value: str, env: Mapping[str, str] | None = None) -> str:
+    """Compose's variable substitution (the subset this file uses), against `env` (default: empty)."""
+    env = env or {}
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1) or m.group(4)
+        op, arg = m.group(2), m.group(3) or ""
+        val = env.get(name)
+        unset_or_empty = not val
+        if op == ":-":
+            return arg if unset_or_empty else str(val)
+        if op == "-":
+            return arg if val is None else val
+        if op in (":?", "?"):
+            if (unset_or_empty if op == ":?" else val is None):
+                raise MissingVariable(f"{name}: {arg}")
+            return str(val)
+        if op == ":+":
+            return "" if unset_or_empty else arg
+        if op == "+":
+            return "" if val is None else arg
+        return val or ""
+
+    return _VAR.sub(sub, value)
+
+
+def argv(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return shlex.split(value)
+    return [str(v) for v in value]
+
+
+def resolved_argv(value: Any, env: Mapping[str, str] | None = None) -> list[str]:
+    return [interpolate(a, env) for a in argv(value)]
+
+
+def duration_seconds(value: Any) -> float:
+    """A compose duration ("10m", "1m30s", "90s", "1h") in seconds."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)", str(value))
+    assert parts and "".join(n + u for n, u in parts) == str(value), f"not a duration: {value!r}"
+    scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+def environment(service: Mapping[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+def depends_on(service: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    deps = service.get("depends_on") or {}
+    if isinstance(deps, list):
+        return {d: {"condition": "service_started"} for d in deps}
+    return {k: dict(v or {}) for k, v in deps.items()}
+
+
+def executable(service: Mapping[str, Any]) -> str:
+    entry = argv(service.get("entrypoint"))
+    return entry[0] if entry else argv(service.get("command"))[0]
+
+
+def host_ip(port: Any) -> str | None:
+    """The host address a `ports` entry publishes on; None means every address (0.0.0.0 and ::)."""
+    if isinstance(port, dict):
+        return port.get("host_ip")
+    spec = str(port).split("/")[0]
+    if spec.startswith("["):
+        return spec[1:spec.index("]")]
+    parts = spec.split(":")
+    return parts[0] if len(parts) == 3 else None
+
+
+def setup_cfg() -> configparser.ConfigParser:
+    cfg = configparser.ConfigParser()
+    cfg.read(SETUP_CFG)
+    return cfg
+
+
+def console_scripts() -> dict[str, str]:
+    raw = setup_cfg().get("options.entry_points", "console_scripts")
+    pairs = (line.split("=", 1) for line in raw.strip().splitlines() if line.strip())
+    return {name.strip(): target.strip() for name, target in pairs}
+
+
+def import_target(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(
+        line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")))
+    out = []
+    for line in text.splitlines():
+        if line.strip():
+            word, _, rest = line.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def dockerignore_excludes(path: str) -> bool:
+    """Docker's .dockerignore rule: the last pattern matching the path or one of its parents decides."""
+    def to_regex(pattern: str) -> re.Pattern[str]:
+        out, i = "", 0
+        while i < len(pattern):
+            if pattern.startswith("**/", i):
+                out, i = out + "(?:.*/)?", i + 3
+            elif pattern.startswith("**", i):
+                out, i = out + ".*", i + 2
+            elif pattern[i] == "*":
+                out, i = out + "[^/]*", i + 1
+            elif pattern[i] == "?":
+                out, i = out + "[^/]", i + 1
+            else:
+                out, i = out + re.escape(pattern[i]), i + 1
+        return re.compile(out + r"\Z")
+
+    parts = path.split("/")
+    candidates = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
+    excluded = False
+    for raw in DOCKERIGNORE.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = line[1:].strip() if negate else line
+        pattern = pattern.strip("/")
+        rx = to_regex(pattern)
+        if any(rx.match(c) for c in candidates):
+            excluded = not negate
+    return excluded
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(data, dict) and isinstance(data.get("services"), dict)
+    return data
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return compose["services"]
+
+
+def all_strings(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield str(k)
+            yield from all_strings(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from all_strings(v)
+    elif node is not None:
+        yield str(node)
+
+
+# ------------------------------------------------------------------------------------- file layout
+
+def test_compose_spec_file_without_version_key_and_with_both_ways_to_start(compose: dict[str, Any]) -> None:
+    assert "version" not in compose, "the compose spec has no `version:` key (compose warns it is obsolete)"
+    header = []
+    for line in COMPOSE.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    header_text = "\n".join(header)
+    assert "docker compose --profile gpu up -d --scale worker=4" in header_text
+    assert "SGLANG_URL=http://sim:30000 docker compose --profile sim up -d" in header_text
+
+
+def test_services_and_profiles(services: dict[str, dict[str, Any]]) -> None:
+    assert set(services) == {"redis", "dashboard", "sglang", "sim", "worker", "produce"}
+    profiles = {name: s.get("profiles") for name, s in services.items()}
+    assert profiles == {"redis": None, "dashboard": None, "worker": None,
+                        "sglang": ["gpu"], "sim": ["sim"], "produce": ["tools"]}
+    for name in OUR_IMAGE_SERVICES:
+        assert services[name]["image"] == services["worker"]["image"], name
+        assert services[name]["build"]["context"] == ".", name
+
+
+# ---------------------------------------------------------------------------------------- security
+
+def test_every_published_port_binds_loopback_only(services: dict[str, dict[str, Any]]) -> None:
+    published = 0
+    for name, service in services.items():
+        assert service.get("network_mode") != "host", f"{name}: host networking would expose every port"
+        for port in service.get("ports") or []:
+            published += 1
+            assert host_ip(port) == "127.0.0.1", f"{name}: {port!r} must be published on 127.0.0.1 only"
+    assert published >= 1  # the dashboard
+    for name in ("redis", "sglang", "sim", "worker", "produce"):
+        assert not services[name].get("ports"), f"{name} is reached over the compose network, not published"
+
+
+def test_no_secret_is_written_into_the_compose_file(services: dict[str, dict[str, Any]]) -> None:
+    for name, service in services.items():
+        for key, value in environment(service).items():
+            if SECRETISH.search(key):
+                assert value == "" or re.fullmatch(r"\$\{[A-Za-z_][A-Za-z0-9_]*(:?[-?][^}]*)?\}", value), (
+                    f"{name}: {key} must come from the environment, not be written here")
+        args = argv(service.get("command")) + argv(service.get("entrypoint"))
+        for flag in ("--password", "--requirepass", "--username", "--api-key"):
+            for i, a in enumerate(args):
+                if a == flag and i + 1 < len(args):
+                    assert args[i + 1].startswith("$"), f"{name}: {flag} has a literal value"
+
+
+def test_redis_is_durable_never_evicts_and_is_healthchecked(compose: dict[str, Any],
+                                                            services: dict[str, dict[str, Any]]) -> None:
+    redis = services["redis"]
+    assert str(redis["image"]).startswith("redis:7")
+    cmd = " ".join(argv(redis["command"]))
+    assert "--appendonly yes" in cmd
+    assert "--appendfsync everysec" in cmd
+    assert "--maxmemory-policy noeviction" in cmd
+    named = [v.split(":")[0] for v in redis["volumes"] if str(v).endswith(":/data")]
+    assert named and named[0] in (compose.get("volumes") or {}), "Redis data lives in a named volume"
+    assert argv(redis["healthcheck"]["test"]) == ["CMD", "redis-cli", "ping"]
+
+
+def test_dashboard_requires_basic_auth_and_uses_the_json_serializer(services: dict[str, dict[str, Any]]) -> None:
+    dash = services["dashboard"]
+    env = environment(dash)
+    for var in ("RQ_DASHBOARD_USERNAME", "RQ_DASHBOARD_PASSWORD"):
+        assert re.fullmatch(rf"\$\{{{var}:\?[^}}]+\}}", env.get(var, "")), (
+            f"{var} must be `${{{var}:?message}}` so compose refuses to start without it")
+        with pytest.raises(MissingVariable):
+            interpolate(env[var], {})
+    args = resolved_argv(dash["command"])
+    assert args[0] == "rq-dashboard"
+    assert "--json" in args
+    assert "--username" not in args and "--password" not in args, "credentials stay out of the command line"
+    assert args[args.index("--redis-url") + 1] == "redis://redis:6379/0"
+    assert args[args.index("--port") + 1] == "9181"
+    assert dash["ports"] == ["127.0.0.1:9181:9181"]
+    assert depends_on(dash)["redis"]["condition"] == "service_healthy"
+
+
+def test_dashboard_flags_work_with_the_real_rq_dashboard(services: dict[str, dict[str, Any]], redis_url: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run rq-dashboard's own entry point with the compose command (Flask's server stubbed out) and check
+    what it built: basic auth from RQ_DASHBOARD_* variables, JSON serializer, deletes disabled."""
+    cli = pytest.importorskip("rq_dashboard.cli")
+    web = pytest.importorskip("rq_dashboard.web")
+    import flask
+    import redis as redis_lib
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    args = resolved_argv(services["dashboard"]["command"])
+    args[args.index("--redis-url") + 1] = redis_url  # this session's own server instead of `redis`
+    started: dict[str, Any] = {}
+
+    def fake_run(app: flask.Flask, host: str | None = None, port: int | None = None, **kw: Any) -> None:
+        started.update(app=app, host=host, port=port)
+
+    monkeypatch.setattr(flask.Flask, "run", fake_run)
+    monkeypatch.setattr(web.config, "serializer", web.config.serializer)  # restored after the test
+    monkeypatch.setattr(sys, "argv", args)
+    for key, value in DUMMY_AUTH.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code in (0, None)
+    assert (started["host"], started["port"]) == ("0.0.0.0", 9181)
+    assert web.config.serializer is JSONSerializer
+
+    conn = redis_lib.Redis.from_url(redis_url)
+    job = Queue("budgetq", connection=conn, serializer=JSONSerializer).enqueue("worker.jobs.example", {"a": 1})
+    client = started["app"].test_client()
+    good = {"Authorization": "Basic " + base64.b64encode(
+        f"{DUMMY_AUTH['RQ_DASHBOARD_USERNAME']}:{DUMMY_AUTH['RQ_DASHBOARD_PASSWORD']}".encode()).decode()}
+    bad = {"Authorization": "Basic " + base64.b64encode(b"compose-test-user:wrong").decode()}
+    assert client.get("/").status_code == 401
+    assert client.get("/0/data/queues.json", headers=bad).status_code == 401
+    assert client.post(f"/job/{job.id}/delete").status_code == 401
+    queues = json.loads(client.get("/0/data/queues.json", headers=good).data)["queues"]
+    assert {q["name"]: q["count"] for q in queues} == {"budgetq": 1}
+    assert client.get(f"/0/data/job/{job.id}.json", headers=good).status_code == 200
+    assert json.loads(client.post(f"/job/{job.id}/delete", headers=good).data) == {"status": "DISABLED"}
+    assert conn.exists(f"rq:job:{job.id}")
+    conn.close()
+
+
+def test_rq_dashboard_reads_its_options_from_rq_dashboard_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    cli = pytest.importorskip("rq_dashboard.cli")
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(cli.run, "main", lambda *a, **kw: seen.update(kw))
+    cli.main()
+    assert seen.get("auto_envvar_prefix") == "RQ_DASHBOARD"  # so RQ_DASHBOARD_USERNAME fills --username
+
+
+# ----------------------------------------------------------------------------------------- workers
+
+def test_worker_service(services: dict[str, dict[str, Any]]) -> None:
+    worker = services["worker"]
+    assert argv(worker["command"]) == WORKER_ARGV
+    assert not worker.get("entrypoint")
+    env = environment(worker)
+    assert interpolate(env["REDIS_URL"]) == "redis://redis:6379/0"
+    assert env["SGLANG_URL"] == "${SGLANG_URL:-http://sglang:30000}"
+    assert interpolate(env["SGLANG_URL"], {"SGLANG_URL": "http://sim:30000"}) == "http://sim:30000"
+    assert interpolate(env["BUDGETQ_CONCURRENCY"]) == "64"
+    deps = depends_on(worker)
+    assert deps["redis"]["condition"] == "service_healthy" and deps["redis"].get("required", True) is True
+    for profiled in ("sglang", "sim"):
+        assert deps[profiled] == {"condition": "service_healthy", "required": False}, profiled
+    replicas = worker["deploy"]["replicas"]
+    assert isinstance(replicas, int) and replicas >= 1
+    assert duration_seconds(worker["stop_grace_period"]) >= 300, "a chunk can take minutes to finish"
+    assert worker.get("stop_signal", "SIGTERM") == "SIGTERM"
+    assert worker["restart"] == "unless-stopped"
+    assert not worker.get("container_name"), "a fixed container name would forbid --scale"
+
+
+def test_worker_command_is_one_rq_accepts_and_its_classes_import() -> None:
+    import rq.cli
+    from rq.utils import import_attribute
+    from rq.worker import BaseWorker
+
+    worker_cmd = rq.cli.main.commands["worker"]
+    ctx = worker_cmd.make_context("worker", WORKER_ARGV[2:])
+    assert (ctx.params["worker_class"], ctx.params["config"]) == ("worker.Worker", "worker.settings")
+    worker_cls = import_attribute("worker.Worker")  # as `rq worker -w` resolves it
+    assert isinstance(worker_cls, type) and issubclass(worker_cls, BaseWorker)
+    settings = importlib.import_module("worker.settings")
+    assert isinstance(settings.REDIS_URL, str) and settings.QUEUES
+
+
+# ------------------------------------------------------------------------------------ SGLang + sim
+
+def test_sglang_service_serves_a_mounted_model_on_a_gpu(services: dict[str, dict[str, Any]]) -> None:
+    sg = services["sglang"]
+    assert str(sg["image"]).startswith("lmsysorg/sglang")
+    script = interpolate(" ".join(argv(sg["command"])), {})
+    assert "python3 -m sglang.launch_server" in script
+    assert '--model-path "/models/${MODEL}"' in script
+    assert "--host 0.0.0.0 --port 30000" in script
+    assert interpolate(environment(sg)["MODEL"]) == "model"
+    assert environment(sg).get("HF_HUB_OFFLINE") == "1"
+    assert "${MODELS_DIR:-./models}:/models:ro" in sg["volumes"]
+    assert sg.get("ipc") == "host" or sg.get("shm_size")
+    devices = sg["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices)
+    health = sg["healthcheck"]
+    assert "/health" in " ".join(argv(health["test"]))
+    assert duration_seconds(health["start_period"]) >= 600, "loading a large model takes minutes"
+
+
+def test_sglang_api_key_is_passed_only_when_set(services: dict[str, dict[str, Any]]) -> None:
+    sh = shutil.which("sh")
+    if sh is None:
+        pytest.skip("no POSIX shell")
+    script = interpolate(argv(services["sglang"]["command"])[2], {})
+    launcher = "exec python3 -m sglang.launch_server"
+    assert script.startswith(launcher)
+    probe = "set --" + script[len(launcher):] + '\nfor a in "$@"; do printf "[%s]\\n" "$a"; done'
+
+    def run(env: dict[str, str]) -> list[str]:
+        out = subprocess.run([sh, "-c", probe], env={"PATH": "/usr/bin:/bin", **env}, capture_output=True,
+                             text=True, check=True).stdout
+        return out.splitlines()
+
+    base = ["[--model-path]", "[/models/m]", "[--host]", "[0.0.0.0]", "[--port]", "[30000]"]
+    assert run({"MODEL": "m"}) == base
+    assert run({"MODEL": "m", "SGLANG_API_KEY": "k3y"}) == base + ["[--api-key]", "[k3y]"]
+    assert run({"MODEL": "m", "SGLANG_API_KEY": "a b*"}) == base + ["[--api-key]", "[a b*]"]
+    assert run({"MODEL": "m", "SGLANG_EXTRA_ARGS": "--tp 2"}) == base + ["[--tp]", "[2]"]
+
+
+def test_sim_service_runs_our_simulator(services: dict[str, dict[str, Any]]) -> None:
+    from sglang_sim.config import from_argv
+
+    sim = services["sim"]
+    args = resolved_argv(sim["command"])
+    assert args[:5] == ["sglang-sim", "--host", "0.0.0.0", "--port", "30000"]
+    cfg = from_argv(args[1:])
+    assert (cfg.host, cfg.port, cfg.time_scale, cfg.mean_tokens) == ("0.0.0.0", 30000, 1.0, 300.0)
+    assert "/health" in " ".join(argv(sim["healthcheck"]["test"]))
+
+
+def test_produce_tool_mounts_data_tokenizer_and_out(services: dict[str, dict[str, Any]]) -> None:
+    produce = services["produce"]
+    assert argv(produce["entrypoint"]) == ["produce"]
+    work = produce["working_dir"]
+    targets = {interpolate(str(v)).split(":")[1]: interpolate(str(v)) for v in produce["volumes"]}
+    assert set(targets) == {f"{work}/data", f"{work}/tokenizer", f"{work}/out"}
+    assert targets[f"{work}/data"].endswith(":ro") and targets[f"{work}/tokenizer"].endswith(":ro")
+    assert not targets[f"{work}/out"].endswith(":ro")
+    env = environment(produce)
+    assert env["BUDGETQ_TOKENIZER"] == f"{work}/tokenizer"
+    assert interpolate(env["REDIS_URL"]) == "redis://redis:6379/0"
+
+
+# ----------------------------------------------------------------------- commands exist in this project
+
+def test_every_command_of_our_image_exists(services: dict[str, dict[str, Any]]) -> None:
+    scripts = console_scripts()
+    for name in ("produce", "sglang-sim"):
+        assert callable(import_target(scripts[name])), name
+    install_requires = setup_cfg().get("options", "install_requires")
+    from_pip = {
+        "rq": "rq",  # install_requires
+        "rq-dashboard": "rq-dashboard",  # installed by the Dockerfile
+    }
+    assert re.search(r"^\s*rq\b", install_requires, re.M)
+    pip_line = " ".join(args for word, args in dockerfile_instructions() if word == "RUN" and "pip install" in args)
+    assert "rq-dashboard" in pip_line and re.search(r"\bsix\b", pip_line)
+    for service in OUR_IMAGE_SERVICES:
+        exe = executable(services[service])
+        assert exe in scripts or exe in from_pip, f"{service}: {exe!r} is no console script of the image"
+        if exe in from_pip:
+            try:
+                dist = importlib.metadata.distribution(from_pip[exe])
+            except importlib.metadata.PackageNotFoundError:
+                continue  # rq-dashboard is installed in the image, not necessarily here
+            assert exe in {e.name for e in dist.entry_points if e.group == "console_scripts"}
+
+
+# -------------------------------------------------------------------------- Dockerfile, .dockerignore
+
+def test_dockerfile_small_non_root_offline_and_without_secrets() -> None:
+    instructions = dockerfile_instructions()
+    froms = [args for word, args in instructions if word == "FROM"]
+    assert froms == ["python:3.11-slim"]
+    users = [args for word, args in instructions if word == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0"), "the image runs as a non-root user"
+    pip = " ".join(args for word, args in instructions if word == "RUN" and "pip install" in args)
+    assert re.search(r"pip install (/src|\.)\s", pip), "the project itself is installed"
+    for word, args in instructions:
+        if word in ("ENV", "ARG"):
+            names = re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=", args) or [args.split()[0]]
+            assert not any(SECRETISH.search(n) for n in names), f"{word} {args}: no secrets in the image"
+    text = DOCKERFILE.read_text()
+    assert "HF_HUB_OFFLINE=1" in text
+    for download in ("huggingface-cli", "snapshot_download", "hf_hub_download", "from_pretrained", "hf download"):
+        assert download not in text
+
+
+def test_dockerignore_sends_only_the_source() -> None:
+    for secret_or_data in (".env", ".env.prod", "worker/.env", ".git/config", "models/m/model.safetensors",
+                           "data/B1.jsonl", "out/B1/raw_responses.jsonl", "tokenizer/tokenizer.json",
+                           "appendonlydir/a.aof", "tests/test_compose.py", "worker/__pycache__/x.pyc"):
+        assert dockerignore_excludes(secret_or_data), secret_or_data
+    cfg = setup_cfg()
+    packages = [p.strip() for p in cfg.get("options.packages.find", "include").split() if "." not in p]
+    assert packages
+    for needed in ["setup.cfg", "pyproject.toml", *(f"{p}/__init__.py" for p in packages)]:
+        if (ROOT / needed).exists():
+            assert not dockerignore_excludes(needed), f"{needed} must reach the build"
+    for data_file in sorted((ROOT / "demo" / "data").glob("*.jsonl")):
+        assert not dockerignore_excludes(str(data_file.relative_to(ROOT))), "package_data reaches the build"
+
+
+# ----------------------------------------------------------------------------------------- docs
+
+def test_deployment_doc_covers_the_operations() -> None:
+    doc = DEPLOYMENT_DOC.read_text()
+    for needle in ("--profile gpu", "--profile sim", "--scale worker=", "rediss://", "SIGTERM",
+                   "stop_grace_period", "127.0.0.1:9181", "raw_responses.jsonl"):
+        assert needle in doc, needle
+
+
+# ------------------------------------------------------------------------------- docker compose config
+
+def _compose_available() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+def test_docker_compose_config_validates(tmp_path: Path) -> None:
+    if not _compose_available():
+        pytest.skip("`docker compose version` does not work here (no compose plugin)")
+    import os
+
+    base = {k: v for k, v in os.environ.items() if k not in DUMMY_AUTH}
+    cmd = ["docker", "compose", "-f", str(COMPOSE), "--project-directory", str(ROOT),
+           "--profile", "gpu", "--profile", "sim", "--profile", "tools", "config", "-q"]
+    ok = subprocess.run(cmd, env={**base, **DUMMY_AUTH}, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    refused = subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "RQ_DASHBOARD" in refused.stderr, "must refuse to run without auth"
