@@ -56,7 +56,7 @@ def _s(value: Any) -> str:
 class Ledger:
     """Budget state of every dataset in one Redis database. Pass it the client; it registers the scripts."""
 
-    def __init__(self, client: "redis.Redis[Any]") -> None:
+    def __init__(self, client: "redis.Redis") -> None:
         self.r = client
         self._set_budget = client.register_script(scripts.SET_BUDGET)
         self._start = client.register_script(scripts.START_CHUNK)
