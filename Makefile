@@ -13,10 +13,10 @@ install:
 demo: setup
 	$(PYTHON) -m demo.run
 
-# What CI runs (.ci/run): the whole suite, then mypy.
+# What CI runs (.ci/run): mypy, then the whole suite.
 test: setup
-	$(PYTHON) -m pytest -q
 	$(PYTHON) -m mypy
+	$(PYTHON) -m pytest -q
 
 typecheck:
 	$(PYTHON) -m mypy
