@@ -19,6 +19,10 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:ds:{n}:results``       | stream | ``commit`` script        | committed results not yet written to disk         |
 | ``bq:ds:{n}:failed``        | hash   | ``fail`` script          | sample id -> JSON reason, after every attempt     |
 | ``bq:ds:{n}:collector``     | string | producer                 | lock: the one ``produce`` collecting this dataset |
+| ``bq:ds:{n}:resv``          | hash   | admit/commit, worker     | running chunk id -> tokens its requests reserve   |
+| ``bq:ds:{n}:inflight``      | hash   | admit/commit             | running chunk id -> requests in flight            |
+| ``bq:ds:{n}:lengths``       | list   | ``commit`` script        | the last 4096 completion lengths (predict's model)|
+| ``bq:ds:{n}:stats``         | hash   | ``commit`` script        | finish reasons, late commits, tokens per 10 s     |
 
 RQ's own keys that our scripts touch (queue list, job hashes, canceled registry) are derived here from RQ's
 documented layout, so a change of RQ's layout is a change of this module only.
@@ -85,10 +89,26 @@ class DatasetKeys:
     def collector(self) -> str:
         return self.base + ":collector"
 
+    @property
+    def resv(self) -> str:
+        return self.base + ":resv"
+
+    @property
+    def inflight(self) -> str:
+        return self.base + ":inflight"
+
+    @property
+    def lengths(self) -> str:
+        return self.base + ":lengths"
+
+    @property
+    def stats(self) -> str:
+        return self.base + ":stats"
+
     def all(self) -> list[str]:
         """Every key of the dataset (for ``--new-run``, which starts it over)."""
         return [self.meta, self.used, self.done, self.pending, self.chunks, self.seq, self.results,
-                self.failed, self.collector]
+                self.failed, self.collector, self.resv, self.inflight, self.lengths, self.stats]
 
 
 def chunk_id(dataset: str, seq: int) -> str:

@@ -19,11 +19,27 @@ from budget import keys, scripts
 LEASE_MS = 20_000
 
 
+MODES = ("drain", "predict", "strict")
+
+
+def default_prior_mean(max_new_tokens: int) -> float:
+    """Expected completion length before a dataset has results or an --expect-mean: a quarter of the cap,
+    at most 1024. Only the first few dozen admissions of a predict run rely on it."""
+    return min(max_new_tokens / 4, 1024.0)
+
+
 class Admit(enum.IntEnum):
     START = 1
     CLOSED = 0
     REVOKED = -1
     SKIP = -2
+    FULL = -3  # the remaining budget is reserved by requests in flight; the dataset is still open
+
+
+@dataclass(frozen=True)
+class Admission:
+    verdict: Admit
+    reserved: int  # tokens this request reserves until its commit (0 in drain mode)
 
 
 @dataclass(frozen=True)
@@ -31,6 +47,7 @@ class CommitOutcome:
     committed: bool  # False: a duplicate; nothing was changed
     used: int
     closed_now: bool  # this commit brought the counter to the budget and closed the dataset
+    late: bool = False  # the chunk had lost its lease while the request ran (its reservation had expired)
 
 
 @dataclass(frozen=True)
@@ -46,7 +63,28 @@ class DatasetState:
     queued_chunks: int
     unwritten: int  # results in the stream, not yet on disk
     discarded_chunks: int
+    reserved: int
+    in_flight: int
     fields: dict[str, str]
+    stats: dict[str, str]
+
+    @property
+    def mode(self) -> str:
+        return self.fields.get("mode", "drain")
+
+    @property
+    def max_new_tokens(self) -> int:
+        return int(self.fields.get("max_new_tokens", 0) or 0)
+
+    def has_room(self) -> bool:
+        """Could a new request be admitted now? (what the producer asks before enqueueing more)"""
+        if self.status != "open":
+            return False
+        if self.budget is None or self.mode == "drain":
+            return True
+        if self.mode == "strict":
+            return self.used + self.reserved + self.max_new_tokens <= self.budget
+        return self.used + self.reserved < self.budget
 
 
 def _s(value: Any) -> str:
@@ -60,6 +98,7 @@ class Ledger:
         self.r = client
         self._set_budget = client.register_script(scripts.SET_BUDGET)
         self._start = client.register_script(scripts.START_CHUNK)
+        self._finish = client.register_script(scripts.FINISH_CHUNK)
         self._refresh = client.register_script(scripts.REFRESH_CHUNK)
         self._admit = client.register_script(scripts.ADMIT)
         self._commit = client.register_script(scripts.COMMIT)
@@ -97,9 +136,18 @@ class Ledger:
         removed, tokens, _ = self._uncommit(keys=[k.meta, k.used, k.done], args=list(ids))
         return int(removed), int(tokens)
 
+    def set_mode(self, name: str, mode: str, max_new_tokens: int) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown budget mode {mode!r} (expected one of {', '.join(MODES)})")
+        self.r.hset(keys.DatasetKeys(name).meta, mapping={"mode": mode, "max_new_tokens": max_new_tokens})
+
+    def set_prior(self, name: str, mean_tokens: float) -> None:
+        """The expected completion length before the dataset has results of its own (predict mode)."""
+        self.r.hset(keys.DatasetKeys(name).meta, "prior_mean", str(round(mean_tokens, 1)))
+
     def reclaim(self, name: str) -> list[str]:
         k = keys.DatasetKeys(name)
-        return [_s(x) for x in self._reclaim(keys=[k.chunks])]
+        return [_s(x) for x in self._reclaim(keys=[k.chunks, k.resv, k.inflight])]
 
     def discard(self, name: str, reason: str) -> int:
         k = keys.DatasetKeys(name)
@@ -118,30 +166,48 @@ class Ledger:
     # -- the worker's side ---------------------------------------------------------------------------
     def start_chunk(self, name: str, chunk: str, lease_ms: int = LEASE_MS) -> str:
         k = keys.DatasetKeys(name)
-        return _s(self._start(keys=[k.meta, k.chunks], args=[chunk, lease_ms]))
+        return _s(self._start(keys=[k.meta, k.chunks, k.resv, k.inflight], args=[chunk, lease_ms]))
 
-    def refresh_chunk(self, name: str, chunk: str, lease_ms: int = LEASE_MS) -> bool:
+    def refresh_chunk(self, name: str, chunk: str, lease_ms: int = LEASE_MS,
+                      reserved: int | None = None) -> bool:
         k = keys.DatasetKeys(name)
-        return bool(self._refresh(keys=[k.chunks], args=[chunk, lease_ms]))
+        return bool(self._refresh(keys=[k.chunks, k.resv],
+                                  args=[chunk, lease_ms, "" if reserved is None else int(reserved)]))
 
     def finish_chunk(self, name: str, chunk: str) -> None:
-        self.r.zrem(keys.DatasetKeys(name).chunks, chunk)
-
-    def admit(self, name: str, sample: str, chunk: str) -> Admit:
         k = keys.DatasetKeys(name)
-        return Admit(int(self._admit(keys=[k.meta, k.chunks, k.pending, k.done], args=[sample, chunk])))
+        self._finish(keys=[k.chunks, k.resv, k.inflight], args=[chunk])
 
-    def commit(self, name: str, sample: str, completion_tokens: int, result: dict[str, Any]) -> CommitOutcome:
+    def admit(self, name: str, sample: str, chunk: str, expected: int = 0) -> Admission:
+        k = keys.DatasetKeys(name)
+        verdict, reserved = self._admit(keys=[k.meta, k.chunks, k.pending, k.done, k.used, k.resv, k.inflight],
+                                        args=[sample, chunk, int(expected)])
+        return Admission(Admit(int(verdict)), int(reserved))
+
+    def commit(self, name: str, sample: str, completion_tokens: int, result: dict[str, Any], *,
+               chunk: str = "", reserved: int = 0, finish_reason: str | None = None) -> CommitOutcome:
         k = keys.DatasetKeys(name)
         body = json.dumps(result, ensure_ascii=False, separators=(",", ":"))
-        ok, used, closed = self._commit(keys=[k.meta, k.used, k.done, k.pending, k.results, k.failed],
-                                        args=[sample, completion_tokens, body])
-        return CommitOutcome(bool(ok), int(used), bool(closed))
+        reason = finish_reason or str(result.get("finish_reason", "unknown"))
+        ok, used, closed, late = self._commit(
+            keys=[k.meta, k.used, k.done, k.pending, k.results, k.failed, k.resv, k.inflight, k.lengths, k.stats],
+            args=[sample, completion_tokens, body, chunk, reserved, reason])
+        return CommitOutcome(bool(ok), int(used), bool(closed), bool(late))
 
-    def fail(self, name: str, sample: str, chunk: str, reason: dict[str, Any]) -> bool:
+    def fail(self, name: str, sample: str, chunk: str, reason: dict[str, Any], reserved: int = 0) -> bool:
         k = keys.DatasetKeys(name)
-        return bool(self._fail(keys=[k.done, k.pending, k.failed],
-                               args=[sample, chunk, json.dumps(reason, ensure_ascii=False)]))
+        return bool(self._fail(keys=[k.done, k.pending, k.failed, k.resv, k.inflight],
+                               args=[sample, chunk, json.dumps(reason, ensure_ascii=False), reserved]))
+
+    def length_sample(self, name: str) -> tuple[list[int], float | None, int, str]:
+        """(recent completion lengths, prior mean, max_new_tokens, mode): what predict's model learns from."""
+        k = keys.DatasetKeys(name)
+        with self.r.pipeline(transaction=False) as p:
+            p.lrange(k.lengths, 0, -1)
+            p.hmget(k.meta, ["prior_mean", "max_new_tokens", "mode"])
+            lengths, (prior, max_new, mode) = p.execute()
+        return ([int(x) for x in lengths], float(prior) if prior else None, int(max_new or 0),
+                _s(mode) if mode else "drain")
 
     # -- reading -------------------------------------------------------------------------------------
     def state(self, name: str) -> DatasetState:
@@ -154,14 +220,19 @@ class Ledger:
             p.zcard(k.chunks)
             p.zcount(k.chunks, "+inf", "+inf")
             p.xlen(k.results)
-            meta, used, done, failed, live, queued, unwritten = p.execute()
+            p.hvals(k.resv)
+            p.hvals(k.inflight)
+            p.hgetall(k.stats)
+            meta, used, done, failed, live, queued, unwritten, resv, inflight, stats = p.execute()
         fields = {_s(a): _s(b) for a, b in meta.items()}
         budget = fields.get("budget", "")
         return DatasetState(
             name=name, status=fields.get("status", ""), budget=int(budget) if budget else None,
             used=int(used or 0), committed=int(fields.get("committed", 0)), done=int(done),
             failed=int(failed), live_chunks=int(live), queued_chunks=int(queued), unwritten=int(unwritten),
-            discarded_chunks=int(fields.get("discarded_chunks", 0)), fields=fields)
+            discarded_chunks=int(fields.get("discarded_chunks", 0)), reserved=sum(int(x) for x in resv),
+            in_flight=sum(int(x) for x in inflight), fields=fields,
+            stats={_s(a): _s(b) for a, b in stats.items()})
 
     def done_ids(self, name: str) -> dict[str, int]:
         return {_s(a): int(b) for a, b in self.r.hgetall(keys.DatasetKeys(name).done).items()}

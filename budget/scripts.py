@@ -10,12 +10,21 @@ never from a client's clock, so leases mean the same to every machine.
 """
 from __future__ import annotations
 
-# Shared by the scripts that change ``used``: close the dataset when the counter reaches its budget.
-# Expects local ``meta`` (KEYS of the dataset hash) and ``used`` (number). Returns 1 if it closed it now.
+# Shared by the scripts that change ``used``. ``spent``: may nothing more start? In drain and predict a dataset
+# is spent when used reaches the budget; in strict when even one more request of max_new_tokens would not fit.
+# ``close_if_spent`` closes an open dataset that is spent and returns 1 if it closed it now.
 _CLOSE_IF_SPENT = """
-local function close_if_spent(meta, used)
+local function spent(meta, used)
   local budget = redis.call('HGET', meta, 'budget')
-  if budget and budget ~= '' and used >= tonumber(budget) and redis.call('HGET', meta, 'status') == 'open' then
+  if not budget or budget == '' then return false end
+  budget = tonumber(budget)
+  if redis.call('HGET', meta, 'mode') == 'strict' then
+    return used + tonumber(redis.call('HGET', meta, 'max_new_tokens') or '0') > budget
+  end
+  return used >= budget
+end
+local function close_if_spent(meta, used)
+  if redis.call('HGET', meta, 'status') == 'open' and spent(meta, used) then
     local t = redis.call('TIME')
     redis.call('HSET', meta, 'status', 'closed', 'closed_at', t[1] .. '.' .. string.format('%06d', t[2]))
     return 1
@@ -31,22 +40,31 @@ local function now_ms()
 end
 """
 
-SET_BUDGET = """
--- set_budget: store a dataset's budget and open or close it accordingly.
+_RESERVED = """
+local function reserved(resv)
+  local total = 0
+  for _, v in ipairs(redis.call('HVALS', resv)) do total = total + tonumber(v) end
+  return total
+end
+"""
+
+SET_BUDGET = _CLOSE_IF_SPENT + """
+-- set_budget: store a dataset's budget and open or close it accordingly (raising reopens, lowering to what is
+-- spent closes at once, anything between tightens admission through the admit script).
 -- KEYS[1] meta hash, KEYS[2] used counter
 -- ARGV[1] budget in tokens, or '' for unlimited
 -- returns {status, used}
 local used = tonumber(redis.call('GET', KEYS[2]) or '0')
 redis.call('HSET', KEYS[1], 'budget', ARGV[1])
 local status = 'open'
-if ARGV[1] ~= '' and used >= tonumber(ARGV[1]) then status = 'closed' end
+if spent(KEYS[1], used) then status = 'closed' end
 redis.call('HSET', KEYS[1], 'status', status)
 return {status, used}
 """
 
 START_CHUNK = _NOW_MS + """
 -- start_chunk: a worker begins a chunk job; take its lease if the chunk is still live and the dataset open.
--- KEYS[1] meta hash, KEYS[2] chunks zset
+-- KEYS[1] meta hash, KEYS[2] chunks zset, KEYS[3] reservations hash, KEYS[4] in-flight hash
 -- ARGV[1] chunk id, ARGV[2] lease length (ms)
 -- returns 'ok', 'revoked' (chunk discarded or reclaimed: do nothing) or 'closed' (dataset closed: the chunk
 -- is dropped from the live set so its samples count as not held)
@@ -56,57 +74,121 @@ if redis.call('HGET', KEYS[1], 'status') ~= 'open' then
   return 'closed'
 end
 redis.call('ZADD', KEYS[2], now_ms() + tonumber(ARGV[2]), ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], 0)
+redis.call('HSET', KEYS[4], ARGV[1], 0)
 return 'ok'
 """
 
 REFRESH_CHUNK = _NOW_MS + """
--- refresh_chunk: extend a running chunk's lease.
--- KEYS[1] chunks zset
--- ARGV[1] chunk id, ARGV[2] lease length (ms)
+-- refresh_chunk: extend a running chunk's lease and restate what its requests in flight reserve.
+-- KEYS[1] chunks zset, KEYS[2] reservations hash
+-- ARGV[1] chunk id, ARGV[2] lease length (ms), ARGV[3] tokens reserved by the chunk now, or '' to keep
 -- returns 1 if extended, 0 if the chunk is no longer ours (reclaimed after a missed lease, or discarded)
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
 redis.call('ZADD', KEYS[1], now_ms() + tonumber(ARGV[2]), ARGV[1])
+if ARGV[3] ~= '' and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+end
 return 1
 """
 
-ADMIT = """
--- admit: may this chunk start a request for this sample now?
--- KEYS[1] meta hash, KEYS[2] chunks zset, KEYS[3] pending hash, KEYS[4] done hash
--- ARGV[1] sample id, ARGV[2] chunk id
--- returns 1 start it; 0 dataset closed (start nothing more); -1 chunk revoked (start nothing more);
---         -2 skip this sample (already committed, or now held by another chunk)
-if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return 0 end
-if not redis.call('ZSCORE', KEYS[2], ARGV[2]) then return -1 end
-if redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then return -2 end
-if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return -2 end
+FINISH_CHUNK = """
+-- finish_chunk: a chunk's job is over; it is no longer live and reserves nothing.
+-- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] in-flight hash
+-- ARGV[1] chunk id
+-- returns 1
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
 return 1
 """
 
-COMMIT = _CLOSE_IF_SPENT + """
--- commit: record one response exactly once and count its tokens.
+ADMIT = _CLOSE_IF_SPENT + _RESERVED + """
+-- admit: may this chunk start a request for this sample now, and what does it reserve?
+-- KEYS[1] meta hash, KEYS[2] chunks zset, KEYS[3] pending hash, KEYS[4] done hash, KEYS[5] used counter,
+-- KEYS[6] reservations hash, KEYS[7] in-flight hash
+-- ARGV[1] sample id, ARGV[2] chunk id, ARGV[3] expected completion tokens (the predict reservation)
+-- returns {verdict, reserved}: verdict 1 start it; 0 dataset closed (start nothing more); -1 chunk revoked
+-- (start nothing more); -2 skip this sample (already committed, or held by another chunk); -3 full (the
+-- budget is reserved by requests in flight: start nothing now, the dataset is still open)
+-- Modes: drain reserves nothing; predict starts while used + reserved < budget and reserves the expected
+-- length; strict reserves max_new_tokens and starts only while that fits, closing when nothing can.
+if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return {0, 0} end
+if not redis.call('ZSCORE', KEYS[2], ARGV[2]) then return {-1, 0} end
+if redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then return {-2, 0} end
+if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return {-2, 0} end
+local mode = redis.call('HGET', KEYS[1], 'mode') or 'drain'
+local budget = redis.call('HGET', KEYS[1], 'budget')
+local res = 0
+if budget and budget ~= '' and mode ~= 'drain' then
+  budget = tonumber(budget)
+  local used = tonumber(redis.call('GET', KEYS[5]) or '0')
+  if mode == 'strict' then
+    res = tonumber(redis.call('HGET', KEYS[1], 'max_new_tokens'))
+    if close_if_spent(KEYS[1], used) == 1 then return {0, 0} end
+    if used + reserved(KEYS[6]) + res > budget then return {-3, 0} end
+  else
+    res = tonumber(ARGV[3])
+    if used + reserved(KEYS[6]) >= budget then return {-3, 0} end
+  end
+end
+redis.call('HINCRBY', KEYS[6], ARGV[2], res)
+redis.call('HINCRBY', KEYS[7], ARGV[2], 1)
+return {1, res}
+"""
+
+# Shared by commit and fail: the request ended; give back what it reserved. A chunk no longer in the in-flight
+# hash lost its lease while the request ran (its reservation was dropped by reclaim): the request is "late".
+_SETTLE = """
+local function settle(resv, inflight, chunk, reservation)
+  if redis.call('HEXISTS', inflight, chunk) == 1 then
+    redis.call('HINCRBY', inflight, chunk, -1)
+    redis.call('HINCRBY', resv, chunk, 0 - tonumber(reservation))  -- never -0: HINCRBY refuses it
+    return 0
+  end
+  return 1
+end
+"""
+
+COMMIT = _CLOSE_IF_SPENT + _SETTLE + """
+-- commit: record one response exactly once, count its tokens, settle its reservation.
 -- KEYS[1] meta hash, KEYS[2] used counter, KEYS[3] done hash, KEYS[4] pending hash, KEYS[5] results stream,
--- KEYS[6] failed hash
--- ARGV[1] sample id, ARGV[2] completion tokens, ARGV[3] result JSON
--- returns {committed (1, or 0 for a duplicate that changed nothing), used after, closed now (1/0)}
+-- KEYS[6] failed hash, KEYS[7] reservations hash, KEYS[8] in-flight hash, KEYS[9] lengths list,
+-- KEYS[10] stats hash
+-- ARGV[1] sample id, ARGV[2] completion tokens, ARGV[3] result JSON, ARGV[4] chunk id, ARGV[5] tokens the
+-- request reserved, ARGV[6] finish reason
+-- returns {committed (1, or 0 for a duplicate that changed nothing), used after, closed now (1/0), late (1/0)}
 -- A duplicate (RQ retry, a reclaimed chunk's zombie, a redis-py resend after a lost reply) hits the done
 -- guard and changes nothing, so no token is ever counted twice and no line is ever written twice.
+local late = settle(KEYS[7], KEYS[8], ARGV[4], ARGV[5])
 if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
-  return {0, tonumber(redis.call('GET', KEYS[2]) or '0'), 0}
+  return {0, tonumber(redis.call('GET', KEYS[2]) or '0'), 0, late}
 end
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
-local used = redis.call('INCRBY', KEYS[2], ARGV[2])
+local tokens = tonumber(ARGV[2])
+redis.call('HSET', KEYS[3], ARGV[1], tokens)
+local used = redis.call('INCRBY', KEYS[2], tokens)
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('HDEL', KEYS[6], ARGV[1])
 redis.call('XADD', KEYS[5], '*', 'id', ARGV[1], 'r', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'committed', 1)
-return {1, used, close_if_spent(KEYS[1], used)}
+redis.call('LPUSH', KEYS[9], tokens)
+redis.call('LTRIM', KEYS[9], 0, 4095)
+local t = redis.call('TIME')
+redis.call('HINCRBY', KEYS[10], 'finish_' .. ARGV[6], 1)
+redis.call('HINCRBY', KEYS[10], 't:' .. math.floor(tonumber(t[1]) / 10), tokens)
+if late == 1 then
+  redis.call('HINCRBY', KEYS[10], 'late', 1)
+  redis.call('HINCRBY', KEYS[10], 'late_tokens', tokens)
+end
+return {1, used, close_if_spent(KEYS[1], used), late}
 """
 
-FAIL = """
--- fail: a sample failed every attempt (or got a final 400); record why, release it.
--- KEYS[1] done hash, KEYS[2] pending hash, KEYS[3] failed hash
--- ARGV[1] sample id, ARGV[2] chunk id, ARGV[3] reason JSON
+FAIL = _SETTLE + """
+-- fail: a sample failed every attempt (or got a final 400); settle its reservation, record why, release it.
+-- KEYS[1] done hash, KEYS[2] pending hash, KEYS[3] failed hash, KEYS[4] reservations hash, KEYS[5] in-flight
+-- ARGV[1] sample id, ARGV[2] chunk id, ARGV[3] reason JSON, ARGV[4] tokens the request reserved
 -- returns 1 if recorded, 0 if the sample is committed or held by another chunk (then this failure is stale)
+settle(KEYS[4], KEYS[5], ARGV[2], ARGV[4])
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
 if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('HDEL', KEYS[2], ARGV[1])
@@ -158,12 +240,16 @@ return #ids
 
 RECLAIM = _NOW_MS + """
 -- reclaim: take back running chunks whose lease expired (their worker died or lost Redis).
--- KEYS[1] chunks zset
+-- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] in-flight hash
 -- returns the reclaimed chunk ids; their samples are then held by nobody and the producer enqueues them
--- again. If the old worker was only slow, its later commits hit the done guard and its next admit fails.
+-- again; their reservations are dropped, so a dead worker never keeps budget reserved. If the old worker was
+-- only slow, its later commits hit the done guard (and count as late) and its next admit fails.
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now_ms())
 for i = 1, #ids, 1000 do
-  redis.call('ZREM', KEYS[1], unpack(ids, i, math.min(i + 999, #ids)))
+  local part = {unpack(ids, i, math.min(i + 999, #ids))}
+  redis.call('ZREM', KEYS[1], unpack(part))
+  redis.call('HDEL', KEYS[2], unpack(part))
+  redis.call('HDEL', KEYS[3], unpack(part))
 end
 return ids
 """
@@ -186,7 +272,7 @@ close_if_spent(KEYS[1], used)
 return {added, tokens, used}
 """
 
-UNCOMMIT = """
+UNCOMMIT = _CLOSE_IF_SPENT + """
 -- uncommit: forget committed samples whose response exists nowhere any more (not on disk, not in the results
 -- stream: the output file was deleted or replaced), so they are generated again instead of counted for
 -- nothing. Reopens the dataset if that brings it back under its budget.
@@ -203,8 +289,7 @@ for _, id in ipairs(ARGV) do
   end
 end
 local used = redis.call('DECRBY', KEYS[2], tokens)
-local budget = redis.call('HGET', KEYS[1], 'budget')
-if removed > 0 and (not budget or budget == '' or used < tonumber(budget)) then
+if removed > 0 and not spent(KEYS[1], used) then
   redis.call('HSET', KEYS[1], 'status', 'open')
 end
 return {removed, tokens, used}

@@ -69,6 +69,12 @@ def _sampling_params(max_tokens: int, temperature: float | None, top_p: float | 
 @click.option("--budget", "budgets", multiple=True, metavar="AMOUNT|NAME=AMOUNT",
               help="Completion tokens per dataset (10M, 500k, 1.5G); NAME=AMOUNT for one dataset. "
                    "Default: unlimited on a first run, the stored budget on a rerun.")
+@click.option("--budget-mode", "modes", multiple=True, metavar="MODE|NAME=MODE",
+              help="How a dataset lands on its budget: predict (default: reserve each running request's "
+                   "expected length), strict (reserve max-tokens: never above the budget), drain (stop at the "
+                   "budget, let in-flight requests finish). Stored per dataset; a rerun keeps it.")
+@click.option("--expect-mean", type=click.FloatRange(1), default=None,
+              help="Expected completion length before results arrive (predict's prior; --dry-run's estimate).")
 @click.option("--max-tokens", type=click.IntRange(1), required=True,
               help="max_new_tokens per request (required: SGLang's default of 128 truncates silently).")
 @click.option("--max-context", type=click.IntRange(1), default=None,
@@ -96,7 +102,8 @@ def _sampling_params(max_tokens: int, temperature: float | None, top_p: float | 
 @click.option("--job-timeout", type=click.IntRange(60), default=6 * 3600, show_default=True,
               help="RQ job timeout of one chunk, in seconds.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only errors and the summary.")
-def run_cmd(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], max_tokens: int,
+def run_cmd(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes: tuple[str, ...],
+            expect_mean: float | None, max_tokens: int,
             max_context: int | None, max_samples: int | None, out_dir: Path, redis_url: str,
             temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
             chat_template_kwargs: str | None, skip_invalid: bool, chunk_size: int, queue_depth: int,
@@ -109,7 +116,8 @@ def run_cmd(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], ma
         sys.exit(130)
 
 
-def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], max_tokens: int,
+def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes: tuple[str, ...],
+         expect_mean: float | None, max_tokens: int,
          max_context: int | None, max_samples: int | None, out_dir: Path, redis_url: str,
          temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
          chat_template_kwargs: str | None, skip_invalid: bool, chunk_size: int, queue_depth: int,
@@ -121,6 +129,10 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], max_t
 
     try:
         default_budget, named = parse_budget_option(budgets)
+    except ValueError as exc:
+        raise InputProblem(str(exc)) from None
+    try:
+        default_mode, named_modes = parse_mode_option(modes)
     except ValueError as exc:
         raise InputProblem(str(exc)) from None
     if top_k is not None and top_k != -1 and top_k < 1:
@@ -138,9 +150,9 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], max_t
     except InputError as exc:
         raise InputProblem(str(exc)) from None
     names = {r.name for r in reads}
-    unknown = sorted(set(named) - names)
+    unknown = sorted((set(named) | set(named_modes)) - names)
     if unknown:
-        raise InputProblem(f"--budget names unknown dataset(s): {', '.join(unknown)} (datasets: "
+        raise InputProblem(f"--budget/--budget-mode name unknown dataset(s): {', '.join(unknown)} (datasets: "
                            f"{', '.join(sorted(names))})")
     echo = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
     for r in reads:
@@ -177,6 +189,8 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], max_t
     think = renderer.think
     options = RunOptions(out_dir=out_dir, budgets=per_dataset, sampling_params=sampling, settings=settings,
                          think={"start": think.start, "end": think.end} if think else None,
+                         modes={p.name: named_modes.get(p.name, default_mode) for p in prepared},
+                         expect_mean=expect_mean,
                          chunk_size=chunk_size, queue_depth=queue_depth, new_run=new_run,
                          job=JobSettings(job_timeout=job_timeout))
     client: redis.Redis = redis.Redis.from_url(redis_url)
@@ -194,6 +208,24 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], max_t
         raise RuntimeProblem(f"Redis error: {exc}") from None
     from producer.report import summary_table
     click.echo(summary_table(summaries, detached=detach))
+
+
+def parse_mode_option(values: tuple[str, ...]) -> tuple[str | None, dict[str, str]]:
+    """--budget-mode MODE (all datasets) or NAME=MODE (one), like --budget."""
+    from budget.ledger import MODES
+    default: str | None = None
+    named: dict[str, str] = {}
+    for value in values:
+        name, sep, mode = value.rpartition("=")
+        if mode not in MODES:
+            raise ValueError(f'invalid --budget-mode "{value}": expected one of {", ".join(MODES)} or NAME=MODE')
+        if sep:
+            named[name] = mode
+        elif default is None:
+            default = mode
+        else:
+            raise ValueError("--budget-mode without a dataset name given twice")
+    return default, named
 
 
 def _safe_url(url: str) -> str:

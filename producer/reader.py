@@ -1,122 +1,45 @@
-"""Read prompt datasets (JSONL) into validated, normalized chat samples.
+"""Read prompt datasets into validated, normalized chat samples: the producer's entry to its inputs.
 
-Every sample that reaches the queue spends budget and a worker's time, so a malformed line is caught here, where
-it can be reported as ``file:line: reason``, rather than as a failed job later.
+Every sample that reaches the queue spends budget and a worker's time, so a malformed record is caught here, where
+it can be reported as ``file:line: reason`` (JSONL, JSON arrays) or ``path: row N: reason`` (Parquet, Hugging Face
+datasets), rather than as a failed job later. docs/inputs.md describes formats, field mapping and rules.
 
-One JSON object per line with exactly one of:
+The format is chosen by the path: a folder written by ``save_to_disk`` (it holds ``state.json`` or
+``dataset_dict.json``) is a Hugging Face dataset; any other folder is read as all its ``.jsonl``, ``.json`` and
+``.parquet`` files, recursively, in path order, skipping hidden ones, as one dataset; a ``.parquet`` file is
+Parquet; a ``.json`` file a JSON array (JSON Lines if it does not start with ``[``); any other file JSON Lines.
+What each record may hold is ``producer.records``; how each format is read is ``jsonfiles`` and ``columnar``.
 
-* ``messages``: OpenAI-style turns ``{"role": system|user|assistant|tool, "content": ..., ...}``. Extra keys
-  (``tool_calls``, ``name``, ``tool_call_id``, ``reasoning_content``...) are kept untouched: chat templates use
-  them. Content given as a list of ``{"type": "text", "text": ...}`` parts is joined with a single space, as
-  SGLang does for string-content templates; any other part type is invalid. Content may be null (or absent) only
-  on an assistant turn that has ``tool_calls``.
-* ``prompt``: a non-blank string, becoming one user turn.
-* ``conversations``: ShareGPT turns ``{"from": ..., "value": str}``; roles are mapped by ``SHAREGPT_ROLES``.
-
-Decisions (the lead may revisit them):
-
-* A field whose value is null counts as absent (exports of mixed datasets fill missing columns with null). Other
-  top-level keys are ignored.
-* Trailing assistant turns are the old answer and are dropped; what remains must contain a user turn and end with a
-  user or tool turn. Turns are validated before dropping, so a malformed old answer still makes the line invalid.
-* Blank (whitespace-only) lines at the end of the file are ignored; a blank line followed by a record is reported
-  as ``empty line``, because in the middle of a file it usually means a record was lost or split.
-* Line numbers count ``\\n`` only (the file is split as bytes), so a JSON string holding U+2028 stays one line.
-  A UTF-8 BOM at the start of the file is skipped. Each line is decoded on its own: one bad line does not spoil
-  the file.
-* ``id`` is a non-empty string or an integer (kept as its decimal string), at most 256 characters, with no control
-  characters. Without one, the id is ``"h"`` + the first 16 hex digits of the SHA-256 of the canonical JSON of
-  the returned messages: the letter keeps it apart from integer ids, and hashing what is actually sent means two
-  records with the same prompt (whatever their old answers) are duplicates.
-* Duplicate ids: the first wins; later ones are reported in ``ReadResult.duplicates``, which is not an error.
-* NaN/Infinity literals and ``\\ud800``-style unpaired surrogates are rejected: neither survives JSON/UTF-8
-  encoding downstream.
+Duplicate ids: the first wins; later ones are reported in ``ReadResult.duplicates``, which is not an error.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, NoReturn
+
+from producer.jsonfiles import read_json, read_jsonl
+from producer.records import DEFAULT_MAPPING, FieldMapping
+from producer.samples import Collector, InputError, Problem, ReadResult, Sample, file_error
+
+__all__ = ["FieldMapping", "InputError", "Problem", "ReadResult", "Sample", "check_unique_names",
+           "parse_dataset_arg", "read_all", "read_dataset", "valid_name"]
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """Dataset names become parts of Redis keys, RQ job ids and output paths: keep them to a safe alphabet."""
-MAX_ID_LEN = 256
 MAX_LISTED_PER_FILE = 50
-"""Bad lines listed per file in an InputError; a 100k-line file of the wrong format needs no 100k-line message."""
-ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {
-    "system": "system", "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "function_call": "assistant",
-    "tool": "tool", "observation": "tool", "function": "tool",
+"""Bad records listed per dataset in an InputError; a 100k-line file of the wrong format needs no 100k-line message."""
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+"""The files a plain folder dataset is made of."""
+SAVED_MARKERS = ("state.json", "dataset_dict.json")
+"""Files that make a folder a Hugging Face ``save_to_disk`` dataset."""
+SPLIT_WORDS = {
+    "train": "train", "training": "train",
+    "validation": "validation", "valid": "validation", "dev": "validation", "val": "validation",
+    "test": "test", "testing": "test", "eval": "test", "evaluation": "test",
 }
-RECORD_FIELDS = ("messages", "prompt", "conversations")
-_BOM = b"\xef\xbb\xbf"
-_ID_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-_SURROGATE_RE = re.compile(r"[\ud800-\udfff]")
-_SURROGATE_ESCAPE_RE = re.compile(r"\\u[dD]")
+"""Words naming a split in a data file's path, as the Hugging Face hub's folder convention reads them."""
 _NAME_RULE = 'letters, digits, "_" and "-" only, 1 to 64 characters'
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One valid prompt: what the producer renders and enqueues."""
-
-    id: str
-    messages: list[dict[str, Any]]
-    line: int
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Something wrong with a file (line is None) or one of its lines."""
-
-    path: str
-    line: int | None
-    reason: str
-
-    def __str__(self) -> str:
-        if self.line is None:
-            return f"{self.path}: {self.reason}"
-        return f"{self.path}:{self.line}: {self.reason}"
-
-
-@dataclass
-class ReadResult:
-    """One dataset file, read: its samples plus whatever was wrong with it."""
-
-    name: str
-    path: Path
-    samples: list[Sample]
-    invalid: list[Problem]
-    duplicates: list[Problem]
-
-
-class InputError(Exception):
-    """A user error in the datasets given; ``str(e)`` is the full message, ``problems`` the structured list."""
-
-    def __init__(self, problems: list[Problem], message: str | None = None) -> None:
-        self.problems = list(problems)
-        super().__init__("\n".join(map(str, self.problems)) if message is None else message)
-
-
-class _Invalid(Exception):
-    """Why one line is rejected; internal flow control, caught per line."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-def _reject_constant(name: str) -> NoReturn:
-    raise _Invalid(f"not valid JSON ({name} is not allowed)")
-
-
-# Built once: json.loads/json.dumps with options build a new decoder/encoder per call, a cost at 100k lines.
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
-_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+_WORD_RE = re.compile(r"[a-z]+")
 
 
 def valid_name(name: str) -> bool:
@@ -125,7 +48,7 @@ def valid_name(name: str) -> bool:
 
 
 def parse_dataset_arg(arg: str) -> tuple[str, Path]:
-    """Split ``NAME=PATH`` or ``PATH`` (the name is then the file's stem).
+    """Split ``NAME=PATH`` or ``PATH`` (the name is then the file's stem, or an existing folder's name).
 
     Paths may contain "=" (``lr=0.1/data.jsonl``): the text before the first "=" is a name only if it is a valid
     name and something follows; and if that path does not exist while the whole argument does, the whole argument
@@ -140,16 +63,26 @@ def parse_dataset_arg(arg: str) -> tuple[str, Path]:
         if _exists(Path(rest)) or not _exists(Path(arg)):
             return name, Path(rest)
     path = Path(arg)
-    if not valid_name(path.stem):
-        raise InputError([Problem(arg, None, f'the file name "{path.stem}" cannot be a dataset name '
+    is_dir = _is_dir(path)
+    stem = (path.name or path.resolve().name) if is_dir else path.stem  # a folder "v1.2" keeps its dot; "." its name
+    if not valid_name(stem):
+        what = "folder" if is_dir else "file"
+        raise InputError([Problem(arg, None, f'the {what} name "{stem}" cannot be a dataset name '
                                              f"({_NAME_RULE}); give one as NAME=PATH")])
-    return path.stem, path
+    return stem, path
 
 
 def _exists(path: Path) -> bool:
     try:
         return path.exists()
     except (OSError, ValueError):  # a name too long, a NUL byte: not an existing file either way
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
         return False
 
 
@@ -169,63 +102,67 @@ def check_unique_names(pairs: list[tuple[str, Path]]) -> None:
         raise InputError(problems)
 
 
-def read_dataset(name: str, path: Path) -> ReadResult:
-    """Read one file. Bad lines and duplicates are collected, never raised; only an unreadable file raises."""
+def read_dataset(name: str, path: Path, *, mapping: FieldMapping = DEFAULT_MAPPING) -> ReadResult:
+    """Read one dataset, a file or a folder, in the format its path says (see the module doc).
+
+    Bad records and duplicates are collected, never raised; a dataset that cannot be read at all raises
+    InputError: a missing or unreadable file, broken JSON syntax in a JSON array, a Parquet file or Hugging Face
+    dataset without any record column, or one given without pyarrow/datasets installed.
+    """
     result = ReadResult(name, path, [], [], [])
-    try:
-        f = open(path, "rb")
-    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
-        raise _file_error(str(path), e) from None
-    with f:
-        try:
-            _read_lines(f, result)
-        except OSError as e:
-            raise _file_error(str(path), e) from None
+    sink = Collector(result)
+    if _is_dir(path):
+        _read_folder(path, sink, mapping)
+    else:
+        _read_file(path, sink, mapping)
     return result
 
 
-def _read_lines(f: BinaryIO, result: ReadResult) -> None:
-    where = str(result.path)
-    first_line: dict[str, int] = {}
-    blanks: list[int] = []  # blank lines are only an error if a record follows them
-    for lineno, raw in enumerate(f, 1):  # binary iteration splits on b"\n" only, and any line length works
-        if lineno == 1 and raw.startswith(_BOM):
-            raw = raw[len(_BOM):]
-        if not raw.strip():
-            blanks.append(lineno)
-            continue
-        result.invalid.extend(Problem(where, n, "empty line") for n in blanks)
-        blanks.clear()
-        try:
-            sample_id, messages = _parse_line(raw)
-        except _Invalid as e:
-            result.invalid.append(Problem(where, lineno, e.reason))
-            continue
-        first = first_line.setdefault(sample_id, lineno)
-        if first != lineno:
-            result.duplicates.append(Problem(where, lineno, f'duplicate id "{sample_id}" (first seen on line {first})'))
-        else:
-            result.samples.append(Sample(sample_id, messages, lineno))
+def _read_file(path: Path, sink: Collector, mapping: FieldMapping) -> None:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        from producer.columnar import read_parquet  # pyarrow is imported only for a Parquet input
 
-
-def _file_error(where: str, e: Exception) -> InputError:
-    if isinstance(e, FileNotFoundError):
-        reason = "file not found"
-    elif isinstance(e, IsADirectoryError):
-        reason = "is a directory, not a file"
-    elif isinstance(e, PermissionError):
-        reason = "permission denied"
-    elif isinstance(e, OSError):
-        reason = f"cannot read ({e.strerror or e})"
+        read_parquet(path, sink, mapping)
+    elif suffix == ".json":
+        read_json(path, sink, mapping)
     else:
-        reason = f"invalid path ({e})"
-    return InputError([Problem(where, None, reason)])
+        read_jsonl(path, sink, mapping)
 
 
-def read_all(args: list[str], skip_invalid: bool) -> list[ReadResult]:
-    """Parse dataset arguments and read every file, raising one InputError that lists everything wrong.
+def _read_folder(path: Path, sink: Collector, mapping: FieldMapping) -> None:
+    where = str(path)
+    if any((path / marker).is_file() for marker in SAVED_MARKERS):
+        from producer.columnar import read_saved  # datasets is imported only for a save_to_disk folder
 
-    Bad lines are fatal unless ``skip_invalid``; a file without a single valid sample always is.
+        read_saved(path, sink, mapping)
+        return
+    try:
+        files = sorted(p for p in path.rglob("*") if p.suffix.lower() in DATA_SUFFIXES and p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    except OSError as e:
+        raise file_error(where, e) from None
+    if not files:
+        raise InputError([Problem(where, None, "a folder without data files (.jsonl, .json, .parquet) that is not "
+                                               "a Hugging Face save_to_disk dataset either")])
+    splits: dict[str, Path] = {}
+    for file in files:
+        words = _WORD_RE.findall(file.relative_to(path).as_posix().lower())
+        split = next((SPLIT_WORDS[w] for w in words if w in SPLIT_WORDS), None)
+        if split is not None:
+            splits.setdefault(split, file)
+    if len(splits) > 1:
+        shown = ", ".join(f"{s} ({f.relative_to(path)})" for s, f in sorted(splits.items()))
+        raise InputError([Problem(where, None, f"holds files of several splits: {shown}; a dataset is one split: "
+                                               "give a folder or file holding only one")])
+    for file in files:
+        _read_file(file, sink, mapping)
+
+
+def read_all(args: list[str], skip_invalid: bool, *, mapping: FieldMapping = DEFAULT_MAPPING) -> list[ReadResult]:
+    """Parse dataset arguments and read every dataset, raising one InputError that lists everything wrong.
+
+    Bad records are fatal unless ``skip_invalid``; a dataset without a single valid sample always is.
     """
     pairs = []
     problems: list[Problem] = []
@@ -240,200 +177,33 @@ def read_all(args: list[str], skip_invalid: bool) -> list[ReadResult]:
     results = []
     for name, path in pairs:
         try:
-            results.append(read_dataset(name, path))
+            results.append(read_dataset(name, path, mapping=mapping))
         except InputError as e:
             problems.extend(e.problems)
     if problems:
         raise InputError(problems)
 
     lines: list[str] = []
-    listed_bad_lines = False
+    listed: list[Problem] = []
     for r in results:
         if r.invalid and not skip_invalid:
-            listed_bad_lines = True
             problems.extend(r.invalid)
+            listed.extend(r.invalid)
             lines.extend(map(str, r.invalid[:MAX_LISTED_PER_FILE]))
             if len(r.invalid) > MAX_LISTED_PER_FILE:
-                lines.append(f"{r.path}: ... and {len(r.invalid) - MAX_LISTED_PER_FILE} more invalid lines")
+                lines.append(f"{r.path}: ... and {len(r.invalid) - MAX_LISTED_PER_FILE} more invalid "
+                             f"{_records_word(r.invalid)}")
         if not r.samples:
             problem = Problem(str(r.path), None, "no valid samples")
             problems.append(problem)
             lines.append(str(problem))
     if problems:
-        if listed_bad_lines:
-            lines.append("use --skip-invalid to skip bad lines")
+        if listed:
+            lines.append(f"use --skip-invalid to skip bad {_records_word(listed)}")
         raise InputError(problems, "\n".join(lines))
     return results
 
 
-def _parse_line(raw: bytes) -> tuple[str, list[dict[str, Any]]]:
-    """Decode, parse and normalize one non-blank line into (id, messages); raises _Invalid with the reason."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _Invalid(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at position {e.start + 1})") from None
-    try:
-        obj = _DECODER.decode(text)
-    except json.JSONDecodeError as e:
-        raise _Invalid(f"not valid JSON ({e.msg} at column {e.colno})") from None
-    except RecursionError:
-        raise _Invalid("not valid JSON (nested too deeply)") from None
-    except ValueError as e:  # an integer of thousands of digits
-        raise _Invalid(f"not valid JSON ({_first_sentence(str(e))})") from None
-    if type(obj) is not dict:
-        raise _Invalid("not a JSON object")
-    present = [k for k in RECORD_FIELDS if obj.get(k) is not None]
-    if len(present) > 1:
-        raise _Invalid('more than one of "messages", "prompt", "conversations"')
-    if not present:
-        nulls = [k for k in RECORD_FIELDS if k in obj]
-        raise _Invalid(f'"{nulls[0]}" is null' if nulls else 'no "messages", "prompt" or "conversations" field')
-    sample_id = _check_id(obj.get("id"))
-    field = present[0]
-    value = obj[field]
-    if field == "messages":
-        messages = _from_messages(value)
-    elif field == "prompt":
-        if type(value) is not str:
-            raise _Invalid(f"prompt: expected a string, got {_kind(value)}")
-        if not value.strip():
-            raise _Invalid("prompt: empty string")
-        messages = [{"role": "user", "content": value}]
-    else:
-        messages = _from_sharegpt(value)
-    _drop_old_answer(messages, field)
-    # Only a "\ud8xx" escape can smuggle in an unpaired surrogate, so the costly check runs only then.
-    if _SURROGATE_ESCAPE_RE.search(text):
-        _check_encodable(messages, field)
-    if sample_id is None:
-        canonical = _CANONICAL.encode(messages).encode("utf-8")
-        sample_id = "h" + hashlib.sha256(canonical).hexdigest()[:16]
-    return sample_id, messages
-
-
-def _check_id(value: object) -> str | None:
-    if value is None:
-        return None
-    if type(value) is int:
-        text = str(value)
-    elif type(value) is str:
-        text = value
-        if not text:
-            raise _Invalid('"id" must not be empty')
-        if _ID_CONTROL_RE.search(text):
-            raise _Invalid('"id" must not contain control characters')
-        if _SURROGATE_RE.search(text):
-            raise _Invalid('"id" contains an unpaired surrogate (\\ud800-\\udfff escape)')
-    else:
-        raise _Invalid(f'"id" must be a string or an integer, got {_kind(value)}')
-    if len(text) > MAX_ID_LEN:
-        raise _Invalid(f'"id" is longer than {MAX_ID_LEN} characters')
-    return text
-
-
-def _from_messages(value: object) -> list[dict[str, Any]]:
-    if type(value) is not list:
-        raise _Invalid(f"messages: expected a list, got {_kind(value)}")
-    if not value:
-        raise _Invalid("messages: empty list")
-    out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if type(m) is not dict:
-            raise _Invalid(f"{where}: expected an object, got {_kind(m)}")
-        role = m.get("role")
-        if type(role) is not str or role not in ROLES:
-            if "role" not in m:
-                raise _Invalid(f"{where}.role: missing")
-            raise _Invalid(f"{where}.role: expected one of {', '.join(ROLES)}, got {_show(role)}")
-        tool_calls = m.get("tool_calls")
-        if tool_calls is not None and type(tool_calls) is not list:
-            raise _Invalid(f"{where}.tool_calls: expected a list, got {_kind(tool_calls)}")
-        content = m.get("content")
-        if type(content) is list:
-            m = {**m, "content": _join_text_parts(content, where)}
-        elif content is None:
-            if role != "assistant" or not tool_calls:
-                state = "null" if "content" in m else "missing"
-                raise _Invalid(f"{where}.content: {state} (allowed only on an assistant turn with tool_calls)")
-        elif type(content) is not str:
-            raise _Invalid(f"{where}.content: expected a string, a list of text parts or null, got {_kind(content)}")
-        out.append(m)
-    return out
-
-
-def _join_text_parts(parts: list[Any], where: str) -> str:
-    texts = []
-    for j, part in enumerate(parts):
-        if type(part) is not dict:
-            raise _Invalid(f"{where}.content[{j}]: expected an object, got {_kind(part)}")
-        if part.get("type") != "text":
-            raise _Invalid(f"{where}.content[{j}]: only text parts are supported, got type {_show(part.get('type'))}")
-        text = part.get("text")
-        if type(text) is not str:
-            raise _Invalid(f"{where}.content[{j}].text: expected a string, got {_kind(text)}")
-        texts.append(text)
-    return " ".join(texts)
-
-
-def _from_sharegpt(value: object) -> list[dict[str, Any]]:
-    if type(value) is not list:
-        raise _Invalid(f"conversations: expected a list, got {_kind(value)}")
-    if not value:
-        raise _Invalid("conversations: empty list")
-    out = []
-    for i, turn in enumerate(value):
-        where = f"conversations[{i}]"
-        if type(turn) is not dict:
-            raise _Invalid(f"{where}: expected an object, got {_kind(turn)}")
-        source = turn.get("from")
-        role = SHAREGPT_ROLES.get(source) if type(source) is str else None
-        if role is None:
-            if "from" not in turn:
-                raise _Invalid(f"{where}.from: missing")
-            raise _Invalid(f"{where}.from: expected one of {', '.join(SHAREGPT_ROLES)}, got {_show(source)}")
-        text = turn.get("value")
-        if type(text) is not str:
-            raise _Invalid(f"{where}.value: expected a string, got {_kind(text)}")
-        out.append({"role": role, "content": text})
-    return out
-
-
-def _drop_old_answer(messages: list[dict[str, Any]], field: str) -> None:
-    while messages and messages[-1]["role"] == "assistant":
-        messages.pop()
-    if not any(m["role"] == "user" for m in messages):
-        raise _Invalid(f"{field}: no user turn")
-    last = messages[-1]["role"]
-    if last not in ("user", "tool"):
-        raise _Invalid(f"{field}: must end with a user or tool turn (after dropping the old answer), "
-                       f"ends with a {last} turn")
-
-
-def _check_encodable(messages: list[dict[str, Any]], field: str) -> None:
-    for i, m in enumerate(messages):
-        try:
-            json.dumps(m, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            where = field if field == "prompt" else f"{field}[{i}]"
-            raise _Invalid(f"{where}: contains an unpaired surrogate (\\ud800-\\udfff escape), "
-                           "which cannot be encoded as UTF-8") from None
-
-
-_KINDS = {dict: "object", list: "list", str: "string", int: "integer", float: "number", bool: "boolean"}
-
-
-def _kind(value: object) -> str:
-    return "null" if value is None else _KINDS.get(type(value), type(value).__name__)
-
-
-def _show(value: object, limit: int = 40) -> str:
-    """A short, printable rendering of a bad value for a message (it may be huge or hold a lone surrogate)."""
-    text = json.dumps(value, ensure_ascii=False)
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _first_sentence(text: str) -> str:
-    return text.split(":")[0]
+def _records_word(problems: list[Problem]) -> str:
+    units = {p.unit for p in problems}
+    return "lines" if units == {"line"} else "rows" if units == {"row"} else "records"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -28,7 +29,7 @@ from typing import Any, Callable
 import redis
 
 from budget import keys
-from budget.ledger import Ledger
+from budget.ledger import DatasetState, Ledger, default_prior_mean
 from budget.payload import ThinkPayload
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, stream_ids, write_failed
@@ -70,8 +71,11 @@ class RunOptions:
     sampling_params: dict[str, Any]
     settings: dict[str, Any]  # the run's fingerprinted settings (producer.prepare.run_settings)
     think: ThinkPayload | None
+    modes: dict[str, str | None] = field(default_factory=dict)  # --budget-mode; None: stored, else predict
+    expect_mean: float | None = None  # prior completion length for predict before results arrive
     chunk_size: int = 64
     queue_depth: int = 16
+    margin: float = 1.25  # just-in-time: hold this many times the samples the remaining budget needs
     new_run: bool = False
     job: JobSettings = field(default_factory=JobSettings)
     poll_s: float = 0.2
@@ -178,11 +182,18 @@ class Producer:
             budget = int(stored_budget)  # type: ignore[arg-type]
         else:
             budget = None
+        stored_mode: Any = self.r.hget(k.meta, "mode")
+        mode = self.opt.modes.get(p.name) or (stored_mode.decode() if stored_mode else "predict")
+        self.ledger.set_mode(p.name, mode, int(self.opt.sampling_params["max_new_tokens"]))
         self.ledger.set_budget(p.name, budget)
 
         out = ResultsFile(out_dir / RESULTS)
         if out.truncated_bytes:
             self.echo(f"{p.name}: cut a torn last line ({out.truncated_bytes} bytes) from {out.path}")
+        if self.opt.expect_mean:
+            self.ledger.set_prior(p.name, self.opt.expect_mean)
+        elif out.tokens:
+            self.ledger.set_prior(p.name, out.total_tokens / len(out.tokens))
         added, tokens = self.ledger.reconcile(p.name, list(out.tokens.items()))
         if added:
             self.echo(f"{p.name}: counted {added} responses ({tokens} tokens) found in {out.path}")
@@ -255,9 +266,10 @@ class Producer:
         try:
             if detach:
                 for d in self.runs:
-                    d.status = self.ledger.state(d.name).status
-                    if d.status == "open":
-                        self._refill(d, everything=True)
+                    state = self.ledger.state(d.name)
+                    d.status = state.status
+                    if state.has_room():
+                        self._refill(d, max_samples=self._samples_needed(d, state, everything=True))
                 return self.summaries()
             while not self.step():
                 self._wait()
@@ -306,11 +318,13 @@ class Producer:
                 self._release(d, cid, cid in reclaimed)
         state = self.ledger.state(d.name)
         d.status, d.used = state.status, state.used
+        self.r.hset(k.meta, mapping={"selected": len(d.prepared.samples), "todo": len(d.todo)})
         if state.status != "open":
             if state.queued_chunks:
                 self.ledger.discard(d.name, "budget reached")
-        elif d.todo and state.queued_chunks < self.opt.queue_depth:
-            self._refill(d, max_chunks=self.opt.queue_depth - state.queued_chunks)
+        elif d.todo and state.queued_chunks < self.opt.queue_depth and state.has_room():
+            self._refill(d, max_chunks=self.opt.queue_depth - state.queued_chunks,
+                         max_samples=self._samples_needed(d, state))
         if (state.status != "open" or not d.todo) and not d.chunk_samples and not live \
                 and self.r.xlen(k.results) == 0:
             d.failed = self.ledger.failed(d.name)
@@ -356,12 +370,32 @@ class Producer:
             self.r.zrem(k.chunks, cid)
         return stale
 
-    def _refill(self, d: DatasetRun, max_chunks: int = 0, everything: bool = False) -> None:
+    def _samples_needed(self, d: DatasetRun, state: DatasetState, everything: bool = False) -> int:
+        """Just in time: how many more samples to hand out now. Unbudgeted (or --detach without a budget):
+        everything. Budgeted: enough to fill what the budget still has room for, at the mean completion length
+        seen so far, times a margin, plus one chunk, minus what live chunks already hold."""
+        if state.budget is None:
+            return len(d.todo)
+        room = max(0, state.budget - state.used - state.reserved)
+        mean = state.used / state.done if state.done else self._prior_mean(d.name)
+        needed = math.ceil(room / max(mean, 1.0) * self.opt.margin) + self.opt.chunk_size
+        held = sum(1 for ids in d.chunk_samples.values() for sid in ids if sid not in d.done)
+        return max(0, needed - held) if not everything else max(0, needed)
+
+    def _prior_mean(self, name: str) -> float:
+        raw = self.r.hget(keys.DatasetKeys(name).meta, "prior_mean")
+        if raw:
+            return float(raw)
+        return default_prior_mean(int(self.opt.sampling_params["max_new_tokens"]))
+
+    def _refill(self, d: DatasetRun, max_chunks: int | None = None, max_samples: int | None = None) -> None:
         size = self.opt.chunk_size
         chunks: list[list[Item]] = []
         p = d.prepared
-        while d.todo and (everything or len(chunks) < max_chunks):
-            ids = [d.todo.popleft() for _ in range(min(size, len(d.todo)))]
+        budget = len(d.todo) if max_samples is None else max_samples
+        while d.todo and budget > 0 and (max_chunks is None or len(chunks) < max_chunks):
+            ids = [d.todo.popleft() for _ in range(min(size, len(d.todo), budget))]
+            budget -= len(ids)
             chunks.append([Item(sid, p.input_ids[sid].tolist(), p.opens_think[sid]) for sid in ids])
         if not chunks:
             return

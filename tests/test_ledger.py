@@ -61,12 +61,12 @@ def test_admit_refuses_closed_revoked_and_foreign_samples(r: "redis.Redis") -> N
     ledger.set_budget("ds", 10)
     a, b = enqueue(r, "ds", 2)
     assert ledger.start_chunk("ds", a) == "ok"
-    assert ledger.admit("ds", "ds-0-0", a) is Admit.START
-    assert ledger.admit("ds", "ds-1-0", a) is Admit.SKIP  # held by chunk b
+    assert ledger.admit("ds", "ds-0-0", a).verdict is Admit.START
+    assert ledger.admit("ds", "ds-1-0", a).verdict is Admit.SKIP  # held by chunk b
     ledger.commit("ds", "ds-0-0", 3, {})
-    assert ledger.admit("ds", "ds-0-0", a) is Admit.SKIP  # already committed
+    assert ledger.admit("ds", "ds-0-0", a).verdict is Admit.SKIP  # already committed
     ledger.commit("ds", "ds-0-1", 30, {})
-    assert ledger.admit("ds", "ds-0-1", a) is Admit.CLOSED
+    assert ledger.admit("ds", "ds-0-1", a).verdict is Admit.CLOSED
     assert ledger.start_chunk("ds", b) == "closed"
 
 
@@ -109,7 +109,7 @@ def test_lease_expiry_is_reclaimed_and_the_zombie_is_fenced(r: "redis.Redis") ->
     time.sleep(0.1)  # let the 50 ms lease lapse: the lease is Redis TIME, there is no event to wait on
     assert ledger.reclaim("ds") == [cid]
     assert ledger.refresh_chunk("ds", cid) is False  # the old worker learns it lost the chunk
-    assert ledger.admit("ds", "ds-0-0", cid) is Admit.REVOKED
+    assert ledger.admit("ds", "ds-0-0", cid).verdict is Admit.REVOKED
     assert ledger.commit("ds", "ds-0-1", 4, {}).committed  # an in-flight response still counts once
 
 

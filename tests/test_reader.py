@@ -135,9 +135,12 @@ def test_missing_file(tmp_path: Path) -> None:
     assert info.value.problems == [Problem(str(path), None, "file not found")]
 
 
-def test_directory(tmp_path: Path) -> None:
-    with pytest.raises(InputError, match="is a directory"):
+def test_folder_without_data_files(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not data")
+    with pytest.raises(InputError) as info:
         read_dataset("d", tmp_path)
+    assert str(info.value) == f"{tmp_path}: a folder without data files (.jsonl, .json, .parquet) that is not " \
+                              "a Hugging Face save_to_disk dataset either"
 
 
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root reads everything")

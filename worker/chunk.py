@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from budget.ledger import LEASE_MS, Admit, Ledger
+from budget.ledger import LEASE_MS, Admission, Admit, Ledger
 from budget.payload import ChunkPayload, SamplePayload, request_id
 from worker.config import WorkerConfig
+from worker.estimate import LengthModel, RateTracker
 from worker.reasoning import split_reasoning
 from worker.sglang import Generation, GenerateError, SGLangClient
 
@@ -34,6 +36,7 @@ class ChunkReport:
     skipped: int = 0
     not_started: int = 0
     tokens: int = 0
+    late: int = 0  # committed after this chunk had lost its lease (its reservation had expired)
     attempts: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -85,11 +88,56 @@ def result_record(dataset: str, sample: SamplePayload, gen: Generation, chunk: C
     }
 
 
-async def _keep_lease(ledger: Ledger, dataset: str, chunk: str, lost: asyncio.Event, beat: Any) -> None:
+@dataclass
+class Flight:
+    """A request in flight and what it reserves (budget/scripts.py ADMIT, COMMIT)."""
+
+    started: float
+    reserved: int
+
+
+class Budgeting:
+    """What a worker knows about a dataset's budget mode and lengths, refreshed from Redis every few seconds."""
+
+    REFRESH_S = 5.0
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.rates = RateTracker()
+        self._models: dict[str, tuple[float, str, LengthModel]] = {}
+
+    def model(self, dataset: str) -> tuple[str, LengthModel]:
+        now = time.monotonic()
+        cached = self._models.get(dataset)
+        if cached is None or now - cached[0] > self.REFRESH_S:
+            lengths, prior, max_new, mode = self.ledger.length_sample(dataset)
+            cached = (now, mode, LengthModel(lengths, prior, max_new))
+            self._models[dataset] = cached
+        return cached[1], cached[2]
+
+    def expected(self, dataset: str, elapsed: float = 0.0) -> int:
+        return self.model(dataset)[1].expected(self.rates.progress(elapsed))
+
+
+async def _keep_lease(ledger: Ledger, dataset: str, chunk: str, lost: asyncio.Event, beat: Any,
+                      flights: dict[str, Flight], budgeting: Budgeting) -> None:
+    """Refresh the lease every LEASE_MS/4 and, in predict mode, grow running requests' reservations every
+    second: a request that has run long is expected to run longer."""
+    last_lease = time.monotonic()
     while True:
-        await asyncio.sleep(LEASE_MS / 4000)
+        await asyncio.sleep(1.0)
+        now = time.monotonic()
+        reserved: int | None = None
         try:
-            ok = ledger.refresh_chunk(dataset, chunk)
+            mode, model = budgeting.model(dataset)
+            if mode == "predict" and flights:
+                for f in flights.values():
+                    f.reserved = model.expected(budgeting.rates.progress(now - f.started))
+                reserved = sum(f.reserved for f in flights.values())
+            elif now - last_lease < LEASE_MS / 4000:
+                continue
+            ok = ledger.refresh_chunk(dataset, chunk, reserved=reserved)
+            last_lease = now
             if beat is not None:
                 beat()
         except Exception as exc:  # Redis hiccup: keep trying; the lease has slack for three misses
@@ -102,8 +150,9 @@ async def _keep_lease(ledger: Ledger, dataset: str, chunk: str, lost: asyncio.Ev
 
 
 async def process_chunk(chunk: ChunkPayload, *, ledger: Ledger, client: SGLangClient, config: WorkerConfig,
-                        heartbeat: Any = None) -> ChunkReport:
+                        heartbeat: Any = None, budgeting: Budgeting | None = None) -> ChunkReport:
     dataset, chunk_id = chunk["dataset"], chunk["chunk"]
+    budgeting = budgeting or Budgeting(ledger)
     report = ChunkReport(chunk_id)
     started = ledger.start_chunk(dataset, chunk_id)
     if started != "ok":
@@ -112,26 +161,30 @@ async def process_chunk(chunk: ChunkPayload, *, ledger: Ledger, client: SGLangCl
         return report
 
     lost = asyncio.Event()
-    lease = asyncio.create_task(_keep_lease(ledger, dataset, chunk_id, lost, heartbeat))
+    flights: dict[str, Flight] = {}
+    progressed = asyncio.Event()  # set whenever a request of this chunk ends
+    lease = asyncio.create_task(_keep_lease(ledger, dataset, chunk_id, lost, heartbeat, flights, budgeting))
     slots = asyncio.Semaphore(config.concurrency)
     tasks: list[asyncio.Task[None]] = []
 
-    async def run_one(sample: SamplePayload) -> None:
+    async def run_one(sample: SamplePayload, flight: Flight) -> None:
+        sid = sample["id"]
         try:
             try:
                 gen = await generate_sample(client, config, dataset, sample, chunk["sampling_params"], report)
             except GenerateError as err:
-                report.errors.append(f"{sample['id']}: {err.reason}")
-                if ledger.fail(dataset, sample["id"], chunk_id,
-                               {"id": sample["id"], "reason": err.reason, "status": err.status,
-                                "attempts": err.attempts}):
+                report.errors.append(f"{sid}: {err.reason}")
+                if ledger.fail(dataset, sid, chunk_id, {"id": sid, "reason": err.reason, "status": err.status,
+                                                         "attempts": err.attempts}, reserved=flight.reserved):
                     report.failed += 1
                 return
-            outcome = ledger.commit(dataset, sample["id"], gen.completion_tokens,
-                                    result_record(dataset, sample, gen, chunk))
+            budgeting.rates.observe(gen.completion_tokens, time.monotonic() - flight.started)
+            outcome = ledger.commit(dataset, sid, gen.completion_tokens, result_record(dataset, sample, gen, chunk),
+                                    chunk=chunk_id, reserved=flight.reserved, finish_reason=gen.finish_reason)
             if outcome.committed:
                 report.committed += 1
                 report.tokens += gen.completion_tokens
+                report.late += outcome.late
             else:
                 report.duplicates += 1
             if outcome.closed_now:
@@ -139,22 +192,46 @@ async def process_chunk(chunk: ChunkPayload, *, ledger: Ledger, client: SGLangCl
                 log.info("%s reached its budget (%d tokens): closed, %d queued chunks discarded",
                          dataset, outcome.used, n)
         finally:
+            flights.pop(sid, None)
+            progressed.set()
             slots.release()
 
     try:
-        for i, sample in enumerate(chunk["samples"]):
+        samples = chunk["samples"]
+        i = 0
+        while i < len(samples):
+            sample = samples[i]
             await slots.acquire()
-            verdict = Admit.REVOKED if lost.is_set() else ledger.admit(dataset, sample["id"], chunk_id)
+            if lost.is_set():
+                admission = Admission(Admit.REVOKED, 0)
+            else:
+                admission = ledger.admit(dataset, sample["id"], chunk_id, budgeting.expected(dataset))
+            verdict = admission.verdict
+            if verdict is Admit.FULL and flights:
+                # The budget is reserved by requests in flight. Ours will end and free some: wait for that.
+                slots.release()
+                progressed.clear()
+                try:
+                    await asyncio.wait_for(progressed.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+                continue
             if verdict is Admit.SKIP:
                 report.skipped += 1
                 slots.release()
+                i += 1
                 continue
             if verdict is not Admit.START:
-                report.status = "closed" if verdict is Admit.CLOSED else "revoked"
-                report.not_started = len(chunk["samples"]) - i
+                report.status = {Admit.CLOSED: "closed", Admit.FULL: "full"}.get(verdict, "revoked")
+                report.not_started = len(samples) - i
                 slots.release()
+                if verdict is Admit.CLOSED:
+                    ledger.discard(dataset, CLOSE_REASON)  # strict closes at admission; safe to repeat
                 break
-            tasks.append(asyncio.create_task(run_one(sample)))
+            flight = Flight(time.monotonic(), admission.reserved)
+            flights[sample["id"]] = flight
+            tasks.append(asyncio.create_task(run_one(sample, flight)))
+            i += 1
         if tasks:
             await asyncio.gather(*tasks)
     except BaseException:

@@ -15,7 +15,7 @@ import redis
 
 from budget.ledger import Ledger
 from budget.payload import ChunkPayload
-from worker.chunk import ChunkReport, process_chunk
+from worker.chunk import Budgeting, ChunkReport, process_chunk
 from worker.config import WorkerConfig
 from worker.sglang import SGLangClient
 
@@ -30,6 +30,7 @@ class Runtime:
         self.connection = connection
         self.config = config
         self.ledger = Ledger(connection)
+        self.budgeting = Budgeting(self.ledger)
         self.heartbeat = heartbeat
         self.loop = asyncio.new_event_loop()
         self._session: aiohttp.ClientSession | None = None
@@ -48,7 +49,8 @@ class Runtime:
     def run_chunk(self, chunk: ChunkPayload) -> ChunkReport:
         client = self._ensure_client()
         task = self.loop.create_task(process_chunk(chunk, ledger=self.ledger, client=client,
-                                                   config=self.config, heartbeat=self.heartbeat))
+                                                   config=self.config, heartbeat=self.heartbeat,
+                                                   budgeting=self.budgeting))
         try:
             return self.loop.run_until_complete(task)
         except BaseException:

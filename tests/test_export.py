@@ -1,0 +1,472 @@
+"""Export: both formats round-trip to the source records, truncated and failed samples are handled as documented,
+token ids are checked against the run, the manifest says what the dataset holds, and files appear atomically."""
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from demo.run import find_redis_server
+from demo.tokenizer import build_tokenizer
+from producer.export import (FORMATS, ExportError, ExportOptions, export_dataset, template_hash,
+                             write_manifest)
+from producer.render import Renderer, load_tokenizer
+
+THINK = ("<think>", "</think>")
+ROLE_OF = {"system": "system", "human": "user", "gpt": "assistant", "tool": "tool"}
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}
+PROMPTS: dict[str, list[dict[str, Any]]] = {
+    "plain": [{"role": "user", "content": "What is the weather like in Paris today?"}],
+    "tools": [SYSTEM, {"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": "", "tool_calls": [CALL]},
+              {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "{\"temp\": 21}"}],
+    "null-content": [{"role": "user", "content": "Weather in Paris?"},
+                     {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+    "text-and-call": [{"role": "user", "content": "Weather in Paris?"},
+                      {"role": "assistant", "content": "Let me check.", "tool_calls": [CALL]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+    "multi-turn": [SYSTEM, {"role": "user", "content": "Write a function that returns the sum of a list."},
+                   {"role": "assistant", "content": "def total(xs):\n    return sum(xs)",
+                    "reasoning_content": "Easy."},
+                   {"role": "user", "content": "Make sure it handles an empty list."}],
+}
+
+
+# -- fixtures and helpers ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tok(tokenizer_dir: Path) -> Any:
+    return load_tokenizer(tokenizer_dir)  # the demo tokenizer, thinking="open" (see conftest)
+
+
+def response_of(reasoning: str | None, content: str, reasoning_truncated: bool) -> str:
+    """What an "open" template's model returns: the prompt already ends with "<think>\\n"."""
+    if reasoning is None:
+        return content
+    return reasoning if reasoning_truncated else f"{reasoning}\n</think>\n\n{content}"
+
+
+def make_record(tok: Any, sid: str, prompt: str, *, reasoning: str | None = "Let me think. The user asks.",
+                content: str = "It is sunny.", finish: str = "stop", reasoning_truncated: bool = False,
+                kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    messages = PROMPTS[prompt]
+    response = response_of(reasoning, content, reasoning_truncated)
+    prompt_ids = Renderer(tok, chat_template_kwargs=kwargs).render(messages).input_ids
+    # The server counts the EOS a "stop" ends with; the text does not hold it.
+    completion = len(tok.encode(response, add_special_tokens=False)) + (finish == "stop")
+    return {"id": sid, "dataset": "ds", "messages": messages, "response": response, "reasoning": reasoning,
+            "content": content, "reasoning_truncated": reasoning_truncated, "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion, "finish_reason": finish, "sampling_params": {"max_new_tokens": 64}}
+
+
+def standard_records(tok: Any) -> list[dict[str, Any]]:
+    return [
+        make_record(tok, "a-plain", "plain"),
+        make_record(tok, "b-tools", "tools", content="It is 21 degrees."),
+        make_record(tok, "c-null", "null-content", reasoning="Sunny means nice."),
+        make_record(tok, "d-text-call", "text-and-call"),
+        make_record(tok, "e-multi", "multi-turn", content="def total(xs):\n    return sum(xs) if xs else 0"),
+        make_record(tok, "f-no-thinking", "plain", reasoning=""),
+        make_record(tok, "g-cut-thinking", "plain", reasoning="I keep thinking and", content="",
+                    finish="length", reasoning_truncated=True),
+        make_record(tok, "h-cut-answer", "plain", content="It is su", finish="length"),
+        make_record(tok, "i-failed-too", "plain"),  # stale: a rerun answered it, failed.jsonl not yet rewritten
+    ]
+
+
+def write_dataset(root: Path, tok: Any, records: list[dict[str, Any]], *, failed: tuple[str, ...] = (),
+                  kwargs: dict[str, Any] | None = None, think: Any = THINK) -> Path:
+    out = root / "out" / "ds"
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"chat_template_kwargs": kwargs or {}, "sampling_params": {"max_new_tokens": 64},
+                "think": None if think is None else list(think),
+                "tokenizer": Renderer(tok, chat_template_kwargs=kwargs).fingerprint()}
+    (out / "run.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (out / "raw_responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    if failed:
+        lines = "".join(json.dumps({"id": sid, "reason": "HTTP 500", "status": 500, "attempts": 3}) + "\n"
+                        for sid in failed)
+        (out / "failed.jsonl").write_text(lines, encoding="utf-8")
+    return out
+
+
+@pytest.fixture
+def dataset(tmp_path: Path, tok: Any) -> Path:
+    return write_dataset(tmp_path, tok, standard_records(tok), failed=("i-failed-too", "z-never-answered"))
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def split_inline(text: str) -> tuple[str | None, str]:
+    """The inverse of the inline rendering, written apart from the library."""
+    head = THINK[0] + "\n"
+    if not text.startswith(head):
+        return None, text
+    reasoning, sep, content = text[len(head):].partition(f"\n{THINK[1]}\n\n")
+    assert sep, text
+    return reasoning, content
+
+
+def message_from_sharegpt(turn: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of the ShareGPT rendering: tool calls come back from the value's last line."""
+    extras = {k: v for k, v in turn.items() if k not in ("from", "value")}
+    message: dict[str, Any] = {"role": ROLE_OF[turn["from"]], "content": turn["value"]}
+    if message["role"] == "assistant" and "tool_calls" not in extras:
+        *text, last = turn["value"].split("\n")
+        try:
+            calls = json.loads(last)
+        except ValueError:
+            calls = None
+        if isinstance(calls, list) and calls and all(isinstance(c, dict) and "function" in c for c in calls):
+            message = {"role": "assistant", "content": "\n".join(text), "tool_calls": calls}
+    return {**message, **extras}
+
+
+def read_back(record: dict[str, Any], fmt: str, reasoning_mode: str
+              ) -> tuple[list[dict[str, Any]], str | None, str]:
+    """(prompt messages, reasoning, content) of one exported record."""
+    if fmt == "openai-messages":
+        *prompt, turn = record["messages"]
+        assert turn["role"] == "assistant"
+        text, field = turn["content"], turn.get("reasoning_content")
+    else:
+        *turns, gpt = record["conversations"]
+        assert gpt["from"] == "gpt"
+        prompt = [message_from_sharegpt(t) for t in turns]
+        text, field = gpt["value"], gpt.get("reasoning_content")
+    if reasoning_mode == "inline":
+        assert field is None
+        reasoning, content = split_inline(text)
+        return prompt, reasoning, content
+    assert THINK[0] not in text and THINK[1] not in text
+    return prompt, field, text
+
+
+def without_null_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ShareGPT values are strings: a null content (a tool-call turn) comes back as "" (templates agree)."""
+    return [{**m, "content": "" if m.get("content") is None else m["content"]} for m in messages]
+
+
+def assert_round_trip(source: Path, exported: Path, fmt: str, reasoning_mode: str) -> None:
+    by_id = {r["id"]: r for r in read_jsonl(source)}
+    records = read_jsonl(exported)
+    assert records
+    for record in records:
+        src = by_id[record["id"]]
+        prompt, reasoning, content = read_back(record, fmt, reasoning_mode)
+        expected_prompt = src["messages"] if fmt == "openai-messages" else without_null_content(src["messages"])
+        assert prompt == expected_prompt, record["id"]
+        assert content == src["content"], record["id"]
+        assert reasoning == (None if reasoning_mode == "drop" else src["reasoning"]), record["id"]
+
+
+# -- formats and round trip ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("reasoning", ["inline", "field", "drop"])
+def test_round_trip(dataset: Path, tmp_path: Path, fmt: str, reasoning: str) -> None:
+    dest = tmp_path / "export" / f"{fmt}.jsonl"
+    report = export_dataset(dataset, dest, ExportOptions(fmt, truncated="keep", reasoning=reasoning))
+    assert report.path == dest and report.written == 8  # 9 records, one of them listed in failed.jsonl
+    assert_round_trip(dataset / "raw_responses.jsonl", dest, fmt, reasoning)
+
+
+def test_openai_messages_record(dataset: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "x.jsonl"
+    export_dataset(dataset, dest, ExportOptions("openai-messages", reasoning="field"))
+    record = next(r for r in read_jsonl(dest) if r["id"] == "b-tools")
+    assert record == {"id": "b-tools", "messages": [
+        *PROMPTS["tools"],
+        {"role": "assistant", "content": "It is 21 degrees.", "reasoning_content": "Let me think. The user asks."},
+    ]}
+
+
+def test_sharegpt_record(dataset: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "x.jsonl"
+    export_dataset(dataset, dest, ExportOptions("sharegpt"))
+    record = next(r for r in read_jsonl(dest) if r["id"] == "b-tools")
+    assert record == {"id": "b-tools", "conversations": [
+        {"from": "system", "value": "You are a helpful assistant."},
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "gpt", "value": json.dumps([CALL])},
+        {"from": "tool", "value": "{\"temp\": 21}", "tool_call_id": "call_1", "name": "get_weather"},
+        {"from": "gpt", "value": "<think>\nLet me think. The user asks.\n</think>\n\nIt is 21 degrees."},
+    ]}
+    text_and_call = next(r for r in read_jsonl(dest) if r["id"] == "d-text-call")
+    assert text_and_call["conversations"][1]["value"] == "Let me check.\n" + json.dumps([CALL])
+    multi = next(r for r in read_jsonl(dest) if r["id"] == "e-multi")
+    assert multi["conversations"][2] == {"from": "gpt", "value": "def total(xs):\n    return sum(xs)",
+                                         "reasoning_content": "Easy."}
+
+
+@pytest.mark.parametrize("reasoning", ["inline", "field"])
+def test_exported_turn_renders_as_the_model_generated_it(dataset: Path, tmp_path: Path, tok: Any,
+                                                         reasoning: str) -> None:
+    """Through the chat template, prompt + exported turn is exactly rendered prompt + response + end of turn."""
+    dest = tmp_path / "x.jsonl"
+    export_dataset(dataset, dest, ExportOptions("openai-messages", reasoning=reasoning))
+    by_id = {r["id"]: r for r in read_jsonl(dataset / "raw_responses.jsonl")}
+    for record in read_jsonl(dest):
+        src = by_id[record["id"]]
+        whole = tok.apply_chat_template(record["messages"], tokenize=False)
+        prompt = tok.apply_chat_template(src["messages"], tokenize=False, add_generation_prompt=True)
+        assert whole == prompt + src["response"] + "<|im_end|>\n", record["id"]
+
+
+def test_inline_is_the_think_block_then_the_answer(dataset: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "x.jsonl"
+    export_dataset(dataset, dest, ExportOptions("openai-messages", truncated="keep"))
+    turns = {r["id"]: r["messages"][-1]["content"] for r in read_jsonl(dest)}
+    assert turns["a-plain"] == "<think>\nLet me think. The user asks.\n</think>\n\nIt is sunny."
+    assert turns["f-no-thinking"] == "<think>\n\n</think>\n\nIt is sunny."  # "" (did not think) is not None
+    assert turns["g-cut-thinking"] == "<think>\nI keep thinking and\n</think>\n\n"
+
+
+def test_no_think_markers_means_no_think_block(tmp_path: Path, tok: Any) -> None:
+    records = [make_record(tok, "n", "plain", reasoning=None, content="Plain answer.")]
+    ds = write_dataset(tmp_path, tok, records, think=None)
+    for mode in ("inline", "field"):
+        dest = tmp_path / f"{mode}.jsonl"
+        export_dataset(ds, dest, ExportOptions("openai-messages", reasoning=mode))
+        assert read_jsonl(dest)[0]["messages"][-1] == {"role": "assistant", "content": "Plain answer."}
+
+
+def test_reasoning_drop_keeps_only_the_answer(dataset: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "x.jsonl"
+    report = export_dataset(dataset, dest, ExportOptions("sharegpt", truncated="keep", reasoning="drop"))
+    gpt = {r["id"]: r["conversations"][-1] for r in read_jsonl(dest)}
+    assert gpt["a-plain"] == {"from": "gpt", "value": "It is sunny."}
+    assert gpt["g-cut-thinking"] == {"from": "gpt", "value": ""}
+    assert report.empty_turns == 1  # the sample cut while thinking has no answer left
+
+
+# -- truncated and failed samples ------------------------------------------------------------------------------
+
+
+def test_truncated_dropped_by_default(dataset: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "x.jsonl"
+    report = export_dataset(dataset, dest, ExportOptions("openai-messages"))
+    ids = [r["id"] for r in read_jsonl(dest)]
+    assert ids == ["a-plain", "b-tools", "c-null", "d-text-call", "e-multi", "f-no-thinking"]
+    assert (report.written, report.dropped_truncated, report.skipped_failed) == (6, 2, 2)
+    assert all("truncated" not in r for r in read_jsonl(dest))
+
+
+def test_truncated_kept_and_marked(dataset: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "x.jsonl"
+    report = export_dataset(dataset, dest, ExportOptions("sharegpt", truncated="keep"))
+    marked = {r["id"] for r in read_jsonl(dest) if r.get("truncated") is True}
+    assert marked == {"g-cut-thinking", "h-cut-answer"}
+    assert (report.written, report.dropped_truncated) == (8, 0)
+
+
+def test_failed_samples_are_never_exported(dataset: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "x.jsonl"
+    report = export_dataset(dataset, dest, ExportOptions("openai-messages", truncated="keep"))
+    ids = {r["id"] for r in read_jsonl(dest)}
+    assert "i-failed-too" not in ids and "z-never-answered" not in ids
+    assert report.skipped_failed == 2
+
+
+# -- token ids -------------------------------------------------------------------------------------------------
+
+
+def test_token_ids_are_the_runs(dataset: Path, tmp_path: Path, tok: Any) -> None:
+    dest = tmp_path / "x.jsonl"
+    report = export_dataset(dataset, dest, ExportOptions("openai-messages", truncated="keep", token_ids=True),
+                            tokenizer=tok)
+    revision = json.loads((dataset / "run.json").read_text())["tokenizer"]
+    expected_hash = hashlib.sha256(tok.chat_template.encode()).hexdigest()
+    assert (report.template_hash, report.tokenizer_revision) == (expected_hash, revision)
+    assert (report.written, report.prompt_mismatch, report.output_len_differs) == (8, 0, 0)
+    by_id = {r["id"]: r for r in read_jsonl(dataset / "raw_responses.jsonl")}
+    for record in read_jsonl(dest):
+        src = by_id[record["id"]]
+        assert record["input_ids"] == tok.apply_chat_template(src["messages"], add_generation_prompt=True,
+                                                              tokenize=True, return_dict=False)
+        assert len(record["input_ids"]) == src["prompt_tokens"]
+        assert record["output_ids"] == tok.encode(src["response"], add_special_tokens=False)
+        assert (record["template_hash"], record["tokenizer_revision"]) == (expected_hash, revision)
+    assert template_hash(tok) == expected_hash
+
+
+def test_prompt_mismatch_is_reported_not_written(tmp_path: Path, tok: Any) -> None:
+    records = standard_records(tok)[:3]
+    records[1]["prompt_tokens"] += 1
+    ds = write_dataset(tmp_path, tok, records)
+    dest = tmp_path / "x.jsonl"
+    report = export_dataset(ds, dest, ExportOptions("sharegpt", token_ids=True), tokenizer=tok)
+    assert (report.written, report.prompt_mismatch, report.mismatched_ids) == (2, 1, ["b-tools"])
+    assert [r["id"] for r in read_jsonl(dest)] == ["a-plain", "c-null"]
+
+
+def test_output_length_difference_is_counted_and_written(tmp_path: Path, tok: Any) -> None:
+    records = standard_records(tok)[:3]
+    records[0]["completion_tokens"] += 5  # the server's ids and the re-encoded text may legitimately differ
+    ds = write_dataset(tmp_path, tok, records)
+    report = export_dataset(ds, tmp_path / "x.jsonl", ExportOptions("sharegpt", token_ids=True), tokenizer=tok)
+    assert (report.written, report.prompt_mismatch, report.output_len_differs) == (3, 0, 1)
+
+
+def test_token_ids_use_the_runs_template_kwargs(tmp_path: Path) -> None:
+    hybrid = load_tokenizer(build_tokenizer(tmp_path / "hybrid", thinking="hybrid"))
+    kwargs = {"enable_thinking": False}
+    record = make_record(hybrid, "k", "plain", reasoning="", kwargs=kwargs)
+    ds = write_dataset(tmp_path, hybrid, [record], kwargs=kwargs)
+    dest = tmp_path / "x.jsonl"
+    report = export_dataset(ds, dest, ExportOptions("openai-messages", token_ids=True), tokenizer=hybrid)
+    assert report.prompt_mismatch == 0
+    ids = read_jsonl(dest)[0]["input_ids"]
+    assert hybrid.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_token_ids_need_the_runs_tokenizer(dataset: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "x.jsonl"
+    with pytest.raises(ExportError, match="tokenizer"):
+        export_dataset(dataset, dest, ExportOptions("sharegpt", token_ids=True))
+    other = load_tokenizer(build_tokenizer(tmp_path / "other", thinking="hybrid"))
+    with pytest.raises(ExportError, match="not the one the run used"):
+        export_dataset(dataset, dest, ExportOptions("sharegpt", token_ids=True), tokenizer=other)
+    assert not dest.exists()
+
+
+# -- manifest --------------------------------------------------------------------------------------------------
+
+
+def test_manifest(dataset: Path, tok: Any) -> None:
+    server = {"version": "0.5.4", "model_path": "Qwen/Qwen3-8B", "tp_size": 2, "api_key": "secret",
+              "internal_states": [{"last_gen_throughput": 1.0}]}
+    path = write_manifest(dataset, server_info=server, extra={"budget": 10_000_000, "mode": "drain"})
+    assert path == dataset / "manifest.json"
+    manifest = json.loads(path.read_text())
+    records = read_jsonl(dataset / "raw_responses.jsonl")
+    lengths = sorted(r["completion_tokens"] for r in records)
+    run = json.loads((dataset / "run.json").read_text())
+    assert manifest["dataset"] == "ds"
+    assert manifest["counts"] == {"samples": 9, "failed": 2, "truncated": 2, "reasoning_truncated": 1}
+    assert manifest["tokens"] == {"prompt": sum(r["prompt_tokens"] for r in records),
+                                  "completion": sum(lengths)}
+    assert manifest["finish_reasons"] == {"length": 2, "stop": 7}
+    assert manifest["completion_length"] == {"mean": round(sum(lengths) / 9, 2), "p50": lengths[4],
+                                             "p95": lengths[8], "max": lengths[8]}
+    assert manifest["sampling_params"] == {"max_new_tokens": 64} and manifest["settings"] == run
+    assert manifest["server"] == {"version": "0.5.4", "model_path": "Qwen/Qwen3-8B", "tp_size": 2}
+    assert manifest["extra"] == {"budget": 10_000_000, "mode": "drain"}
+    assert manifest["budgetq_version"] == metadata.version("budgetq")
+    assert manifest["created"].endswith("Z")
+
+
+def test_export_refreshes_the_manifest_and_keeps_what_only_the_caller_knew(dataset: Path, tmp_path: Path) -> None:
+    write_manifest(dataset, server_info={"version": "0.5.4"}, extra={"budget": 1000})
+    report = export_dataset(dataset, tmp_path / "x.jsonl", ExportOptions("sharegpt"))
+    manifest = json.loads(report.manifest.read_text())
+    assert manifest["counts"]["samples"] == 9
+    assert (manifest["server"], manifest["extra"]) == ({"version": "0.5.4"}, {"budget": 1000})
+    export_dataset(dataset, tmp_path / "x.jsonl", ExportOptions("sharegpt"), extra={"budget": 2000})
+    assert json.loads(report.manifest.read_text())["extra"] == {"budget": 2000}
+
+
+def test_manifest_of_an_empty_dataset(tmp_path: Path, tok: Any) -> None:
+    ds = write_dataset(tmp_path, tok, [])
+    manifest = json.loads(write_manifest(ds).read_text())
+    assert manifest["counts"]["samples"] == 0
+    assert manifest["completion_length"] == {"mean": None, "p50": None, "p95": None, "max": None}
+    assert "server" not in manifest and "extra" not in manifest
+
+
+# -- files -----------------------------------------------------------------------------------------------------
+
+
+def test_dest_is_replaced_atomically(dataset: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "x.jsonl"
+    dest.write_text("old\n")
+    export_dataset(dataset, dest, ExportOptions("sharegpt"))
+    assert len(read_jsonl(dest)) == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "x.jsonl"]  # no temporary file left
+
+
+def test_a_bad_line_leaves_dest_untouched(dataset: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "x.jsonl"
+    dest.write_text("old\n")
+    source = dataset / "raw_responses.jsonl"
+    lines = source.read_text().splitlines(keepends=True)
+    source.write_text("".join(lines[:3] + ["{not json\n"] + lines[3:]))
+    with pytest.raises(ExportError, match=r"raw_responses\.jsonl:4: not valid JSON"):
+        export_dataset(dataset, dest, ExportOptions("sharegpt"))
+    assert dest.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "x.jsonl"]
+
+
+def test_a_torn_last_line_is_skipped(dataset: Path, tmp_path: Path) -> None:
+    source = dataset / "raw_responses.jsonl"
+    with open(source, "a", encoding="utf-8") as fh:
+        fh.write('{"id": "torn", "dataset": "ds", "mess')
+    report = export_dataset(dataset, tmp_path / "x.jsonl", ExportOptions("sharegpt", truncated="keep"))
+    assert report.torn_tail and report.written == 8
+
+
+def test_refuses_to_overwrite_the_datasets_own_files(dataset: Path) -> None:
+    before = (dataset / "raw_responses.jsonl").read_bytes()
+    for name in ("raw_responses.jsonl", "run.json", "failed.jsonl", "manifest.json"):
+        with pytest.raises(ExportError, match="dataset's own files"):
+            export_dataset(dataset, dataset / name, ExportOptions("sharegpt"))
+    with pytest.raises(ExportError, match="is a directory"):
+        export_dataset(dataset, dataset, ExportOptions("sharegpt"))
+    assert (dataset / "raw_responses.jsonl").read_bytes() == before
+
+
+def test_user_errors(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match="format must be one of sharegpt, openai-messages"):
+        ExportOptions("csv")
+    with pytest.raises(ExportError, match="reasoning must be one of"):
+        ExportOptions("sharegpt", reasoning="hide")
+    with pytest.raises(ExportError, match="run.json not found"):
+        export_dataset(tmp_path, tmp_path / "x.jsonl", ExportOptions("sharegpt"))
+
+
+# -- the demo's real output ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def demo_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One run of the demo (about 5 s): real collector output from real workers and the simulator."""
+    if find_redis_server() is None:
+        pytest.skip("redis-server is not installed")
+    workdir = tmp_path_factory.mktemp("demo")
+    proc = subprocess.Popen([sys.executable, "-m", "demo.run", "--workdir", str(workdir)], cwd=workdir,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the demo then stops what it started
+        output, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, output.decode(errors="replace")[-4000:]
+    yield workdir / "out"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_demo_output_round_trips_with_token_ids(demo_out: Path, tmp_path: Path, fmt: str) -> None:
+    tok = load_tokenizer(demo_out.parent / "tokenizer")
+    for name in ("glaive_fc", "code_instruct", "agent_traces"):
+        dest = tmp_path / f"{name}.jsonl"
+        options = ExportOptions(fmt, truncated="keep", token_ids=True)
+        report = export_dataset(demo_out / name, dest, options, tokenizer=tok)
+        source = demo_out / name / "raw_responses.jsonl"
+        assert report.written == len(read_jsonl(source)) and report.prompt_mismatch == 0
+        assert_round_trip(source, dest, fmt, "inline")
