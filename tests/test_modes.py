@@ -1,0 +1,143 @@
+"""Admission modes on a real redis-server: reservations, FULL, strict closing, settlement, expiry."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+from budget import keys
+from budget.ledger import Admit, Ledger
+from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from worker.estimate import LengthModel, RateTracker, prior_sample
+
+
+def setup(r: "redis.Redis", mode: str, budget: int | None, max_new: int = 100, chunks: int = 1,
+          size: int = 10) -> tuple[Ledger, list[str]]:
+    ledger = Ledger(r)
+    ledger.set_mode("ds", mode, max_new)
+    ledger.set_budget("ds", budget)
+    items = [[Item(f"s{c}-{i}", [1], False) for i in range(size)] for c in range(chunks)]
+    ids = enqueue_chunks(r, make_queue(r), "ds", items, sampling_params={"max_new_tokens": max_new}, think=None,
+                         settings=JobSettings())
+    for cid in ids:
+        assert ledger.start_chunk("ds", cid) == "ok"
+    return ledger, ids
+
+
+def test_predict_admits_while_used_plus_reserved_is_below_budget(r: "redis.Redis") -> None:
+    ledger, (cid,) = setup(r, "predict", 100)
+    assert ledger.admit("ds", "s0-0", cid, expected=60).reserved == 60
+    assert ledger.admit("ds", "s0-1", cid, expected=60).verdict is Admit.START  # 60 < 100
+    assert ledger.admit("ds", "s0-2", cid, expected=60).verdict is Admit.FULL  # 120 >= 100
+    assert ledger.state("ds").reserved == 120 and ledger.state("ds").in_flight == 2
+    # A commit settles the reservation with the real count; the dataset stays open below the budget.
+    out = ledger.commit("ds", "s0-0", 10, {}, chunk=cid, reserved=60, finish_reason="stop")
+    assert not out.closed_now and not out.late
+    state = ledger.state("ds")
+    assert (state.used, state.reserved, state.in_flight, state.status) == (10, 60, 1, "open")
+    assert ledger.admit("ds", "s0-2", cid, expected=60).verdict is Admit.START  # 10 + 60 < 100
+    # Growing reservations (a request that ran long) tighten admission at once.
+    assert ledger.refresh_chunk("ds", cid, reserved=95)
+    assert ledger.admit("ds", "s0-3", cid, expected=60).verdict is Admit.FULL
+    # predict closes only when used reaches the budget.
+    ledger.commit("ds", "s0-1", 50, {}, chunk=cid, reserved=35, finish_reason="length")
+    assert ledger.commit("ds", "s0-2", 45, {}, chunk=cid, reserved=60, finish_reason="stop").closed_now
+    assert ledger.state("ds").stats["finish_length"] == "1"
+
+
+def test_strict_never_admits_past_the_budget_and_closes_when_nothing_fits(r: "redis.Redis") -> None:
+    ledger, (cid,) = setup(r, "strict", 250, max_new=100)
+    assert ledger.admit("ds", "s0-0", cid).reserved == 100
+    assert ledger.admit("ds", "s0-1", cid).verdict is Admit.START  # 200 <= 250
+    assert ledger.admit("ds", "s0-2", cid).verdict is Admit.FULL  # 300 > 250
+    ledger.commit("ds", "s0-0", 30, {}, chunk=cid, reserved=100, finish_reason="stop")
+    assert ledger.admit("ds", "s0-2", cid).verdict is Admit.START  # 30 + 200 <= 250
+    ledger.commit("ds", "s0-1", 100, {}, chunk=cid, reserved=100, finish_reason="length")
+    ledger.commit("ds", "s0-2", 100, {}, chunk=cid, reserved=100, finish_reason="length")
+    # used 230: one more request of 100 cannot fit: closed, though 230 < 250.
+    assert ledger.admit("ds", "s0-3", cid).verdict is Admit.CLOSED
+    state = ledger.state("ds")
+    assert state.status == "closed" and state.used == 230 <= 250
+
+
+def test_strict_budget_below_max_tokens_closes_at_once(r: "redis.Redis") -> None:
+    ledger = Ledger(r)
+    ledger.set_mode("ds", "strict", 100)
+    assert ledger.set_budget("ds", 99) == "closed"
+    assert ledger.set_budget("ds", 100) == "open"
+
+
+def test_drain_reserves_nothing(r: "redis.Redis") -> None:
+    ledger, (cid,) = setup(r, "drain", 10)
+    for i in range(5):
+        assert ledger.admit("ds", f"s0-{i}", cid, expected=1000).verdict is Admit.START
+    assert ledger.state("ds").reserved == 0
+
+
+def test_reservations_of_a_dead_worker_expire_with_its_lease(r: "redis.Redis") -> None:
+    ledger, (cid,) = setup(r, "predict", 100)
+    ledger.admit("ds", "s0-0", cid, expected=100)
+    assert ledger.admit("ds", "s0-1", cid, expected=90).verdict is Admit.FULL
+    assert ledger.refresh_chunk("ds", cid, lease_ms=50)
+    time.sleep(0.1)  # the lease is Redis TIME: nothing to await
+    assert ledger.reclaim("ds") == [cid]
+    assert ledger.state("ds").reserved == 0  # budget never leaks to a dead worker
+    # The dead chunk's request, if it still completes, is kept, counted once and reported as late.
+    out = ledger.commit("ds", "s0-0", 40, {}, chunk=cid, reserved=100, finish_reason="stop")
+    assert out.committed and out.late
+    assert ledger.state("ds").stats["late"] == "1"
+    assert ledger.state("ds").reserved == 0
+
+
+def test_fail_settles_the_reservation(r: "redis.Redis") -> None:
+    ledger, (cid,) = setup(r, "strict", 1000)
+    ledger.admit("ds", "s0-0", cid)
+    assert ledger.fail("ds", "s0-0", cid, {"reason": "400"}, reserved=100)
+    state = ledger.state("ds")
+    assert state.reserved == 0 and state.in_flight == 0
+
+
+def test_finish_chunk_drops_its_reservation_row(r: "redis.Redis") -> None:
+    ledger, (cid,) = setup(r, "predict", 1000)
+    ledger.finish_chunk("ds", cid)
+    assert r.hlen(keys.DatasetKeys("ds").resv) == 0 and r.zcard(keys.DatasetKeys("ds").chunks) == 0
+
+
+def test_lowering_and_raising_the_budget(r: "redis.Redis") -> None:
+    ledger, (cid,) = setup(r, "predict", 1000)
+    ledger.commit("ds", "s0-0", 300, {}, chunk=cid, finish_reason="stop")
+    assert ledger.set_budget("ds", 300) == "closed"  # lowered to what is used: closed at once
+    assert ledger.set_budget("ds", 2000) == "open"  # raised: reopened
+    assert ledger.set_budget("ds", 350) == "open"  # above used: open, admission tightens
+    ledger.admit("ds", "s0-1", cid, expected=60)
+    assert ledger.admit("ds", "s0-2", cid, expected=60).verdict is Admit.FULL
+
+
+def test_length_model_conditional_expectation_grows_with_progress() -> None:
+    lengths = [100] * 500 + [1000] * 500
+    model = LengthModel(lengths, prior_mean=None, max_new=2000)
+    assert 480 < model.expected(0) < 600
+    assert model.expected(150) > 900  # past every short one: it is a long one
+    assert 1900 < model.expected(1900) <= 2000
+    assert model.expected(5000) == 2000  # capped at max_new_tokens
+    assert LengthModel([], prior_mean=300, max_new=4000).expected(0) in range(280, 320)
+
+
+def test_prior_sample_has_the_requested_mean() -> None:
+    points = prior_sample(3800, 16384)
+    assert abs(sum(points) / len(points) - 3800) / 3800 < 0.1
+
+
+def test_rate_tracker() -> None:
+    rt = RateTracker()
+    assert rt.progress(10) == 0.0
+    rt.observe(100, 2.0)
+    assert rt.progress(1.0) == 50.0
+
+
+def test_state_has_room(r: "redis.Redis") -> None:
+    ledger, (cid,) = setup(r, "strict", 150, max_new=100)
+    assert ledger.state("ds").has_room()
+    ledger.admit("ds", "s0-0", cid)
+    assert not ledger.state("ds").has_room()
