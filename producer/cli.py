@@ -1,19 +1,25 @@
-"""``produce``: the command people type. Thin: parse and validate options, then call the library.
+"""``produce``: the command people type. Thin: parse and check options, then call the library.
 
 Exit codes: 0 done (or detached on purpose), 1 runtime error (Redis unreachable, dataset already attached
 elsewhere), 2 usage or input error (nothing written to Redis), 130 Ctrl-C (the run goes on in the workers).
+Every option can also be set by an environment variable (shown in --help); REDIS_URL is read as is.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import click
 import redis
 
-from producer.amount import parse_budget_option
+from producer.amount import parse_amount, parse_budget_option
+from producer.errors import ProduceError
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 EXAMPLE = """\b
 Example:
@@ -32,6 +38,10 @@ class RuntimeProblem(click.ClickException):
     exit_code = 1
 
 
+def _problem(exc: ProduceError) -> click.ClickException:
+    return (InputProblem if exc.exit_code == 2 else RuntimeProblem)(str(exc))
+
+
 class DefaultGroup(click.Group):
     """A group whose default command is ``run``: ``produce FILE...`` means ``produce run FILE...``."""
 
@@ -39,6 +49,19 @@ class DefaultGroup(click.Group):
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = ["run", *args]
         return super().parse_args(ctx, args)
+
+
+def opt(*decls: str, **kwargs: Any) -> Callable[[F], F]:
+    """A click option whose environment variable is BUDGETQ_<NAME>, shown in --help."""
+    name = max((d for d in decls if d.startswith("--")), key=len).lstrip("-").split("/")[0]
+    kwargs.setdefault("envvar", "BUDGETQ_" + name.upper().replace("-", "_"))
+    kwargs.setdefault("show_envvar", True)
+    return click.option(*decls, **kwargs)
+
+
+redis_url_option = click.option(
+    "--redis-url", envvar="REDIS_URL", show_envvar=True, default="redis://127.0.0.1:6379/0", show_default=True,
+    help="Redis holding the queue and the budget state.")
 
 
 @click.group(cls=DefaultGroup, help="Regenerate training data under a token budget per dataset.\n\n" + EXAMPLE)
@@ -61,155 +84,6 @@ def _sampling_params(max_tokens: int, temperature: float | None, top_p: float | 
     return params
 
 
-@main.command("run", help="Validate, render and enqueue FILES, then stay attached until the run ends.\n\n"
-              + EXAMPLE)
-@click.argument("files", nargs=-1, required=True)
-@click.option("--tokenizer", required=True, envvar="BUDGETQ_TOKENIZER", show_envvar=True,
-              help="Local directory of the model's tokenizer with its chat template.")
-@click.option("--budget", "budgets", multiple=True, metavar="AMOUNT|NAME=AMOUNT",
-              help="Completion tokens per dataset (10M, 500k, 1.5G); NAME=AMOUNT for one dataset. "
-                   "Default: unlimited on a first run, the stored budget on a rerun.")
-@click.option("--budget-mode", "modes", multiple=True, metavar="MODE|NAME=MODE",
-              help="How a dataset lands on its budget: predict (default: reserve each running request's "
-                   "expected length), strict (reserve max-tokens: never above the budget), drain (stop at the "
-                   "budget, let in-flight requests finish). Stored per dataset; a rerun keeps it.")
-@click.option("--expect-mean", type=click.FloatRange(1), default=None,
-              help="Expected completion length before results arrive (predict's prior; --dry-run's estimate).")
-@click.option("--max-tokens", type=click.IntRange(1), required=True,
-              help="max_new_tokens per request (required: SGLang's default of 128 truncates silently).")
-@click.option("--max-context", type=click.IntRange(1), default=None,
-              help="Context length; prompts whose length + --max-tokens exceed it are skipped. "
-                   "Default: the tokenizer's model_max_length when it is sane.")
-@click.option("--max-samples", type=click.IntRange(0), default=None,
-              help="Also cap each dataset at its first N valid samples.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"),
-              show_default=True, help="Output directory: OUT/<dataset>/raw_responses.jsonl.")
-@click.option("--redis-url", envvar="REDIS_URL", show_envvar=True, default="redis://127.0.0.1:6379/0",
-              show_default=True, help="Redis holding the queue and the budget state.")
-@click.option("--temperature", type=click.FloatRange(0), default=None, help="Sampling temperature.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None, help="Nucleus sampling p.")
-@click.option("--top-k", type=int, default=None, help="Top-k (-1 or >= 1).")
-@click.option("--seed", type=int, default=None, help="Sent as sampling_seed.")
-@click.option("--chat-template-kwargs", default=None, metavar="JSON",
-              help='Extra chat template arguments, e.g. \'{"enable_thinking": true}\'.')
-@click.option("--skip-invalid", is_flag=True, help="Skip and report bad lines instead of refusing the file.")
-@click.option("--chunk-size", type=click.IntRange(1, 10_000), default=64, show_default=True,
-              help="Samples per RQ job.")
-@click.option("--queue-depth", type=click.IntRange(1), default=16, show_default=True,
-              help="Chunks kept queued per dataset while attached.")
-@click.option("--new-run", is_flag=True, help="Start these datasets over (old output is moved aside).")
-@click.option("--detach", is_flag=True, help="Enqueue everything, then exit 0 without collecting.")
-@click.option("--job-timeout", type=click.IntRange(60), default=6 * 3600, show_default=True,
-              help="RQ job timeout of one chunk, in seconds.")
-@click.option("--quiet", "-q", is_flag=True, help="Print only errors and the summary.")
-def run_cmd(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes: tuple[str, ...],
-            expect_mean: float | None, max_tokens: int,
-            max_context: int | None, max_samples: int | None, out_dir: Path, redis_url: str,
-            temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-            chat_template_kwargs: str | None, skip_invalid: bool, chunk_size: int, queue_depth: int,
-            new_run: bool, detach: bool, job_timeout: int, quiet: bool) -> None:
-    try:
-        _run(**locals())
-    except KeyboardInterrupt:
-        # Before attach nothing was written; after it the run goes on in the workers. Either way: detach.
-        click.echo("\ndetached: the workers go on; run the same command again to resume and collect.", err=True)
-        sys.exit(130)
-
-
-def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes: tuple[str, ...],
-         expect_mean: float | None, max_tokens: int,
-         max_context: int | None, max_samples: int | None, out_dir: Path, redis_url: str,
-         temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-         chat_template_kwargs: str | None, skip_invalid: bool, chunk_size: int, queue_depth: int,
-         new_run: bool, detach: bool, job_timeout: int, quiet: bool) -> None:
-    # Everything that can be wrong with the input is found before Redis is touched.
-    from producer.reader import InputError, read_all
-    from producer.render import RenderError, Renderer, default_max_context, load_tokenizer
-    from producer.prepare import prepare, run_settings
-
-    try:
-        default_budget, named = parse_budget_option(budgets)
-    except ValueError as exc:
-        raise InputProblem(str(exc)) from None
-    try:
-        default_mode, named_modes = parse_mode_option(modes)
-    except ValueError as exc:
-        raise InputProblem(str(exc)) from None
-    if top_k is not None and top_k != -1 and top_k < 1:
-        raise InputProblem("--top-k must be -1 or at least 1")
-    kwargs: dict[str, Any] = {}
-    if chat_template_kwargs:
-        try:
-            kwargs = json.loads(chat_template_kwargs)
-        except ValueError as exc:
-            raise InputProblem(f"--chat-template-kwargs: not valid JSON ({exc})") from None
-        if not isinstance(kwargs, dict):
-            raise InputProblem("--chat-template-kwargs: expected a JSON object")
-    try:
-        reads = read_all(list(files), skip_invalid)
-    except InputError as exc:
-        raise InputProblem(str(exc)) from None
-    names = {r.name for r in reads}
-    unknown = sorted((set(named) | set(named_modes)) - names)
-    if unknown:
-        raise InputProblem(f"--budget/--budget-mode name unknown dataset(s): {', '.join(unknown)} (datasets: "
-                           f"{', '.join(sorted(names))})")
-    echo = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
-    for r in reads:
-        for problem in r.invalid:
-            click.echo(f"skipped {problem}", err=True)
-        for problem in r.duplicates:
-            echo(f"skipped {problem}")
-    try:
-        tok = load_tokenizer(tokenizer)
-        renderer = Renderer(tok, chat_template_kwargs=kwargs)
-    except RenderError as exc:
-        raise InputProblem(str(exc)) from None
-    if max_context is None:
-        max_context = default_max_context(tok)
-        if max_context is None:
-            raise InputProblem("the tokenizer has no sane model_max_length: give --max-context")
-    sampling = _sampling_params(max_tokens, temperature, top_p, top_k, seed)
-    try:
-        prepared = [prepare(r, renderer, max_tokens=max_tokens, max_context=max_context,
-                            max_samples=max_samples, skip_invalid=skip_invalid) for r in reads]
-    except RenderError as exc:
-        raise InputProblem(str(exc)) from None
-    for p in prepared:
-        for problem in p.over_context:
-            echo(f"skipped {problem}")
-        echo(f"{p.name}: {len(p.samples)} samples ready ({p.prompt_tokens} prompt tokens), "
-             f"{len(p.invalid)} invalid, {len(p.duplicates)} duplicate ids, {len(p.over_context)} over context")
-    settings = run_settings(renderer, sampling, kwargs)
-    per_dataset: dict[str, int | None] = {p.name: named.get(p.name, default_budget) for p in prepared}
-
-    from producer.enqueue import JobSettings
-    from producer.run import ProduceError, Producer, RunOptions
-
-    think = renderer.think
-    options = RunOptions(out_dir=out_dir, budgets=per_dataset, sampling_params=sampling, settings=settings,
-                         think={"start": think.start, "end": think.end} if think else None,
-                         modes={p.name: named_modes.get(p.name, default_mode) for p in prepared},
-                         expect_mean=expect_mean,
-                         chunk_size=chunk_size, queue_depth=queue_depth, new_run=new_run,
-                         job=JobSettings(job_timeout=job_timeout))
-    client: redis.Redis = redis.Redis.from_url(redis_url)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        raise RuntimeProblem(f"cannot reach Redis at {_safe_url(redis_url)}: {exc}") from None
-    producer = Producer(client, prepared, options, echo=echo)
-    try:
-        producer.attach()
-        summaries = producer.run(detach=detach)
-    except ProduceError as exc:
-        raise (InputProblem if exc.exit_code == 2 else RuntimeProblem)(str(exc)) from None
-    except redis.RedisError as exc:
-        raise RuntimeProblem(f"Redis error: {exc}") from None
-    from producer.report import summary_table
-    click.echo(summary_table(summaries, detached=detach))
-
-
 def parse_mode_option(values: tuple[str, ...]) -> tuple[str | None, dict[str, str]]:
     """--budget-mode MODE (all datasets) or NAME=MODE (one), like --budget."""
     from budget.ledger import MODES
@@ -228,6 +102,15 @@ def parse_mode_option(values: tuple[str, ...]) -> tuple[str | None, dict[str, st
     return default, named
 
 
+def _connect(redis_url: str) -> "redis.Redis":
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise RuntimeProblem(f"cannot reach Redis at {_safe_url(redis_url)}: {exc}") from None
+    return client
+
+
 def _safe_url(url: str) -> str:
     """The Redis URL without its password: secrets never reach a log."""
     from urllib.parse import urlsplit, urlunsplit
@@ -236,6 +119,199 @@ def _safe_url(url: str) -> str:
         netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
         return urlunsplit(parts._replace(netloc=netloc))
     return url
+
+
+@main.command("run", help="Validate, render and enqueue FILES, then stay attached until the run ends.\n\n"
+              + EXAMPLE)
+@click.argument("files", nargs=-1, required=True)
+@opt("--tokenizer", required=True, help="Local directory of the model's tokenizer with its chat template.")
+@opt("--budget", "budgets", multiple=True, metavar="AMOUNT|NAME=AMOUNT",
+     help="Completion tokens per dataset (10M, 500k, 1.5G); NAME=AMOUNT for one dataset. "
+          "Default: unlimited on a first run, the stored budget on a rerun.")
+@opt("--budget-mode", "modes", multiple=True, metavar="MODE|NAME=MODE",
+     help="How a dataset lands on its budget: predict (default: reserve each running request's expected "
+          "length), strict (reserve --max-tokens: never above the budget), drain (stop at the budget, let "
+          "in-flight requests finish). Stored per dataset; a rerun keeps it.")
+@opt("--max-tokens", type=click.IntRange(1), required=True,
+     help="max_new_tokens per request (required: SGLang's default of 128 truncates silently).")
+@opt("--max-context", type=click.IntRange(1), default=None,
+     help="Context length; prompts whose length + --max-tokens exceed it are skipped. "
+          "Default: the tokenizer's model_max_length when it is sane.")
+@opt("--max-samples", type=click.IntRange(0), default=None, help="Also cap each dataset at its first N valid samples.")
+@opt("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"), show_default=True,
+     help="Output directory: OUT/<dataset>/raw_responses.jsonl.")
+@redis_url_option
+@opt("--temperature", type=click.FloatRange(0), default=None, help="Sampling temperature.")
+@opt("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None, help="Nucleus sampling p.")
+@opt("--top-k", type=int, default=None, help="Top-k (-1 or >= 1).")
+@opt("--seed", type=int, default=None, help="Sent as sampling_seed.")
+@opt("--chat-template-kwargs", default=None, metavar="JSON",
+     help='Extra chat template arguments, e.g. \'{"enable_thinking": true}\'.')
+@opt("--skip-invalid", is_flag=True, help="Skip and report bad lines instead of refusing the file.")
+@opt("--expect-mean", type=click.FloatRange(1), default=None,
+     help="Expected completion length before results arrive (predict's prior; --dry-run's estimate).")
+@opt("--dry-run", is_flag=True, help="Plan only: validate, render, estimate cost and time; write nothing.")
+@opt("--pilot", type=click.IntRange(1), default=None, metavar="N",
+     help="With --dry-run: send N real requests per dataset to SGLANG_URL to measure completion length.")
+@opt("--throughput", type=click.FloatRange(0, min_open=True), default=None, metavar="TOK/S",
+     help="With --dry-run: completion tokens per second of the deployment, for the ETA.")
+@opt("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as JSON.")
+@opt("--chunk-size", type=click.IntRange(1, 10_000), default=64, show_default=True, help="Samples per RQ job.")
+@opt("--queue-depth", type=click.IntRange(1), default=16, show_default=True,
+     help="Chunks kept queued per dataset while attached.")
+@opt("--new-run", is_flag=True, help="Start these datasets over (old output is moved aside).")
+@opt("--detach", is_flag=True, help="Enqueue what the budget needs, then exit 0 without collecting.")
+@opt("--job-timeout", type=click.IntRange(60), default=6 * 3600, show_default=True,
+     help="RQ job timeout of one chunk, in seconds.")
+@opt("--quiet", "-q", is_flag=True, help="Print only errors and the summary.")
+def run_cmd(**options: Any) -> None:
+    try:
+        _run(**options)
+    except ProduceError as exc:
+        raise _problem(exc) from None
+    except KeyboardInterrupt:
+        # Before attach nothing was written; after it the run goes on in the workers. Either way: detach.
+        click.echo("\ndetached: the workers go on; run the same command again to resume and collect.", err=True)
+        sys.exit(130)
+
+
+def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes: tuple[str, ...],
+         max_tokens: int, max_context: int | None, max_samples: int | None, out_dir: Path, redis_url: str,
+         temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
+         chat_template_kwargs: str | None, skip_invalid: bool, expect_mean: float | None, dry_run: bool,
+         pilot: int | None, throughput: float | None, as_json: bool, chunk_size: int, queue_depth: int,
+         new_run: bool, detach: bool, job_timeout: int, quiet: bool) -> None:
+    # Everything that can be wrong with the options and the input is found before Redis is touched.
+    try:
+        default_budget, named = parse_budget_option(budgets)
+        default_mode, named_modes = parse_mode_option(modes)
+    except ValueError as exc:
+        raise InputProblem(str(exc)) from None
+    if top_k is not None and top_k != -1 and top_k < 1:
+        raise InputProblem("--top-k must be -1 or at least 1")
+    if (pilot or throughput or as_json) and not dry_run:
+        raise InputProblem("--pilot, --throughput and --json go with --dry-run")
+    kwargs: dict[str, Any] = {}
+    if chat_template_kwargs:
+        try:
+            kwargs = json.loads(chat_template_kwargs)
+        except ValueError as exc:
+            raise InputProblem(f"--chat-template-kwargs: not valid JSON ({exc})") from None
+        if not isinstance(kwargs, dict):
+            raise InputProblem("--chat-template-kwargs: expected a JSON object")
+    echo: Callable[[str], None] = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
+
+    from producer.prepare import load_inputs
+    inputs = load_inputs(files, tokenizer=tokenizer, max_tokens=max_tokens, max_context=max_context,
+                         max_samples=max_samples, sampling_params=_sampling_params(max_tokens, temperature, top_p,
+                                                                                   top_k, seed),
+                         chat_template_kwargs=kwargs, skip_invalid=skip_invalid, echo=echo,
+                         warn=lambda msg: click.echo(msg, err=True))
+    names = {p.name for p in inputs.prepared}
+    unknown = sorted((set(named) | set(named_modes)) - names)
+    if unknown:
+        raise InputProblem(f"--budget/--budget-mode name unknown dataset(s): {', '.join(unknown)} (datasets: "
+                           f"{', '.join(sorted(names))})")
+    per_dataset: dict[str, int | None] = {n: named.get(n, default_budget) for n in names}
+
+    if dry_run:
+        _dry_run(inputs, per_dataset, out_dir, expect_mean, pilot, throughput, as_json)
+        return
+
+    from producer.enqueue import JobSettings
+    from producer.report import summary_table
+    from producer.run import Producer, RunOptions
+
+    think = inputs.renderer.think
+    options = RunOptions(out_dir=out_dir, budgets=per_dataset, sampling_params=inputs.sampling_params,
+                         settings=inputs.settings, think={"start": think.start, "end": think.end} if think else None,
+                         modes={n: named_modes.get(n, default_mode) for n in names}, expect_mean=expect_mean,
+                         chunk_size=chunk_size, queue_depth=queue_depth, new_run=new_run,
+                         job=JobSettings(job_timeout=job_timeout))
+    producer = Producer(_connect(redis_url), inputs.prepared, options, echo=echo)
+    try:
+        producer.attach()
+        summaries = producer.run(detach=detach)
+    except redis.RedisError as exc:
+        raise RuntimeProblem(f"Redis error: {exc}") from None
+    click.echo(summary_table(summaries, detached=detach))
+
+
+def _dry_run(inputs: Any, budgets: dict[str, int | None], out_dir: Path, expect_mean: float | None,
+             pilot: int | None, throughput: float | None, as_json: bool) -> None:
+    from producer.plan import pilot_mean, plan_dataset, plan_table
+    plans = []
+    for p in inputs.prepared:
+        measured = None
+        if pilot:
+            urls = [u.strip().rstrip("/") for u in os.environ.get("SGLANG_URL", "http://127.0.0.1:30000").split(",")
+                    if u.strip()]
+            try:
+                measured = pilot_mean(p, pilot, urls=urls, sampling_params=inputs.sampling_params,
+                                      api_key=os.environ.get("SGLANG_API_KEY") or None)
+            except (OSError, RuntimeError, ValueError) as exc:
+                raise RuntimeProblem(f"--pilot: {exc}") from None
+        plans.append(plan_dataset(p, budget=budgets.get(p.name), out_dir=out_dir, expect_mean=expect_mean,
+                                  pilot_mean=measured, pilot_n=pilot or 0, throughput=throughput))
+    if as_json:
+        click.echo(json.dumps({"datasets": [x.as_dict() for x in plans], "throughput": throughput}, indent=2))
+    else:
+        click.echo(plan_table(plans, throughput))
+
+
+@main.command("status", help="Show every dataset's budget, progress, speed and ETA, read from Redis.\n\n"
+              "\b\nExample:\n  produce status --watch")
+@click.argument("names", nargs=-1)
+@redis_url_option
+@opt("--watch", is_flag=True, help="Refresh in place every --interval seconds until Ctrl-C.")
+@opt("--interval", type=click.FloatRange(0.2), default=2.0, show_default=True, help="Seconds between refreshes.")
+@opt("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: float, as_json: bool) -> None:
+    from producer.status import all_status, status_table
+    client = _connect(redis_url)
+    try:
+        while True:
+            rows = all_status(client, list(names))
+            if as_json:
+                text = json.dumps([r.as_dict() for r in rows], indent=2)
+            else:
+                text = status_table(rows)
+            if watch and not as_json:
+                click.echo("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + _safe_url(redis_url) + "\n" + text)
+            else:
+                click.echo(text)
+            if not watch:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return
+
+
+@main.command("budget", help="Change a dataset's budget while it runs: raising reopens it (the attached produce "
+              "tops up its queue), lowering to what is used closes it at once.\n\n"
+              "\b\nExample:\n  produce budget B2_opencodeinstruct 12M")
+@click.argument("name")
+@click.argument("amount")
+@redis_url_option
+def budget_cmd(name: str, amount: str, redis_url: str) -> None:
+    from budget import keys
+    from budget.ledger import Ledger
+    from producer.reader import valid_name
+    if not valid_name(name):
+        raise InputProblem(f"invalid dataset name {name!r}")
+    try:
+        value = None if amount.lower() in ("unlimited", "none") else parse_amount(amount)
+    except ValueError as exc:
+        raise InputProblem(str(exc)) from None
+    client = _connect(redis_url)
+    if not client.exists(keys.DatasetKeys(name).meta):
+        raise InputProblem(f"no dataset {name!r} in this Redis")
+    ledger = Ledger(client)
+    status = ledger.set_budget(name, value)
+    discarded = ledger.discard(name, "budget lowered") if status == "closed" else 0
+    state = ledger.state(name)
+    click.echo(f"{name}: budget {'unlimited' if value is None else f'{value:,}'}, used {state.used:,}, "
+               f"{status}" + (f", {discarded} queued chunks discarded" if discarded else ""))
 
 
 if __name__ == "__main__":  # pragma: no cover

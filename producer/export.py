@@ -100,8 +100,8 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
     """Export ``dataset_dir``'s responses to the JSONL file ``dest`` and refresh the dataset's manifest.
 
     `tokenizer` (a transformers tokenizer, the one the run used) is required with ``options.token_ids``.
-    `server_info` and `extra` go to the manifest (see `write_manifest`). Raises ExportError on a user error,
-    before anything is written to ``dest``.
+    `server_info` and `extra` go to the manifest (see `write_manifest`). Raises ExportError on a user error;
+    ``dest`` is then left as it was.
     """
     dataset_dir, dest = Path(dataset_dir), Path(dest)
     settings = _run_settings(dataset_dir)

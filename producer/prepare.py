@@ -11,8 +11,9 @@ from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+from producer.errors import input_error
 from producer.reader import Problem, ReadResult, Sample
 from producer.render import Rendered, RenderError, Renderer
 
@@ -121,3 +122,53 @@ def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 def chunked(ids: Sequence[str], size: int) -> list[list[str]]:
     return [list(ids[i:i + size]) for i in range(0, len(ids), size)]
+
+
+@dataclass
+class Inputs:
+    """Everything a run (or a plan) needs from the files and the tokenizer, checked."""
+
+    prepared: list[Prepared]
+    renderer: Renderer
+    sampling_params: dict[str, Any]
+    settings: dict[str, Any]
+    chat_template_kwargs: dict[str, Any]
+
+
+def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_context: int | None,
+                max_samples: int | None, sampling_params: dict[str, Any], chat_template_kwargs: dict[str, Any],
+                skip_invalid: bool, echo: Callable[[str], None], warn: Callable[[str], None]) -> Inputs:
+    """Read, validate and render every file. Raises ProduceError (exit 2) on any input problem."""
+    from producer.reader import InputError, read_all
+    from producer.render import default_max_context, load_tokenizer
+
+    try:
+        reads = read_all(list(files), skip_invalid)
+    except InputError as exc:
+        raise input_error(str(exc)) from None
+    for r in reads:
+        for problem in r.invalid:
+            warn(f"skipped {problem}")
+        for problem in r.duplicates:
+            echo(f"skipped {problem}")
+    try:
+        tok = load_tokenizer(tokenizer)
+        renderer = Renderer(tok, chat_template_kwargs=chat_template_kwargs)
+    except RenderError as exc:
+        raise input_error(str(exc)) from None
+    if max_context is None:
+        max_context = default_max_context(tok)
+        if max_context is None:
+            raise input_error("the tokenizer has no sane model_max_length: give --max-context")
+    try:
+        prepared = [prepare(r, renderer, max_tokens=max_tokens, max_context=max_context,
+                            max_samples=max_samples, skip_invalid=skip_invalid) for r in reads]
+    except RenderError as exc:
+        raise input_error(str(exc)) from None
+    for p in prepared:
+        for problem in p.over_context:
+            echo(f"skipped {problem}")
+        echo(f"{p.name}: {len(p.samples)} samples ready ({p.prompt_tokens} prompt tokens), "
+             f"{len(p.invalid)} invalid, {len(p.duplicates)} duplicate ids, {len(p.over_context)} over context")
+    settings = run_settings(renderer, sampling_params, chat_template_kwargs)
+    return Inputs(prepared, renderer, sampling_params, settings, chat_template_kwargs)

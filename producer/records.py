@@ -129,13 +129,14 @@ def normalize(obj: object, mapping: FieldMapping = DEFAULT_MAPPING, *, surrogate
     _drop_old_answer(messages, field)
     if surrogates:
         _check_encodable(messages, field, field == mapping.prompt_field)
-    if columnar:
-        _check_json(messages, field)
+    added = 0
     if mapping.system_prompt is not None and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": mapping.system_prompt})
-    if sample_id is None:
-        canonical = _CANONICAL.encode(messages).encode("utf-8")
-        sample_id = "h" + hashlib.sha256(canonical).hexdigest()[:16]
+        added = 1
+    if sample_id is None or columnar:  # one encoding both checks a columnar row and derives the id
+        canonical = _canonical(messages, field, added)
+        if sample_id is None:
+            sample_id = "h" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
     return sample_id, messages
 
 
@@ -257,12 +258,13 @@ def _check_encodable(messages: list[dict[str, Any]], field: str, is_prompt: bool
                               "which cannot be encoded as UTF-8") from None
 
 
-def _check_json(messages: list[dict[str, Any]], field: str) -> None:
-    """Reject what a columnar source can hold but a JSON job payload cannot, named by its path in the record."""
+def _canonical(messages: list[dict[str, Any]], field: str, added: int) -> str:
+    """The canonical JSON of the messages; what JSON cannot carry (only a columnar row holds any) rejects the record,
+    named by its path in the record (``added`` turns were prepended and are not in it)."""
     try:
-        _CANONICAL.encode(messages)  # in C: the walk below runs only for a row that fails
+        return _CANONICAL.encode(messages)  # in C: the walk below runs only for a row that fails
     except (TypeError, ValueError):
-        for i, m in enumerate(messages):
+        for i, m in enumerate(messages[added:]):
             _check_json_value(m, f"{field}[{i}]")
         raise RecordError(f"{field}: holds a value that cannot be sent as JSON") from None
 

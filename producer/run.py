@@ -31,6 +31,7 @@ import redis
 from budget import keys
 from budget.ledger import DatasetState, Ledger, default_prior_mean
 from budget.payload import ThinkPayload
+from producer.errors import ProduceError
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, stream_ids, write_failed
 from producer.prepare import Prepared, settings_diff
@@ -54,14 +55,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-class ProduceError(Exception):
-    """A user-facing failure with its exit code (1 runtime, 2 usage or input)."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass
@@ -289,6 +282,9 @@ class Producer:
         if check_stale:
             self._last_stale_check = now
         for d in self.runs:
+            if d.finished and check_stale and d.todo and self.ledger.state(d.name).has_room():
+                d.finished = False  # its budget was raised (produce budget): top it up again
+                self.echo(f"{d.name}: reopened")
             if not d.finished:
                 self._step_one(d, check_stale)
         if now - self._last_progress >= self.opt.progress_s:

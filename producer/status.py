@@ -1,0 +1,109 @@
+"""``produce status``: what every dataset in Redis is doing, read-only, from any machine that reaches Redis."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+
+from budget import keys
+from budget.ledger import DatasetState, Ledger
+
+RATE_WINDOW_S = 60  # tokens/s over the last minute of 10-second buckets
+
+
+@dataclass(frozen=True)
+class DatasetStatus:
+    name: str
+    mode: str
+    status: str
+    budget: int | None
+    used: int
+    reserved: int
+    in_flight: int
+    done: int
+    failed: int
+    selected: int | None
+    discarded: int
+    discarded_chunks: int
+    queued_chunks: int
+    tokens_per_s: float
+    eta_s: float | None  # to the budget, not to the end of the dataset
+    finish_stop: int
+    finish_length: int
+    truncation_rate: float | None
+    mean_completion: float | None
+    late: int
+    unwritten: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def tokens_per_second(stats: dict[str, str], now: float | None = None) -> float:
+    """From the commit script's 10-second token buckets: the last full minute, the running bucket excluded."""
+    now = time.time() if now is None else now
+    current = int(now // 10)
+    total = sum(int(v) for k, v in stats.items()
+                if k.startswith("t:") and current - RATE_WINDOW_S // 10 <= int(k[2:]) < current)
+    return total / RATE_WINDOW_S
+
+
+def dataset_status(state: DatasetState, now: float | None = None) -> DatasetStatus:
+    stats = state.stats
+    stop, length = int(stats.get("finish_stop", 0)), int(stats.get("finish_length", 0))
+    tps = tokens_per_second(stats, now)
+    eta = None
+    if state.budget is not None and state.status == "open" and tps > 0:
+        eta = max(0.0, (state.budget - state.used) / tps)
+    selected = state.fields.get("selected")
+    todo = int(state.fields.get("todo", 0) or 0)
+    return DatasetStatus(
+        name=state.name, mode=state.mode, status=state.status, budget=state.budget, used=state.used,
+        reserved=state.reserved, in_flight=state.in_flight, done=state.done, failed=state.failed,
+        selected=int(selected) if selected else None, discarded=todo if state.status == "closed" else 0,
+        discarded_chunks=state.discarded_chunks, queued_chunks=state.queued_chunks, tokens_per_s=tps, eta_s=eta,
+        finish_stop=stop, finish_length=length,
+        truncation_rate=length / (stop + length) if stop + length else None,
+        mean_completion=state.used / state.done if state.done else None,
+        late=int(stats.get("late", 0)), unwritten=state.unwritten)
+
+
+def all_status(client: "redis.Redis", names: list[str] | None = None) -> list[DatasetStatus]:
+    ledger = Ledger(client)
+    if not names:
+        raw: Any = client.smembers(keys.DATASETS)
+        names = sorted(x.decode() for x in raw)
+    return [dataset_status(ledger.state(n)) for n in names]
+
+
+def _n(value: float | int | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.1f}"
+    return f"{value:,}"
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    h, rem = divmod(int(seconds), 3600)
+    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
+
+
+def status_table(rows: list[DatasetStatus]) -> str:
+    head = ("dataset", "mode", "status", "used", "budget", "reserved", "in flight", "done", "failed", "discarded",
+            "tok/s", "eta", "stop/length", "trunc", "mean len")
+    body = [(r.name, r.mode, r.status, _n(r.used), "unlimited" if r.budget is None else _n(r.budget), _n(r.reserved),
+             _n(r.in_flight), _n(r.done) + (f"/{r.selected:,}" if r.selected else ""), _n(r.failed),
+             _n(r.discarded), f"{r.tokens_per_s:,.0f}", _eta(r.eta_s), f"{r.finish_stop}/{r.finish_length}",
+             "-" if r.truncation_rate is None else f"{r.truncation_rate:.1%}",
+             "-" if r.mean_completion is None else f"{r.mean_completion:,.0f}") for r in rows]
+    if not body:
+        return "no datasets in this Redis"
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *body)]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
