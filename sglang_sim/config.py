@@ -8,7 +8,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal, Sequence, cast
+from typing import Any, Literal, Sequence, cast
+
+from sglang_sim.faults import (
+    MALFORMED_KINDS,
+    OUTAGE_MODES,
+    FaultSettings,
+    OutageMode,
+    parse_error_rate,
+    parse_kinds,
+    parse_outage,
+)
 
 LengthDist = Literal["lognormal", "exponential", "fixed"]
 ReasoningStyle = Literal["open", "full", "none"]
@@ -55,6 +65,17 @@ class SimConfig:
     # How often (wall seconds) in-flight requests are checked for a vanished client, as a backstop to
     # aiohttp's handler cancellation (SGLang itself checks about every 4 s).
     disconnect_check_interval: float = 1.0
+    # Fault injection (see faults.py and docs/simulator.md); all off by default.
+    fault_seed: int | None = None  # None = seed
+    error_rates: tuple[tuple[int, float], ...] = ()  # (status, fraction of /generate requests)
+    retry_after: float | None = None  # Retry-After seconds on 429/503 answers
+    reset_rate: float = 0.0
+    hang_rate: float = 0.0
+    malformed_rate: float = 0.0
+    malformed_kinds: tuple[str, ...] = MALFORMED_KINDS
+    abort_rate: float = 0.0
+    outages: tuple[tuple[float, float], ...] = ()  # (start, duration), wall seconds since start
+    outage_mode: OutageMode = "503"
 
     def __post_init__(self) -> None:
         problems = validate(self)
@@ -100,6 +121,9 @@ def validate(cfg: SimConfig) -> list[str]:
             f"eos_id must be >= 0 and outside the simulator's own ids ({WORD_ID_BASE}.."
             f"{WORD_ID_BASE + LEXICON_SIZE - 1}, {THINK_OPEN_ID}, {THINK_CLOSE_ID})"
         )
+    problems += FaultSettings.from_config(cfg).problems()
+    if any(start < 0 or duration <= 0 for start, duration in cfg.outages):
+        problems.append("outages need START >= 0 and DURATION > 0")
     return problems
 
 
@@ -143,7 +167,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix cache capacity in pages, 0 = no cache (default %(default)s)")
     p.add_argument("--disconnect-check-interval", type=float, default=d.disconnect_check_interval,
                    help="seconds between sweeps for vanished clients (default %(default)s)")
+    add_fault_options(p)
     return p
+
+
+def add_fault_options(p: argparse.ArgumentParser) -> None:
+    """The fault-injection options; each rate is a fraction of /generate requests."""
+    g = p.add_argument_group("fault injection", "Example: sglang-sim --error-rate 503=0.1 --retry-after 2 "
+                             "--reset-rate 0.02 --outage 30:10")
+    g.add_argument("--fault-seed", type=int, default=None, help="RNG seed of the fault draws (default: --seed)")
+    g.add_argument("--error-rate", dest="error_rates", metavar="STATUS=P", type=parse_error_rate, action="append",
+                   help="answer this share of requests with STATUS at once, SGLang's error shape (repeatable)")
+    g.add_argument("--retry-after", type=float, default=None, metavar="SECONDS",
+                   help="send Retry-After on 429 and 503 answers")
+    g.add_argument("--reset-rate", type=float, default=0.0, metavar="P", help="close the connection without an answer")
+    g.add_argument("--hang-rate", type=float, default=0.0, metavar="P",
+                   help="never answer (until the client leaves or the server stops)")
+    g.add_argument("--malformed-rate", type=float, default=0.0, metavar="P", help="mangle the reply")
+    g.add_argument("--malformed-kind", dest="malformed_kinds", type=parse_kinds, action="append",
+                   metavar="KIND[,KIND]", help=f"which manglings (repeatable; default all): {', '.join(MALFORMED_KINDS)}")
+    g.add_argument("--abort-rate", type=float, default=0.0, metavar="P",
+                   help="run, then end with finish_reason abort (HTTP 200) part-way")
+    g.add_argument("--outage", dest="outages", metavar="START:DURATION", type=parse_outage, action="append",
+                   help="wall seconds after start: /generate and /health fail for DURATION (repeatable)")
+    g.add_argument("--outage-mode", choices=OUTAGE_MODES, default="503",
+                   help="503: answer 503 at once; refuse: close the listening socket (default %(default)s)")
 
 
 def from_argv(argv: Sequence[str] | None = None) -> SimConfig:
@@ -152,8 +200,13 @@ def from_argv(argv: Sequence[str] | None = None) -> SimConfig:
     ns = parser.parse_args(argv)
     style = cast(ReasoningStyle, ns.reasoning_style if ns.reasoning else "none")
     fields = {f.name for f in dataclasses.fields(SimConfig)}
-    values = {k: v for k, v in vars(ns).items() if k in fields}
+    values: dict[str, Any] = {k: v for k, v in vars(ns).items() if k in fields}
     values["reasoning_style"] = style
+    # Repeatable options arrive as lists (None when absent); the last --error-rate for a status wins.
+    values["error_rates"] = tuple(dict(ns.error_rates or ()).items())
+    values["outages"] = tuple(ns.outages or ())
+    kinds = [k for group in ns.malformed_kinds or () for k in group]
+    values["malformed_kinds"] = tuple(dict.fromkeys(kinds)) or MALFORMED_KINDS
     try:
         return SimConfig(**values)
     except ValueError as e:

@@ -62,6 +62,7 @@ class Job:
     state: JobState = "queued"
     cached_tokens: int = 0
     progress_at_start: float = 0.0
+    ends_aborted: bool = False  # an injected abort: reaching target_tokens ends it as aborted
 
 
 @dataclass(frozen=True)
@@ -138,13 +139,16 @@ class Engine:
         self._seq += 1
         return self._seq
 
-    def submit(self, seq: int, prompt: Sequence[Hashable], target_tokens: int) -> Job:
-        """Queue a request that will decode `target_tokens` tokens; await `job.future` for the end."""
+    def submit(self, seq: int, prompt: Sequence[Hashable], target_tokens: int, ends_aborted: bool = False) -> Job:
+        """Queue a request that will decode `target_tokens` tokens; await `job.future` for the end.
+
+        With `ends_aborted` the job ends as an abort once it has its tokens (fault injection)."""
         if self._closed:
             raise RuntimeError("engine is closed")
         self._loop = asyncio.get_running_loop()
         self._advance(self._clock())  # integrals up to now before the counts change
-        job = Job(seq=seq, prompt=prompt, target_tokens=target_tokens, future=self._loop.create_future())
+        job = Job(seq=seq, prompt=prompt, target_tokens=target_tokens, future=self._loop.create_future(),
+                  ends_aborted=ends_aborted)
         self._c.submitted += 1
         self._c.prompt_tokens += len(prompt)
         if self._cfg.zero_latency:
@@ -153,7 +157,7 @@ class Engine:
             job.state = "decoding"  # so _end books it as a normal finish
             self._n_running += 1
             self._n_decoding += 1
-            self._end(job, aborted=False, generated=target_tokens)
+            self._end(job, aborted=ends_aborted, generated=target_tokens)
             return job
         self._queue.append(job)
         self._n_queued += 1
@@ -178,7 +182,7 @@ class Engine:
                 done = math.floor(self._progress - job.progress_at_start + 1e-6)
                 if done >= job.target_tokens:
                     # It finished before its timer fired: report the finish, not an abort.
-                    self._end(job, aborted=False, generated=job.target_tokens)
+                    self._end(job, aborted=job.ends_aborted, generated=job.target_tokens)
                     continue
                 generated = max(0, done)
             self._end(job, aborted=True, generated=generated)
@@ -266,7 +270,7 @@ class Engine:
         while decode and (decode[0][2].state != "decoding" or decode[0][0] <= self._progress + slack):
             _, _, job = heapq.heappop(decode)
             if job.state == "decoding":
-                self._end(job, aborted=False, generated=job.target_tokens)
+                self._end(job, aborted=job.ends_aborted, generated=job.target_tokens)
 
     def _admit(self, now: float) -> None:
         cfg = self._cfg
@@ -291,7 +295,7 @@ class Engine:
         job.state = "decoding"
         self._n_decoding += 1
         if job.target_tokens <= 0:
-            self._end(job, aborted=False, generated=0)
+            self._end(job, aborted=job.ends_aborted, generated=0)
             return
         job.progress_at_start = self._progress
         heapq.heappush(self._heaps.decode, (self._progress + job.target_tokens, job.seq, job))

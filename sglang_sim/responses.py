@@ -7,7 +7,7 @@ small function that tests can read next to reference/sglang-generate.md.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 from sglang_sim.config import SimConfig
 from sglang_sim.engine import EngineStats, Outcome
@@ -30,11 +30,12 @@ def generate_body(
     prompt_tokens: int,
     outcome: Outcome,
     e2e_latency: float,
+    abort_message: str | None = None,
 ) -> dict[str, Any]:
-    """The 200 body of one /generate request (finished or aborted)."""
+    """The 200 body of one /generate request (finished or aborted; `abort_message` overrides SGLang's)."""
     finish: dict[str, Any]
     if outcome.aborted:
-        message = ABORT_RUNNING_MESSAGE if outcome.started else ABORT_QUEUED_MESSAGE
+        message = abort_message or (ABORT_RUNNING_MESSAGE if outcome.started else ABORT_QUEUED_MESSAGE)
         finish = {"type": "abort", "message": message, "status_code": None, "err_type": None}
         text, output_ids = render(lexicon, plan, outcome.generated, None)
         if not outcome.started:
@@ -73,9 +74,9 @@ def server_info(cfg: SimConfig, stats: EngineStats) -> dict[str, Any]:
     }
 
 
-def stats_body(cfg: SimConfig, stats: EngineStats) -> dict[str, Any]:
-    """/sim/stats: counters plus occupancy integrals for benchmarks."""
-    body = dataclasses.asdict(stats)
+def stats_body(cfg: SimConfig, stats: EngineStats, faults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """/sim/stats: counters plus occupancy integrals for benchmarks, and the fault counters."""
+    body = {**dataclasses.asdict(stats), **(faults or {})}
     body["mean_running"] = stats.running_integral / stats.uptime if stats.uptime > 0 else 0.0
     body["time_scale"] = cfg.time_scale
     return body

@@ -7,6 +7,9 @@ Client disconnects abort the request, as SGLang does: with `handler_cancellation
 `start_server` and by the console script) aiohttp cancels the handler at once; a sweep every
 `disconnect_check_interval` seconds catches the same thing when the app runs under a runner
 without it.
+
+Fault injection (fault_http.py) hooks in at three points of /generate: on arrival (outage, and the
+faults answered at once), on submit (an injected abort's cut) and on the reply (a mangled body).
 """
 from __future__ import annotations
 
@@ -21,8 +24,11 @@ from typing import AsyncIterator
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from sglang_sim import fault_http
 from sglang_sim.config import SimConfig
 from sglang_sim.engine import Engine, Job
+from sglang_sim.fault_http import ABORT_INJECTED_MESSAGE, FaultState, mangled_reply
+from sglang_sim.faults import FaultSettings, OutageMode
 from sglang_sim.prefix_cache import PrefixCache
 from sglang_sim.responses import MODEL_PATH, generate_body, metrics_text, server_info, stats_body
 from sglang_sim.textgen import Lexicon, input_digest, lexicon_for, plan_output, request_rng
@@ -35,6 +41,7 @@ class InFlight:
 
     job: Job
     request: web.Request
+    cut: OutageMode | None = None  # set when an outage began while it ran
 
 
 @dataclass(eq=False)
@@ -44,7 +51,16 @@ class SimState:
     cfg: SimConfig
     engine: Engine
     lexicon: Lexicon
+    faults: FaultState
     inflight: dict[str, InFlight] = field(default_factory=dict)
+
+    def cut_inflight(self, mode: OutageMode) -> None:
+        """An outage began: end every in-flight request now (each handler answers per `mode`)."""
+        flights = list(self.inflight.values())
+        for f in flights:
+            f.cut = mode
+        self.faults.counters.outage_cut += len(flights)
+        self.engine.abort_many([f.job for f in flights])
 
 
 STATE: web.AppKey[SimState] = web.AppKey("sglang_sim_state", SimState)
@@ -61,10 +77,17 @@ async def _read_json(request: web.Request) -> object:
         raise type_error(f"JSON decode error: {e}") from None
 
 
-async def generate(request: web.Request) -> web.Response:
+async def generate(request: web.Request) -> web.StreamResponse:
     """POST /generate: validate, plan the output, wait for the engine, answer per the contract."""
     st = request.app[STATE]
     t0 = time.monotonic()
+    faults = st.faults
+    arrival = faults.arrive()
+    if faults.in_outage:
+        return faults.outage_reply(request, generate=True)
+    fault = faults.draw(arrival)
+    if fault is not None and fault.immediate:
+        return await faults.immediate_reply(request, fault)
     try:
         spec = parse_generate(await _read_json(request), st.cfg)
     except ApiError as e:
@@ -79,8 +102,12 @@ async def generate(request: web.Request) -> web.Response:
     plan = plan_output(st.cfg, rng, spec.min_new_tokens)
     # SGLang checks the length limit before EOS, so an EOS drawn exactly at max_new_tokens is a length finish.
     stops = not spec.ignore_eos and plan.natural_len < spec.max_new_tokens
-    job = engine.submit(seq, spec.prompt, plan.natural_len if stops else spec.max_new_tokens)
-    st.inflight[rid] = InFlight(job, request)
+    target = plan.natural_len if stops else spec.max_new_tokens
+    aborts = fault is not None and fault.kind == "abort"
+    if fault is not None and aborts:
+        target = int(fault.cut * target)  # the share it generates before the scheduler drops it
+    job = engine.submit(seq, spec.prompt, target, ends_aborted=aborts)
+    flight = st.inflight[rid] = InFlight(job, request)
     try:
         outcome = await job.future
     except asyncio.CancelledError:
@@ -89,9 +116,19 @@ async def generate(request: web.Request) -> web.Response:
     finally:
         if st.inflight.get(rid) is not None and st.inflight[rid].job is job:
             del st.inflight[rid]
+    if flight.cut is not None:
+        return faults.cut_reply(request, flight.cut)
+    # Not an /abort_request that came first: that one keeps SGLang's message.
+    injected_abort = aborts and outcome.aborted and outcome.started and outcome.generated == target
     body = generate_body(
-        st.lexicon, st.cfg, rid, plan, stops, spec.max_new_tokens, len(spec.prompt), outcome, time.monotonic() - t0
+        st.lexicon, st.cfg, rid, plan, stops, spec.max_new_tokens, len(spec.prompt), outcome, time.monotonic() - t0,
+        abort_message=ABORT_INJECTED_MESSAGE if injected_abort else None,
     )
+    if fault is not None and fault.kind == "malformed":
+        faults.counters.malformed[fault.malformed] = faults.counters.malformed.get(fault.malformed, 0) + 1
+        return await mangled_reply(request, body, fault.malformed, spec.max_new_tokens)
+    if injected_abort:
+        faults.counters.aborts_injected += 1
     return web.json_response(body)
 
 
@@ -116,8 +153,9 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health and /health_generate: always healthy once listening."""
-    return web.Response(status=200)
+    """GET /health and /health_generate: healthy once listening, except during an outage."""
+    faults = request.app[STATE].faults
+    return faults.outage_reply(request, generate=False) if faults.in_outage else web.Response(status=200)
 
 
 async def get_model_info(request: web.Request) -> web.Response:
@@ -145,7 +183,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 async def sim_stats(request: web.Request) -> web.Response:
     """GET /sim/stats: simulator-only counters for benchmarks."""
     st = request.app[STATE]
-    return web.json_response(stats_body(st.cfg, st.engine.stats()))
+    return web.json_response(stats_body(st.cfg, st.engine.stats(), st.faults.stats()))
 
 
 def _auth_middleware(api_key: str) -> Middleware:
@@ -174,8 +212,10 @@ async def _disconnect_sweeper(app: web.Application) -> AsyncIterator[None]:
                     gone.append(f.job)
             if gone:
                 st.engine.abort_many(gone)
+            st.faults.sweep_disconnected()
 
     task = asyncio.create_task(sweep())
+    st.faults.start()
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -183,7 +223,9 @@ async def _disconnect_sweeper(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _on_shutdown(app: web.Application) -> None:
-    app[STATE].engine.close()  # ends every in-flight handler so shutdown does not wait for them
+    st = app[STATE]
+    st.engine.close()  # ends every in-flight handler so shutdown does not wait for them
+    await st.faults.close()  # and every hanging one
 
 
 def make_app(cfg: SimConfig) -> web.Application:
@@ -191,7 +233,10 @@ def make_app(cfg: SimConfig) -> web.Application:
     middlewares = [_auth_middleware(cfg.api_key)] if cfg.api_key else []
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     cache = PrefixCache(cfg.prefix_cache_page, cfg.prefix_cache_pages)
-    app[STATE] = SimState(cfg=cfg, engine=Engine(cfg, cache), lexicon=lexicon_for(cfg.seed))
+    faults = FaultState(FaultSettings.from_config(cfg), cfg.outages)
+    st = app[STATE] = SimState(cfg=cfg, engine=Engine(cfg, cache), lexicon=lexicon_for(cfg.seed), faults=faults)
+    faults.on_outage_start.append(st.cut_inflight)
+    fault_http.install(app, faults)
     app.router.add_route("POST", "/generate", generate)
     app.router.add_route("PUT", "/generate", generate)
     app.router.add_post("/abort_request", abort_request)
@@ -215,6 +260,7 @@ class SimServer:
     runner: web.AppRunner
     host: str
     port: int
+    site: web.TCPSite | None = None  # None while a `refuse` outage has the socket closed
 
     @property
     def url(self) -> str:
@@ -226,8 +272,24 @@ class SimServer:
         """The engine, for stats in tests."""
         return self.app[STATE].engine
 
+    @property
+    def faults(self) -> FaultState:
+        """The fault state (settings, counters, outage), for tests."""
+        return self.app[STATE].faults
+
+    async def set_listening(self, listening: bool) -> None:
+        """Close or reopen the listening socket on the same port (`refuse` outages)."""
+        if not listening and self.site is not None:
+            site, self.site = self.site, None
+            await site.stop()
+        elif listening and self.site is None:
+            site = web.TCPSite(self.runner, self.host, self.port)
+            await site.start()
+            self.site = site
+
     async def stop(self) -> None:
         """Abort what is in flight and close the listening socket."""
+        await self.faults.detach_listener()  # so an outage's end cannot reopen a socket mid-cleanup
         await self.runner.cleanup()
 
 
@@ -245,7 +307,9 @@ async def start_server(cfg: SimConfig, host: str | None = None, port: int | None
         raise
     bound = int(runner.addresses[0][1])
     app[STATE].cfg = cfg.replace(host=bind_host, port=bound)  # so /get_server_info tells the truth
-    return SimServer(app=app, runner=runner, host=bind_host, port=bound)
+    server = SimServer(app=app, runner=runner, host=bind_host, port=bound, site=site)
+    app[STATE].faults.attach_listener(server.set_listening)
+    return server
 
 
 @contextlib.asynccontextmanager

@@ -332,7 +332,7 @@ def test_token_ids_use_the_runs_template_kwargs(tmp_path: Path) -> None:
     report = export_dataset(ds, dest, ExportOptions("openai-messages", token_ids=True), tokenizer=hybrid)
     assert report.prompt_mismatch == 0
     ids = read_jsonl(dest)[0]["input_ids"]
-    assert hybrid.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert str(hybrid.decode(ids)).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def test_token_ids_need_the_runs_tokenizer(dataset: Path, tmp_path: Path) -> None:

@@ -15,9 +15,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
-from sglang_sim import SimConfig, SimProcess
+from sglang_sim import SimConfig, SimProcess, make_app
 from sglang_sim.config import from_argv
+from sglang_sim.fault_http import FAULTS
 from sglang_sim.faults import MALFORMED_KINDS, FaultSettings, draw
 from tests.test_sim import FAST, SLOW, gen_body, post, run, sim_and_client, until
 from worker.config import WorkerConfig
@@ -49,18 +51,18 @@ def sglang_error(body: Any, status: int) -> bool:
     )
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def no_server_errors(caplog: pytest.LogCaptureFixture) -> Any:
     """Faults are deliberate: aiohttp must not log them as handler errors."""
     caplog.set_level(logging.ERROR, logger="aiohttp")
     yield
-    assert not [r for r in caplog.records if r.name.startswith("aiohttp")], caplog.text
+    logged = [r for r in caplog.get_records("call") if r.name.startswith("aiohttp")]
+    assert not logged, [r.getMessage() for r in logged]
 
 
 # -- errors ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.usefixtures("no_server_errors")
 def test_error_statuses_with_sglang_shape_and_retry_after() -> None:
     async def go() -> None:
         async with sim_and_client(INSTANT.replace(error_rates=((503, 1.0),), retry_after=2.0)) as (_, client):
@@ -82,7 +84,6 @@ def test_error_statuses_with_sglang_shape_and_retry_after() -> None:
 # -- resets, truncation, hangs ---------------------------------------------------------------------
 
 
-@pytest.mark.usefixtures("no_server_errors")
 def test_reset_closes_without_a_response() -> None:
     async def go() -> None:
         async with sim_and_client(INSTANT.replace(reset_rate=1.0)) as (_, client):
@@ -97,7 +98,6 @@ def test_reset_closes_without_a_response() -> None:
     run(go())
 
 
-@pytest.mark.usefixtures("no_server_errors")
 def test_truncated_body_after_the_generation_ran() -> None:
     cfg = FAST.replace(malformed_rate=1.0, malformed_kinds=("truncated",))
 
@@ -114,7 +114,6 @@ def test_truncated_body_after_the_generation_ran() -> None:
     run(go())
 
 
-@pytest.mark.usefixtures("no_server_errors")
 def test_hang_holds_no_slot_and_is_cleaned_up_when_the_client_leaves() -> None:
     async def go() -> None:
         async with sim_and_client(FAST.replace(hang_rate=1.0)) as (sim, client):
@@ -134,6 +133,26 @@ def test_hang_holds_no_slot_and_is_cleaned_up_when_the_client_leaves() -> None:
     run(go())
 
 
+def test_hang_cleaned_up_by_the_sweep_without_handler_cancellation() -> None:
+    async def go() -> None:
+        runner = web.AppRunner(make_app(FAST.replace(hang_rate=1.0, disconnect_check_interval=0.05)))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        faults = runner.app[FAULTS]
+        try:
+            async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{runner.addresses[0][1]}") as leaving:
+                waiting = asyncio.create_task(post(leaving, "/generate", gen_body()))
+                await until(lambda: len(faults.hanging) == 1)
+                waiting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiting
+            await until(lambda: not faults.hanging)
+        finally:
+            await runner.cleanup()
+
+    run(go())
+
+
 def test_hang_ends_with_the_server() -> None:
     async def go() -> None:
         async with sim_and_client(FAST.replace(hang_rate=1.0)) as (sim, client):
@@ -149,7 +168,6 @@ def test_hang_ends_with_the_server() -> None:
 # -- malformed replies and aborts -------------------------------------------------------------------
 
 
-@pytest.mark.usefixtures("no_server_errors")
 @pytest.mark.parametrize("kind", [k for k in MALFORMED_KINDS if k != "truncated"])
 def test_malformed_kinds(kind: str) -> None:
     cfg = FAST.replace(malformed_rate=1.0, malformed_kinds=(kind,), length_dist="fixed", mean_tokens=50)
@@ -321,7 +339,6 @@ def test_live_outage_cuts_in_flight_requests_and_ends_on_demand() -> None:
     run(go())
 
 
-@pytest.mark.usefixtures("no_server_errors")
 def test_refuse_mode_closes_the_listening_socket() -> None:
     async def go() -> None:
         async with sim_and_client(SLOW.replace(outage_mode="refuse")) as (sim, client):
@@ -338,6 +355,20 @@ def test_refuse_mode_closes_the_listening_socket() -> None:
             await until(lambda: sim.faults.listening)
             async with aiohttp.ClientSession(base_url=sim.url) as fresh:
                 assert (await post(fresh, "/generate", gen_body(max_new_tokens=0)))[0] == 200
+
+    run(go())
+
+
+def test_configured_refuse_outage_from_the_start() -> None:
+    async def go() -> None:
+        async with sim_and_client(INSTANT.replace(outages=((0.0, 0.3),), outage_mode="refuse")) as (sim, _):
+            await until(lambda: not sim.faults.listening)
+            async with aiohttp.ClientSession(base_url=sim.url) as fresh:
+                with pytest.raises(aiohttp.ClientConnectorError):
+                    await post(fresh, "/generate", gen_body())
+            await until(lambda: sim.faults.listening and not sim.faults.in_outage)
+            async with aiohttp.ClientSession(base_url=sim.url) as fresh:
+                assert (await post(fresh, "/generate", gen_body()))[0] == 200
 
     run(go())
 
