@@ -148,6 +148,12 @@ def _safe_url(url: str) -> str:
 @opt("--chat-template-kwargs", default=None, metavar="JSON",
      help='Extra chat template arguments, e.g. \'{"enable_thinking": true}\'.')
 @opt("--skip-invalid", is_flag=True, help="Skip and report bad lines instead of refusing the file.")
+@opt("--messages-field", default="messages", show_default=True, help="Field holding OpenAI-style messages.")
+@opt("--prompt-field", default="prompt", show_default=True, help="Field holding a single user prompt.")
+@opt("--conversations-field", default="conversations", show_default=True,
+     help="Field holding ShareGPT conversations.")
+@opt("--id-field", default="id", show_default=True, help="Field holding the sample id.")
+@opt("--system-prompt", default=None, help="System turn added to conversations that have none.")
 @opt("--expect-mean", type=click.FloatRange(1), default=None,
      help="Expected completion length before results arrive (predict's prior; --dry-run's estimate).")
 @opt("--dry-run", is_flag=True, help="Plan only: validate, render, estimate cost and time; write nothing.")
@@ -178,7 +184,8 @@ def run_cmd(**options: Any) -> None:
 def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes: tuple[str, ...],
          max_tokens: int, max_context: int | None, max_samples: int | None, out_dir: Path, redis_url: str,
          temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-         chat_template_kwargs: str | None, skip_invalid: bool, expect_mean: float | None, dry_run: bool,
+         chat_template_kwargs: str | None, skip_invalid: bool, messages_field: str, prompt_field: str,
+         conversations_field: str, id_field: str, system_prompt: str | None, expect_mean: float | None, dry_run: bool,
          pilot: int | None, throughput: float | None, as_json: bool, chunk_size: int, queue_depth: int,
          new_run: bool, detach: bool, job_timeout: int, quiet: bool) -> None:
     # Everything that can be wrong with the options and the input is found before Redis is touched.
@@ -200,12 +207,19 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
         if not isinstance(kwargs, dict):
             raise InputProblem("--chat-template-kwargs: expected a JSON object")
     echo: Callable[[str], None] = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
+    from producer.records import FieldMapping
+    try:
+        mapping = FieldMapping(messages_field=messages_field, prompt_field=prompt_field,
+                               conversations_field=conversations_field, id_field=id_field,
+                               system_prompt=system_prompt)
+    except ValueError as exc:
+        raise InputProblem(str(exc)) from None
 
     from producer.prepare import load_inputs
     inputs = load_inputs(files, tokenizer=tokenizer, max_tokens=max_tokens, max_context=max_context,
                          max_samples=max_samples, sampling_params=_sampling_params(max_tokens, temperature, top_p,
                                                                                    top_k, seed),
-                         chat_template_kwargs=kwargs, skip_invalid=skip_invalid, echo=echo,
+                         chat_template_kwargs=kwargs, skip_invalid=skip_invalid, echo=echo, mapping=mapping,
                          warn=lambda msg: click.echo(msg, err=True))
     names = {p.name for p in inputs.prepared}
     unknown = sorted((set(named) | set(named_modes)) - names)

@@ -65,8 +65,9 @@ def read_saved(path: Path, sink: Collector, mapping: FieldMapping) -> None:
     if isinstance(loaded, datasets.DatasetDict):
         splits = sorted(loaded)
         if len(splits) != 1:
+            example = path / ("train" if "train" in splits else splits[0])
             raise InputError([Problem(where, None, f"a DatasetDict with splits {', '.join(splits)}: give one "
-                                                   f"split's folder, e.g. {path / ('train' if 'train' in splits else splits[0])}")])
+                                                   f"split's folder, e.g. {example}")])
         loaded = loaded[splits[0]]
     if not isinstance(loaded, datasets.Dataset):
         raise InputError([Problem(where, None, f"not a Dataset ({type(loaded).__name__})")])

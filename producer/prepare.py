@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 from producer.errors import input_error
 from producer.reader import Problem, ReadResult, Sample
+from producer.records import FieldMapping
 from producer.render import Rendered, RenderError, Renderer
 
 
@@ -50,13 +51,13 @@ def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_
         if exc.index is None:
             raise
         if not skip_invalid:
-            raise RenderError(f"{read.path}:{part[exc.index].line}: {exc.__cause__ or exc}") from exc
+            raise RenderError(str(part[exc.index].problem(str(exc.__cause__ or exc)))) from exc
     good = []
     for sample in part:
         try:
             good.append((sample, renderer.render(sample.messages)))
         except RenderError as exc:
-            invalid.append(Problem(str(read.path), sample.line, str(exc)))
+            invalid.append(sample.problem(str(exc)))
     return good
 
 
@@ -77,8 +78,7 @@ def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_contex
                 break
             n = len(out.input_ids)
             if n + max_tokens > max_context:
-                prepared.over_context.append(Problem(
-                    str(read.path), sample.line,
+                prepared.over_context.append(sample.problem(
                     f"prompt of {n} tokens + --max-tokens {max_tokens} exceeds --max-context {max_context}"))
                 continue
             prepared.samples.append(sample)
@@ -88,7 +88,7 @@ def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_contex
 
 
 def run_settings(renderer: Renderer, sampling_params: dict[str, Any],
-                 chat_template_kwargs: dict[str, Any]) -> dict[str, Any]:
+                 chat_template_kwargs: dict[str, Any], system_prompt: str | None = None) -> dict[str, Any]:
     """What must not change between a run and its resume: a response made under other settings would mix
     two distributions in one training set."""
     think = renderer.think
@@ -97,6 +97,7 @@ def run_settings(renderer: Renderer, sampling_params: dict[str, Any],
         "chat_template_kwargs": chat_template_kwargs,
         "sampling_params": sampling_params,
         "think": [think.start, think.end] if think else None,
+        "system_prompt": system_prompt,
     }
 
 
@@ -137,13 +138,14 @@ class Inputs:
 
 def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_context: int | None,
                 max_samples: int | None, sampling_params: dict[str, Any], chat_template_kwargs: dict[str, Any],
-                skip_invalid: bool, echo: Callable[[str], None], warn: Callable[[str], None]) -> Inputs:
+                skip_invalid: bool, echo: Callable[[str], None], warn: Callable[[str], None],
+                mapping: FieldMapping | None = None) -> Inputs:
     """Read, validate and render every file. Raises ProduceError (exit 2) on any input problem."""
     from producer.reader import InputError, read_all
     from producer.render import default_max_context, load_tokenizer
 
     try:
-        reads = read_all(list(files), skip_invalid)
+        reads = read_all(list(files), skip_invalid, mapping=mapping or FieldMapping())
     except InputError as exc:
         raise input_error(str(exc)) from None
     for r in reads:
@@ -170,5 +172,6 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
             echo(f"skipped {problem}")
         echo(f"{p.name}: {len(p.samples)} samples ready ({p.prompt_tokens} prompt tokens), "
              f"{len(p.invalid)} invalid, {len(p.duplicates)} duplicate ids, {len(p.over_context)} over context")
-    settings = run_settings(renderer, sampling_params, chat_template_kwargs)
+    settings = run_settings(renderer, sampling_params, chat_template_kwargs,
+                            mapping.system_prompt if mapping else None)
     return Inputs(prepared, renderer, sampling_params, settings, chat_template_kwargs)

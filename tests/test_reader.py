@@ -159,6 +159,16 @@ def test_nul_in_path_is_an_input_error() -> None:
 def test_problem_str() -> None:
     assert str(Problem("a.jsonl", 3, "bad")) == "a.jsonl:3: bad"
     assert str(Problem("a.jsonl", None, "bad")) == "a.jsonl: bad"
+    assert str(Problem("a.parquet", 3, "bad", "row")) == "a.parquet: row 3: bad"
+    assert str(Problem("a.parquet", None, "bad", "row")) == "a.parquet: bad"
+    assert Problem("a.parquet", 3, "bad", "row").where == "a.parquet: row 3"
+
+
+def test_sample_knows_where_it_is(tmp_path: Path) -> None:
+    result = read_records(tmp_path, [{"prompt": "x"}])
+    sample = result.samples[0]
+    assert (sample.path, sample.line, sample.unit) == (str(tmp_path / "d.jsonl"), 1, "line")
+    assert str(sample.problem("too long")) == f"{tmp_path / 'd.jsonl'}:1: too long"
 
 
 # --- formats ----------------------------------------------------------------------------------------------------

@@ -120,12 +120,12 @@ class Budgeting:
 
 
 async def _keep_lease(ledger: Ledger, dataset: str, chunk: str, lost: asyncio.Event, beat: Any,
-                      flights: dict[str, Flight], budgeting: Budgeting) -> None:
+                      flights: dict[str, Flight], budgeting: Budgeting, interval: float) -> None:
     """Refresh the lease every LEASE_MS/4 and, in predict mode, grow running requests' reservations every
-    second: a request that has run long is expected to run longer."""
+    ``interval`` seconds: a request that has run long is expected to run longer."""
     last_lease = time.monotonic()
     while True:
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(min(interval, LEASE_MS / 4000))
         now = time.monotonic()
         reserved: int | None = None
         try:
@@ -163,7 +163,8 @@ async def process_chunk(chunk: ChunkPayload, *, ledger: Ledger, client: SGLangCl
     lost = asyncio.Event()
     flights: dict[str, Flight] = {}
     progressed = asyncio.Event()  # set whenever a request of this chunk ends
-    lease = asyncio.create_task(_keep_lease(ledger, dataset, chunk_id, lost, heartbeat, flights, budgeting))
+    lease = asyncio.create_task(_keep_lease(ledger, dataset, chunk_id, lost, heartbeat, flights, budgeting,
+                                            config.reserve_interval))
     slots = asyncio.Semaphore(config.concurrency)
     tasks: list[asyncio.Task[None]] = []
 

@@ -46,6 +46,7 @@ class WorkerConfig:
     request_timeout: float | None = None  # None: sized per request from max_new_tokens
     min_tokens_per_second: float = 5.0  # the slowest decode we wait for before calling a request hung
     backoff_cap: float = 20.0
+    reserve_interval: float = 1.0  # seconds between predict-mode reservation updates of a running chunk
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "WorkerConfig":
@@ -67,6 +68,7 @@ class WorkerConfig:
             min_tokens_per_second=_float(env, "BUDGETQ_MIN_TOKENS_PER_SECOND", cls.min_tokens_per_second)
             or cls.min_tokens_per_second,
             backoff_cap=_float(env, "BUDGETQ_BACKOFF_CAP", cls.backoff_cap) or cls.backoff_cap,
+            reserve_interval=_float(env, "BUDGETQ_RESERVE_INTERVAL", cls.reserve_interval) or cls.reserve_interval,
         )
 
     def timeout_for(self, max_new_tokens: int) -> float:
