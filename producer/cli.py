@@ -328,5 +328,62 @@ def budget_cmd(name: str, amount: str, redis_url: str) -> None:
                f"{status}" + (f", {discarded} queued chunks discarded" if discarded else ""))
 
 
+@main.command("export", help="Write collected results as training conversations (ShareGPT or OpenAI "
+              "messages) with the regenerated assistant turn, plus OUT/<dataset>/manifest.json.\n\n"
+              "\b\nExample:\n  produce export B1_glaive --out out/ --format sharegpt --dest train/b1.jsonl")
+@click.argument("names", nargs=-1, required=True)
+@opt("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"), show_default=True,
+     help="The run's output directory (holding <dataset>/raw_responses.jsonl).")
+@opt("--format", "fmt", type=click.Choice(["sharegpt", "openai-messages"]), default="sharegpt", show_default=True,
+     help="Conversation format.")
+@opt("--dest", type=click.Path(path_type=Path), default=None,
+     help="Output file (one dataset) or directory (<dataset>.jsonl each). Default: OUT/<dataset>/<format>.jsonl.")
+@opt("--truncated", type=click.Choice(["drop", "keep"]), default="drop", show_default=True,
+     help="What to do with responses cut off by --max-tokens (finish_reason length).")
+@opt("--reasoning", type=click.Choice(["inline", "field", "drop"]), default="inline", show_default=True,
+     help="Reasoning inside <think> in the content, as a reasoning_content field, or left out.")
+@opt("--token-ids", is_flag=True, help="Add input_ids/output_ids, checked by re-tokenizing (needs --tokenizer).")
+@opt("--tokenizer", default=None, help="The run's tokenizer directory (for --token-ids).")
+@opt("--redis-url", envvar="REDIS_URL", show_envvar=True, default=None,
+     help="Optional: record the dataset's budget and mode from Redis in the manifest.")
+def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | None, truncated: str, reasoning: str,
+               token_ids: bool, tokenizer: str | None, redis_url: str | None) -> None:
+    from producer.export import ExportError, ExportOptions, export_dataset
+    tok = None
+    if token_ids:
+        if not tokenizer:
+            raise InputProblem("--token-ids needs --tokenizer")
+        from producer.render import RenderError, load_tokenizer
+        try:
+            tok = load_tokenizer(tokenizer)
+        except RenderError as exc:
+            raise InputProblem(str(exc)) from None
+    try:
+        options = ExportOptions(format=fmt, truncated=truncated, reasoning=reasoning, token_ids=token_ids)
+    except ExportError as exc:
+        raise InputProblem(str(exc)) from None
+    if dest is not None and len(names) > 1 and dest.suffix:
+        raise InputProblem("--dest must be a directory when exporting several datasets")
+    for name in names:
+        extra = _manifest_extra(redis_url, name) if redis_url else None
+        target = (dest if dest is not None and (len(names) == 1 and dest.suffix) else
+                  (dest / f"{name}.jsonl" if dest is not None else out_dir / name / f"{fmt}.jsonl"))
+        try:
+            report = export_dataset(out_dir / name, target, options, tokenizer=tok, extra=extra)
+        except ExportError as exc:
+            raise InputProblem(str(exc)) from None
+        click.echo(f"{name}: {report.written} conversations -> {report.path} ({report.dropped_truncated} truncated "
+                   f"dropped, {report.skipped_failed} failed skipped); manifest {report.manifest}")
+        if token_ids and report.prompt_mismatch:
+            click.echo(f"{name}: {report.prompt_mismatch} records left out: the re-rendered prompt differs "
+                       f"(first: {', '.join(report.mismatched_ids[:5])})", err=True)
+
+
+def _manifest_extra(redis_url: str, name: str) -> dict[str, Any]:
+    from budget.ledger import Ledger
+    state = Ledger(_connect(redis_url)).state(name)
+    return {"budget": state.budget, "budget_mode": state.mode, "used": state.used, "status": state.status}
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

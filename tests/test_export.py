@@ -470,3 +470,20 @@ def test_demo_output_round_trips_with_token_ids(demo_out: Path, tmp_path: Path, 
         source = demo_out / name / "raw_responses.jsonl"
         assert report.written == len(read_jsonl(source)) and report.prompt_mismatch == 0
         assert_round_trip(source, dest, fmt, "inline")
+
+
+def test_produce_export_command(dataset: Path, tmp_path: Path, tokenizer_dir: Path) -> None:
+    from click.testing import CliRunner
+
+    from producer.cli import main
+    out_dir, name = dataset.parent, dataset.name
+    dest = tmp_path / "train.jsonl"
+    res = CliRunner().invoke(main, ["export", name, "--out", str(out_dir), "--format", "openai-messages",
+                                    "--reasoning", "field", "--dest", str(dest), "--token-ids", "--tokenizer",
+                                    str(tokenizer_dir)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "conversations ->" in res.output
+    assert_round_trip(dataset / "raw_responses.jsonl", dest, "openai-messages", "field")
+    assert (dataset / "manifest.json").exists()
+    bad = CliRunner().invoke(main, ["export", name, "--out", str(out_dir), "--token-ids"])
+    assert bad.exit_code == 2 and "--tokenizer" in bad.output
