@@ -64,7 +64,9 @@ redis_url_option = click.option(
     help="Redis holding the queue and the budget state.")
 
 
-@click.group(cls=DefaultGroup, help="Regenerate training data under a token budget per dataset.\n\n" + EXAMPLE)
+@click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             help="Regenerate training data under a token budget per dataset. The default command is run: "
+                  "'produce FILES...' means 'produce run FILES...'.\n\n" + EXAMPLE)
 @click.version_option(package_name="budgetq")
 def main() -> None:
     pass
@@ -141,10 +143,12 @@ def _safe_url(url: str) -> str:
 @opt("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"), show_default=True,
      help="Output directory: OUT/<dataset>/raw_responses.jsonl.")
 @redis_url_option
-@opt("--temperature", type=click.FloatRange(0), default=None, help="Sampling temperature.")
-@opt("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None, help="Nucleus sampling p.")
-@opt("--top-k", type=int, default=None, help="Top-k (-1 or >= 1).")
-@opt("--seed", type=int, default=None, help="Sent as sampling_seed.")
+@opt("--temperature", type=click.FloatRange(0), default=None,
+     help="Sampling temperature (>= 0). Default: not sent (SGLang's default).")
+@opt("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+     help="Nucleus sampling p, in (0, 1]. Default: not sent.")
+@opt("--top-k", type=int, default=None, help="Top-k: -1 (off) or >= 1. Default: not sent.")
+@opt("--seed", type=int, default=None, help="Sampling seed, sent to SGLang as sampling_seed.")
 @opt("--chat-template-kwargs", default=None, metavar="JSON",
      help='Extra chat template arguments, e.g. \'{"enable_thinking": true}\'.')
 @opt("--skip-invalid", is_flag=True, help="Skip and report bad lines instead of refusing the file.")
@@ -161,15 +165,16 @@ def _safe_url(url: str) -> str:
      help="With --dry-run: send N real requests per dataset to SGLANG_URL to measure completion length.")
 @opt("--throughput", type=click.FloatRange(0, min_open=True), default=None, metavar="TOK/S",
      help="With --dry-run: completion tokens per second of the deployment, for the ETA.")
-@opt("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as JSON.")
+@opt("--json", "as_json", is_flag=True, envvar="BUDGETQ_PLAN_JSON", help="With --dry-run: print the plan as JSON.")
 @opt("--chunk-size", type=click.IntRange(1, 10_000), default=64, show_default=True, help="Samples per RQ job.")
 @opt("--queue-depth", type=click.IntRange(1), default=16, show_default=True,
      help="Chunks kept queued per dataset while attached.")
-@opt("--new-run", is_flag=True, help="Start these datasets over (old output is moved aside).")
+@opt("--new-run", is_flag=True,
+     help="Start these datasets over (old output is moved to OUT/<dataset>.previous-<time>).")
 @opt("--detach", is_flag=True, help="Enqueue what the budget needs, then exit 0 without collecting.")
 @opt("--job-timeout", type=click.IntRange(60), default=6 * 3600, show_default=True,
      help="RQ job timeout of one chunk, in seconds.")
-@opt("--quiet", "-q", is_flag=True, help="Print only errors and the summary.")
+@opt("--quiet", "-q", is_flag=True, help="Print only errors, warnings and the summary.")
 def run_cmd(**options: Any) -> None:
     try:
         _run(**options)
@@ -273,13 +278,14 @@ def _dry_run(inputs: Any, budgets: dict[str, int | None], out_dir: Path, expect_
         click.echo(plan_table(plans, throughput))
 
 
-@main.command("status", help="Show every dataset's budget, progress, speed and ETA, read from Redis.\n\n"
+@main.command("status", help="Show the budget, progress, speed and ETA of every dataset (or only of NAMES), read "
+              "from Redis.\n\n"
               "\b\nExample:\n  produce status --watch")
 @click.argument("names", nargs=-1)
 @redis_url_option
-@opt("--watch", is_flag=True, help="Refresh in place every --interval seconds until Ctrl-C.")
+@opt("--watch", is_flag=True, help="Refresh every --interval seconds until Ctrl-C (in place, unless --json).")
 @opt("--interval", type=click.FloatRange(0.2), default=2.0, show_default=True, help="Seconds between refreshes.")
-@opt("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@opt("--json", "as_json", is_flag=True, envvar="BUDGETQ_STATUS_JSON", help="Print JSON for scripts.")
 def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: float, as_json: bool) -> None:
     from producer.status import all_status, status_table
     client = _connect(redis_url)
@@ -301,8 +307,9 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
         return
 
 
-@main.command("budget", help="Change a dataset's budget while it runs: raising reopens it (the attached produce "
-              "tops up its queue), lowering to what is used closes it at once.\n\n"
+@main.command("budget", help="Set dataset NAME's budget to AMOUNT (12M, 500k, or unlimited) while it runs: raising "
+              "reopens it (the attached produce tops up its queue; with none attached, run produce again), "
+              "lowering to what is used closes it at once.\n\n"
               "\b\nExample:\n  produce budget B2_opencodeinstruct 12M")
 @click.argument("name")
 @click.argument("amount")
@@ -328,7 +335,7 @@ def budget_cmd(name: str, amount: str, redis_url: str) -> None:
                f"{status}" + (f", {discarded} queued chunks discarded" if discarded else ""))
 
 
-@main.command("export", help="Write collected results as training conversations (ShareGPT or OpenAI "
+@main.command("export", help="Write the collected results of datasets NAMES as training conversations (ShareGPT or OpenAI "
               "messages) with the regenerated assistant turn, plus OUT/<dataset>/manifest.json.\n\n"
               "\b\nExample:\n  produce export B1_glaive --out out/ --format sharegpt --dest train/b1.jsonl")
 @click.argument("names", nargs=-1, required=True)
@@ -337,15 +344,16 @@ def budget_cmd(name: str, amount: str, redis_url: str) -> None:
 @opt("--format", "fmt", type=click.Choice(["sharegpt", "openai-messages"]), default="sharegpt", show_default=True,
      help="Conversation format.")
 @opt("--dest", type=click.Path(path_type=Path), default=None,
-     help="Output file (one dataset) or directory (<dataset>.jsonl each). Default: OUT/<dataset>/<format>.jsonl.")
+     help="Output file when one dataset is exported to a path with a suffix (train/b1.jsonl); otherwise a "
+          "directory getting <dataset>.jsonl each. Default: OUT/<dataset>/<format>.jsonl.")
 @opt("--truncated", type=click.Choice(["drop", "keep"]), default="drop", show_default=True,
      help="What to do with responses cut off by --max-tokens (finish_reason length).")
 @opt("--reasoning", type=click.Choice(["inline", "field", "drop"]), default="inline", show_default=True,
      help="Reasoning inside <think> in the content, as a reasoning_content field, or left out.")
 @opt("--token-ids", is_flag=True, help="Add input_ids/output_ids, checked by re-tokenizing (needs --tokenizer).")
 @opt("--tokenizer", default=None, help="The run's tokenizer directory (for --token-ids).")
-@opt("--redis-url", envvar="REDIS_URL", show_envvar=True, default=None,
-     help="Optional: record the dataset's budget and mode from Redis in the manifest.")
+@opt("--redis-url", envvar="BUDGETQ_EXPORT_REDIS_URL", show_envvar=True, default=None,
+     help="Optional: record the dataset's budget, mode and usage from this Redis in the manifest.")
 def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | None, truncated: str, reasoning: str,
                token_ids: bool, tokenizer: str | None, redis_url: str | None) -> None:
     from producer.export import ExportError, ExportOptions, export_dataset

@@ -95,7 +95,7 @@ def plan_dataset(p: Prepared, *, budget: int | None, out_dir: Path, expect_mean:
             needed = min(remaining_samples, math.ceil(max(0, budget - tokens_done) / mean))
         projected = tokens_done + round(needed * mean)
         if budget is not None:
-            projected = min(projected, budget) if needed < remaining_samples else projected
+            projected = max(tokens_done, min(projected, budget)) if needed < remaining_samples else projected
     eta = (projected - tokens_done) / throughput if projected is not None and throughput else None
     return DatasetPlan(
         name=p.name, valid=len(p.samples), invalid=len(p.invalid), over_context=len(p.over_context),
@@ -142,7 +142,7 @@ def plan_table(plans: list[DatasetPlan], throughput: float | None) -> str:
         if s is None:
             return "-"
         h, rem = divmod(int(s), 3600)
-        return f"{h}h{rem // 60:02d}m"
+        return f"{h}h{rem // 60:02d}m" if h or rem >= 60 else f"{int(s)}s"
 
     head = ("dataset", "valid", "invalid", "over ctx", "prompt tok", "mean", "p95", "exp. completion",
             "done", "budget", "samples needed", "projected tok", "eta")

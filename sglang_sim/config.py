@@ -139,9 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=d.port, help="TCP port, 0 = any free one (default %(default)s)")
     p.add_argument("--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY' (like SGLang)")
     p.add_argument("--eos-id", type=int, default=d.eos_id, help="token id ending a stopped output (default %(default)s)")
-    p.add_argument("--context-length", type=int, default=d.context_length, help="default %(default)s")
+    p.add_argument("--context-length", type=int, default=d.context_length,
+                   help="context window: a prompt plus max_new_tokens reaching it is refused with 400 (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="RNG seed for lengths and words (default %(default)s)")
-    p.add_argument("--length-dist", choices=LENGTH_DISTS, default=d.length_dist, help="default %(default)s")
+    p.add_argument("--length-dist", choices=LENGTH_DISTS, default=d.length_dist,
+                   help="distribution of the natural output length (default %(default)s)")
     p.add_argument("--mean-tokens", type=float, default=d.mean_tokens, help="mean natural output length (default %(default)s)")
     p.add_argument("--sigma", type=float, default=d.sigma, help="lognormal shape (default %(default)s)")
     p.add_argument("--reasoning", action=argparse.BooleanOptionalAction, default=True,

@@ -232,18 +232,28 @@ def test_one_collector_per_dataset_and_ctrl_c_detaches(redis_url: str, r: "redis
     assert r.llen(keys.RQ_QUEUE) > 0  # the queued work stays for the workers
 
 
-def test_sigterm_finishes_the_current_chunk_then_exits(redis_url: str, r: "redis.Redis[Any]", tokenizer_dir: Path,
-                                                       tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+def test_sigterm_finishes_running_requests_gives_back_the_rest_then_exits(
+        redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
+        workers: Any) -> None:
     sim = sim_factory("--tokens-per-second-per-request", "100", "--mean-tokens", "150", "--length-dist", "fixed")
-    worker = workers(sim.url).start("w0")
-    res = produce([str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "400", "--chunk-size", "8",
-                   "--max-samples", "16", "--detach", "--out", str(tmp_path / "out")], redis_url)
+    pool = workers(sim.url, BUDGETQ_CONCURRENCY="8")
+    worker = pool.start("w0")
+    args = [str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "400", "--chunk-size", "8",
+            "--max-samples", "24", "--out", str(tmp_path / "out")]
+    res = produce([*args, "--detach"], redis_url)
     assert res.returncode == 0, res.stderr
-    chunks = keys.DatasetKeys("agent_traces").chunks
-    wait_for(lambda: r.zcount(chunks, "-inf", "(inf") == 1, 30, "the first chunk running")
+    k = keys.DatasetKeys("agent_traces")
+    # Chunk 1 fills the worker's 8 slots; chunk 2 is taken and waits for a slot.
+    wait_for(lambda: r.zcount(k.chunks, "-inf", "(inf") == 2, 30, "two chunks taken by the worker")
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(30) == 0
-    # The running chunk finished (8 committed, nothing aborted); the other chunk is still queued for others.
-    assert r.hlen(keys.DatasetKeys("agent_traces").done) == 8
+    # The 8 running requests finished and were committed (nothing aborted, nothing redone); the waiting
+    # chunk gave its samples back; the third chunk is still queued.
+    assert r.hlen(k.done) == 8
     assert sim_stats(sim.url)["aborted"] == 0
-    assert r.zcount(chunks, "+inf", "+inf") == 1 and r.llen(keys.RQ_QUEUE) == 1
+    assert r.zcount(k.chunks, "-inf", "(inf") == 0 and r.llen(keys.RQ_QUEUE) == 1
+    pool.start("w1")
+    again = produce(args, redis_url)
+    assert again.returncode == 0, again.stderr
+    assert len(check_exact(r, tmp_path / "out", "agent_traces")) == 24
+    assert sim_stats(sim.url)["completed"] == 24

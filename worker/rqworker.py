@@ -6,10 +6,11 @@ one place that can *enforce* what a deployment must never get wrong:
   Redis by anyone is never unpickled (unpickling is code execution).
 - An allowlist. Even with JSON, RQ imports and calls any dotted name a job names; this worker fails every
   job whose function is not in ``worker.jobs.ALLOWED``, without importing it.
-- No fork per job. Chunk jobs spend seconds to minutes waiting on SGLang; a forked work horse would re-open
-  the HTTP session and event loop per job. This is a SimpleWorker with one Runtime (loop, aiohttp session,
-  Redis ledger) for its life. Liveness comes from the chunk lease (budget/ledger.py), not from RQ's
-  abandoned-job detection, which takes the worker TTL plus a 600 s maintenance interval.
+- No fork per job. A forked work horse would re-open the HTTP session and event loop per job, and its requests
+  would die with it. This is a SimpleWorker with one Runtime (an event-loop thread, one aiohttp session, the
+  dispatcher) for its life: a chunk job returns once its samples have started, and their requests run on
+  while the worker takes the next chunk (worker/dispatch.py). Liveness comes from the chunk lease
+  (budget/ledger.py), not from RQ's abandoned-job detection (worker TTL plus a 600 s maintenance interval).
 """
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ class Worker(SimpleWorker):
         # A SimpleWorker does not heartbeat while a job runs; the chunk's lease task calls this so the worker
         # stays visible (rq-dashboard, `rq info`) through long chunks.
         self.heartbeat(self.worker_ttl)
+
+    def request_stop(self, signum: Any, frame: Any) -> None:
+        # Warm shutdown: the chunk being dispatched gives its unstarted samples back at once (the producer
+        # re-enqueues them); requests already running finish and are committed before the worker exits.
+        self.runtime.loop.call_soon_threadsafe(self.runtime.dispatcher.stop)
+        super().request_stop(signum, frame)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         try:

@@ -1,13 +1,16 @@
-"""What a worker process keeps between jobs: one event loop, one HTTP session, one Redis ledger.
+"""What a worker process keeps between jobs: one event loop thread, one HTTP session, one dispatcher.
 
-RQ calls a job function per chunk. Opening an aiohttp session (and an event loop) per job halves a fast
-server's request rate, so ``worker.Worker`` creates one Runtime when it starts and every job reuses it.
-A job run by any other RQ worker gets a Runtime built on first use, so ``rq worker -S json`` still works.
+RQ calls a job function per chunk on the worker's main thread. The requests themselves run on an event loop
+in a background thread that lives as long as the worker, so they keep going while the main thread returns
+to RQ and dequeues the next chunk (see worker/dispatch.py for why that matters), and one aiohttp session
+serves every job (a session per job halves a fast server's request rate). A job run by any other RQ worker
+gets a Runtime built on first use, so ``rq worker -S json`` still works.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any, Callable
 
 import aiohttp
@@ -15,8 +18,9 @@ import redis
 
 from budget.ledger import Ledger
 from budget.payload import ChunkPayload
-from worker.chunk import Budgeting, ChunkReport, process_chunk
+from worker.chunk import ChunkReport
 from worker.config import WorkerConfig
+from worker.dispatch import Dispatcher
 from worker.sglang import SGLangClient
 
 log = logging.getLogger("budgetq.worker")
@@ -27,47 +31,50 @@ _current: "Runtime | None" = None
 class Runtime:
     def __init__(self, connection: "redis.Redis", config: WorkerConfig,
                  heartbeat: Callable[[], None] | None = None) -> None:
-        self.connection = connection
         self.config = config
-        self.ledger = Ledger(connection)
-        self.budgeting = Budgeting(self.ledger)
-        self.heartbeat = heartbeat
+        # Its own client on the same pool: the loop thread and RQ's main thread never share a connection.
+        self.ledger = Ledger(redis.Redis(connection_pool=connection.connection_pool))
         self.loop = asyncio.new_event_loop()
-        self._session: aiohttp.ClientSession | None = None
-        self._client: SGLangClient | None = None
+        self.thread = threading.Thread(target=self._serve, name="budgetq-requests", daemon=True)
+        self.thread.start()
+        self.dispatcher: Dispatcher = self._call(self._make(heartbeat))
+        self._closed = False
 
-    def _ensure_client(self) -> SGLangClient:
-        if self._client is None:
-            async def make() -> aiohttp.ClientSession:
-                # limit=0: aiohttp's default cap of 100 connections would silently cap our concurrency.
-                connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
-                return aiohttp.ClientSession(connector=connector, raise_for_status=False)
-            self._session = self.loop.run_until_complete(make())
-            self._client = SGLangClient(self._session, self.config)
-        return self._client
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def _make(self, heartbeat: Callable[[], None] | None) -> Dispatcher:
+        # limit=0: aiohttp's default cap of 100 connections would silently cap our concurrency.
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+        self.session = aiohttp.ClientSession(connector=connector, raise_for_status=False)
+        return Dispatcher(self.ledger, SGLangClient(self.session, self.config), self.config, heartbeat)
 
     def run_chunk(self, chunk: ChunkPayload) -> ChunkReport:
-        client = self._ensure_client()
-        task = self.loop.create_task(process_chunk(chunk, ledger=self.ledger, client=client,
-                                                   config=self.config, heartbeat=self.heartbeat,
-                                                   budgeting=self.budgeting))
+        """Dispatch a chunk: returns when every sample has started (or was given back)."""
+        future = asyncio.run_coroutine_threadsafe(self.dispatcher.dispatch(chunk), self.loop)
         try:
-            return self.loop.run_until_complete(task)
+            return future.result()
         except BaseException:
-            # A job timeout or a shutdown signal interrupted the loop: cancel the chunk's requests so the
-            # loop is clean for the next job. Its lease lapses and the producer re-enqueues what is left.
-            task.cancel()
-            try:
-                self.loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
-            except BaseException:  # pragma: no cover - a second interruption while unwinding
-                pass
+            # A job timeout or a shutdown signal interrupted the wait: stop starting samples of this chunk.
+            # Its started requests run on; its lease lapses and the producer re-enqueues what is left.
+            future.cancel()
             raise
 
     def close(self) -> None:
-        if self._session is not None:
-            self.loop.run_until_complete(self._session.close())
-            self._session = None
-        self.loop.close()
+        """Finish every request already started (warm shutdown keeps GPU work), then stop the loop."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self.dispatcher.drain())
+            self._call(self.session.close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
 
 
 def install(runtime: Runtime) -> None:

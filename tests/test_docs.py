@@ -1,0 +1,243 @@
+"""Every command, option and environment variable has help and is in docs/cli.md (after sqlite-utils' test_docs.py).
+
+Fast and offline: click's and argparse's own metadata are read, commands are run only with ``--help``, and the
+documented examples are parsed with the commands' callbacks stubbed out, so nothing touches Redis or a tokenizer.
+Each test collects every problem before failing, so one run lists everything that is missing.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shlex
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterator
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from producer.cli import main
+from sglang_sim.config import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI_DOC = ROOT / "docs" / "cli.md"
+#: Files whose string constants name the environment variables they read, and the docs/cli.md section that must
+#: mention each of them.
+ENV_SOURCES = {
+    "worker/config.py": "The worker (`rq worker`)",
+    "worker/settings.py": "The worker (`rq worker`)",
+    "producer/cli.py": "Read by `produce`",
+}
+ENV_NAME = re.compile(r"(?:BUDGETQ|SGLANG|REDIS)_[A-Z0-9_]+")
+SIM_SECTION = "`sglang-sim`"
+
+
+def commands() -> dict[str, click.Command]:
+    return dict(main.commands)
+
+
+def section_of(command: str) -> str:
+    """The docs/cli.md heading of a produce command ("" is the group itself)."""
+    return f"`produce {command}`" if command else "`produce`"
+
+
+@lru_cache(maxsize=None)
+def doc() -> str:
+    return CLI_DOC.read_text(encoding="utf-8")
+
+
+@lru_cache(maxsize=None)
+def sections() -> dict[str, str]:
+    """Heading text -> the text under it, down to the next heading of the same or a higher level."""
+    lines = doc().splitlines()
+    heads = [(i, len(m.group(1)), m.group(2).strip()) for i, line in enumerate(lines)
+             if (m := re.match(r"(#{1,6}) (.+)$", line))]
+    out: dict[str, str] = {}
+    for n, (start, level, title) in enumerate(heads):
+        end = next((i for i, lv, _ in heads[n + 1:] if lv <= level), len(lines))
+        out[title] = "\n".join(lines[start + 1:end])
+    return out
+
+
+def mentions(text: str, name: str) -> bool:
+    """`name` appears in `text` as a whole word (`--out` is not found in `--out-dir`, `NAME` not in `NAMES`)."""
+    return re.search(r"(?<![\w-])" + re.escape(name) + r"(?![\w-])", text) is not None
+
+
+def long_names(param: click.Parameter) -> list[str]:
+    return [o for o in (*param.opts, *param.secondary_opts) if o.startswith("--")]
+
+
+def shown_envvars(param: click.Parameter) -> list[str]:
+    if not isinstance(param, click.Option) or not param.show_envvar or not param.envvar:
+        return []
+    return [param.envvar] if isinstance(param.envvar, str) else list(param.envvar)
+
+
+def all_params() -> Iterator[tuple[str, click.Parameter]]:
+    """(command name, parameter) for the group ("") and every command."""
+    for p in main.params:
+        yield "", p
+    for name, cmd in commands().items():
+        for p in cmd.params:
+            yield name, p
+
+
+def label(command: str, name: str) -> str:
+    return " ".join(x for x in ("produce", command, name) if x)
+
+
+def test_the_doc_has_a_section_per_command() -> None:
+    missing = [section_of(c) for c in ("", *commands()) if section_of(c) not in sections()]
+    assert not missing, f"docs/cli.md has no '## <command>' section for: {', '.join(missing)}"
+
+
+def test_commands_have_help_with_an_example() -> None:
+    problems = []
+    for name, cmd in {"": main, **commands()}.items():
+        help_text = cmd.help or ""
+        if not help_text.strip():
+            problems.append(f"{label(name, '')}: no help")
+        elif "Example" not in help_text:
+            problems.append(f"{label(name, '')}: help has no 'Example' section")
+    assert not problems, "commands without help or a runnable example:\n  " + "\n  ".join(problems)
+
+
+def test_options_have_help() -> None:
+    missing = [label(c, p.opts[0]) for c, p in all_params()
+               if isinstance(p, click.Option) and not (p.help or "").strip()]
+    assert not missing, f"options without help text: {', '.join(missing)}"
+
+
+def test_arguments_are_explained() -> None:
+    """Click arguments take no help of their own: the command's help or its docs section must name them."""
+    missing = []
+    for name, cmd in commands().items():
+        text = (cmd.help or "") + "\n" + sections().get(section_of(name), "")
+        missing += [label(name, p.human_readable_name) for p in cmd.params
+                    if isinstance(p, click.Argument) and not mentions(text, p.human_readable_name)]
+    assert not missing, f"arguments named neither in their command's help nor in its docs/cli.md section: " \
+                        f"{', '.join(missing)}"
+
+
+def test_commands_are_documented() -> None:
+    missing = [n for n in commands() if not mentions(doc(), f"produce {n}")]
+    assert not missing, f"commands missing from docs/cli.md: {', '.join(missing)}"
+
+
+def test_options_are_documented_in_their_command_section() -> None:
+    missing = []
+    for command, p in all_params():
+        text = sections().get(section_of(command), "")
+        missing += [label(command, o) for o in long_names(p) if not mentions(text, o)]
+    assert not missing, f"options missing from their section of docs/cli.md: {', '.join(missing)}"
+
+
+def test_documented_options_exist() -> None:
+    """The reverse: an option in a command's docs table that the command does not have is stale."""
+    stale = []
+    for command in ("", *commands()):
+        cmd = main if not command else commands()[command]
+        real = {o for p in cmd.params for o in long_names(p)} | {"--help"}
+        for row in re.findall(r"^\| ([^|]*`--[^|]*)\|", sections().get(section_of(command), ""), re.M):
+            stale += [label(command, o) for o in re.findall(r"`(--[\w-]+)", row) if o not in real]
+    assert not stale, f"docs/cli.md documents options that do not exist: {', '.join(stale)}"
+
+
+def test_envvars_shown_by_click_are_documented() -> None:
+    missing = sorted({e for _, p in all_params() for e in shown_envvars(p) if not mentions(doc(), e)})
+    assert not missing, f"environment variables shown in --help but missing from docs/cli.md: {', '.join(missing)}"
+
+
+def env_names(path: Path) -> set[str]:
+    """Every string constant in a module that is an environment variable name of the project."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {n.value for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and ENV_NAME.fullmatch(n.value)}
+
+
+def test_environment_variables_read_by_the_code_are_documented() -> None:
+    found: dict[str, set[str]] = {src: env_names(ROOT / src) for src in ENV_SOURCES}
+    # Guard against a parser that finds nothing and so checks nothing.
+    assert {"SGLANG_URL", "SGLANG_API_KEY", "BUDGETQ_CONCURRENCY"} <= found["worker/config.py"]
+    assert "REDIS_URL" in found["worker/settings.py"]
+    missing = []
+    for src, names in found.items():
+        heading = ENV_SOURCES[src]
+        text = sections().get(heading, "")
+        missing += [f"{n} (read in {src}; expected under '{heading}')" for n in sorted(names) if not mentions(text, n)]
+    assert not missing, "environment variables missing from docs/cli.md:\n  " + "\n  ".join(missing)
+
+
+def test_sglang_sim_options_are_documented() -> None:
+    parser = build_parser()
+    names = [o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    assert "--time-scale" in names
+    text = sections().get(SIM_SECTION, "")
+    missing = [n for n in names if not mentions(text, n)]
+    assert not missing, f"sglang-sim options missing from the {SIM_SECTION} section of docs/cli.md: " \
+                        f"{', '.join(missing)}"
+    stale = [o for o in re.findall(r"^\| `(--[\w-]+)", text, re.M) if o not in names]
+    assert not stale, f"docs/cli.md documents sglang-sim options that do not exist: {', '.join(stale)}"
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No BUDGETQ_*/REDIS_URL of the developer's shell may change what the commands parse."""
+    for key in list(os.environ):
+        if key.startswith("BUDGETQ_") or key == "REDIS_URL":
+            monkeypatch.delenv(key)
+
+
+def test_help_runs(clean_env: None) -> None:
+    failures = []
+    for args in (["--help"], ["--version"], *([n, "--help"] for n in commands())):
+        result = CliRunner().invoke(main, args, prog_name="produce")
+        if result.exit_code != 0 or not result.output.strip():
+            failures.append(f"produce {' '.join(args)}: exit {result.exit_code}: {result.output.strip()[:300]}")
+    assert not failures, "help failed:\n  " + "\n  ".join(failures)
+
+
+def produce_lines(text: str) -> list[list[str]]:
+    """The argument lists of the `produce ...` command lines in shell text (continuations joined, comments,
+    leading VAR=value assignments and a trailing & dropped)."""
+    out = []
+    for line in text.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+            words.pop(0)
+        while words and words[-1] == "&":
+            words.pop()
+        if words and words[0] == "produce":
+            out.append(words[1:])
+    return out
+
+
+def documented_examples() -> list[tuple[str, list[str]]]:
+    found = [("docs/cli.md", args) for block in re.findall(r"^```(?:sh|bash|console)\n(.*?)^```", doc(), re.M | re.S)
+             for args in produce_lines(block)]
+    for name, cmd in {"": main, **commands()}.items():
+        help_text = (cmd.help or "").partition("Example")[2]
+        found += [(f"{label(name, '--help')}", args) for args in produce_lines(help_text)]
+    return found
+
+
+def test_documented_examples_parse(clean_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every `produce ...` line in docs/cli.md's shell blocks and in the help examples is a valid command line:
+    parsed by the real group (the default command included) with the commands' bodies replaced by no-ops."""
+    def noop(**_: Any) -> None:
+        return None
+
+    for cmd in commands().values():
+        monkeypatch.setattr(cmd, "callback", noop)
+    examples = documented_examples()
+    assert len(examples) >= len(commands()), "found too few examples: is the docs' ```sh fence still there?"
+    failures = []
+    for where, args in examples:
+        result = CliRunner().invoke(main, args, prog_name="produce")
+        if result.exit_code != 0:
+            failures.append(f"{where}: produce {shlex.join(args)}\n    -> exit {result.exit_code}: "
+                            f"{result.output.strip()[-300:]}")
+    assert not failures, "documented examples that do not parse:\n  " + "\n  ".join(failures)

@@ -1,0 +1,255 @@
+"""The worker's window: up to BUDGETQ_CONCURRENCY requests in flight, fed by one chunk after another.
+
+Why not "run a chunk, wait for its last request, take the next": completion lengths are long-tailed (the
+longest of 64 lognormal requests is several times the mean), so a chunk that waits for its slowest request
+leaves most of its slots idle while that one finishes, and the GPU batch runs half empty (measured here: 4
+workers x 64 on a 256-request server kept about a quarter of it busy). Instead an RQ chunk job ends when every
+sample of the chunk has *started* (or been given back): ``dispatch`` waits only for free slots. The worker
+then takes the next chunk while the previous one's tail still runs, so the window stays full. The chunk stays
+live (its lease refreshed, its reservations restated) until its last request is committed; liveness and
+recovery never depended on RQ's job status (see budget/ledger.py).
+
+Flow per sample: ``admit`` (dataset open? chunk still the sample's holder? room in the budget?) ->
+``POST /generate`` with retries -> ``commit`` (exactly-once, counted, result queued for the producer). When a
+commit closes the dataset, the worker discards the dataset's queued chunks at once; requests in flight finish
+and are committed (GPU work is never thrown away), but no new request of the dataset starts.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from budget.ledger import LEASE_MS, Admission, Admit, Ledger
+from budget.payload import ChunkPayload, SamplePayload
+from worker.chunk import CLOSE_REASON, ChunkReport, generate_sample, result_record
+from worker.config import WorkerConfig
+from worker.estimate import LengthModel, RateTracker
+from worker.sglang import GenerateError, SGLangClient
+
+log = logging.getLogger("budgetq.worker")
+
+
+@dataclass
+class Flight:
+    """A request in flight and what it reserves (budget/scripts.py ADMIT, COMMIT)."""
+
+    started: float
+    reserved: int
+
+
+class Budgeting:
+    """What a worker knows about a dataset's budget mode and lengths, refreshed from Redis every few seconds."""
+
+    REFRESH_S = 5.0
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.rates = RateTracker()
+        self._models: dict[str, tuple[float, str, LengthModel]] = {}
+
+    def model(self, dataset: str) -> tuple[str, LengthModel]:
+        now = time.monotonic()
+        cached = self._models.get(dataset)
+        if cached is None or now - cached[0] > self.REFRESH_S:
+            lengths, prior, max_new, mode = self.ledger.length_sample(dataset)
+            cached = (now, mode, LengthModel(lengths, prior, max_new))
+            self._models[dataset] = cached
+        return cached[1], cached[2]
+
+    def expected(self, dataset: str, elapsed: float = 0.0) -> int:
+        return self.model(dataset)[1].expected(self.rates.progress(elapsed))
+
+
+class RunningChunk:
+    """A chunk from its start until its last request is committed."""
+
+    def __init__(self, chunk: ChunkPayload) -> None:
+        self.chunk = chunk
+        self.dataset, self.id = chunk["dataset"], chunk["chunk"]
+        self.report = ChunkReport(self.id)
+        self.flights: dict[str, Flight] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.lost = asyncio.Event()
+        self.lease: asyncio.Task[None] | None = None
+
+
+class Dispatcher:
+    """One per worker process, living on the Runtime's event loop."""
+
+    def __init__(self, ledger: Ledger, client: SGLangClient, config: WorkerConfig,
+                 heartbeat: Callable[[], None] | None = None) -> None:
+        self.ledger = ledger
+        self.client = client
+        self.config = config
+        self.heartbeat = heartbeat
+        self.budgeting = Budgeting(ledger)
+        self.slots = asyncio.Semaphore(config.concurrency)
+        self.ended = asyncio.Event()  # set whenever any request of this worker ends
+        self.running: dict[str, RunningChunk] = {}
+        self.finishers: set[asyncio.Task[None]] = set()
+        self.stopping = False  # warm shutdown: start nothing more, finish what runs
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.slots.release()  # wake a dispatch waiting for a slot so it can give its chunk back
+
+    # -- the RQ job's part ------------------------------------------------------------------------------
+    async def dispatch(self, chunk: ChunkPayload) -> ChunkReport:
+        """Start every sample of the chunk as slots free up; return once none is left to start."""
+        rc = RunningChunk(chunk)
+        started = self.ledger.start_chunk(rc.dataset, rc.id)
+        if started != "ok":
+            rc.report.status = started
+            rc.report.not_started = len(chunk["samples"])
+            return rc.report
+        self.running[rc.id] = rc
+        rc.lease = asyncio.create_task(self._keep_lease(rc))
+        try:
+            await self._start_all(rc)
+        except BaseException:
+            for t in rc.tasks:
+                t.cancel()
+            await self._finish(rc, cancelled=True)
+            raise
+        finisher = asyncio.create_task(self._finish(rc))
+        self.finishers.add(finisher)
+        finisher.add_done_callback(self.finishers.discard)
+        return rc.report
+
+    async def _start_all(self, rc: RunningChunk) -> None:
+        samples = rc.chunk["samples"]
+        i = 0
+        while i < len(samples):
+            sample = samples[i]
+            await self.slots.acquire()
+            if self.stopping:
+                rc.report.status = "stopped"
+                rc.report.not_started = len(samples) - i
+                self.slots.release()
+                return
+            if rc.lost.is_set():
+                admission = Admission(Admit.REVOKED, 0)
+            else:
+                admission = self.ledger.admit(rc.dataset, sample["id"], rc.id, self.budgeting.expected(rc.dataset))
+            verdict = admission.verdict
+            if verdict is Admit.FULL and self._dataset_in_flight(rc.dataset):
+                # The budget is reserved by requests in flight; ours will end and free some: wait for that.
+                self.slots.release()
+                self.ended.clear()
+                try:
+                    await asyncio.wait_for(self.ended.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            if verdict is Admit.SKIP:
+                rc.report.skipped += 1
+                self.slots.release()
+                i += 1
+                continue
+            if verdict is not Admit.START:
+                rc.report.status = {Admit.CLOSED: "closed", Admit.FULL: "full"}.get(verdict, "revoked")
+                rc.report.not_started = len(samples) - i
+                self.slots.release()
+                if verdict is Admit.CLOSED:
+                    self.ledger.discard(rc.dataset, CLOSE_REASON)  # strict closes at admission; idempotent
+                return
+            flight = Flight(time.monotonic(), admission.reserved)
+            rc.flights[sample["id"]] = flight
+            task = asyncio.create_task(self._run_one(rc, sample, flight))
+            rc.tasks.add(task)
+            task.add_done_callback(rc.tasks.discard)
+            i += 1
+
+    def _dataset_in_flight(self, dataset: str) -> bool:
+        return any(rc.flights for rc in self.running.values() if rc.dataset == dataset)
+
+    # -- requests ---------------------------------------------------------------------------------------
+    async def _run_one(self, rc: RunningChunk, sample: SamplePayload, flight: Flight) -> None:
+        sid, report = sample["id"], rc.report
+        try:
+            try:
+                gen = await generate_sample(self.client, self.config, rc.dataset, sample,
+                                            rc.chunk["sampling_params"], report)
+            except GenerateError as err:
+                report.errors.append(f"{sid}: {err.reason}")
+                if self.ledger.fail(rc.dataset, sid, rc.id,
+                                    {"id": sid, "reason": err.reason, "status": err.status,
+                                     "attempts": err.attempts}, reserved=flight.reserved):
+                    report.failed += 1
+                return
+            self.budgeting.rates.observe(gen.completion_tokens, time.monotonic() - flight.started)
+            outcome = self.ledger.commit(rc.dataset, sid, gen.completion_tokens,
+                                         result_record(rc.dataset, sample, gen, rc.chunk), chunk=rc.id,
+                                         reserved=flight.reserved, finish_reason=gen.finish_reason)
+            if outcome.committed:
+                report.committed += 1
+                report.tokens += gen.completion_tokens
+                report.late += outcome.late
+            else:
+                report.duplicates += 1
+            if outcome.closed_now:
+                n = self.ledger.discard(rc.dataset, CLOSE_REASON)
+                log.info("%s reached its budget (%d tokens): closed, %d queued chunks discarded",
+                         rc.dataset, outcome.used, n)
+        finally:
+            rc.flights.pop(sid, None)
+            self.ended.set()
+            self.slots.release()
+
+    async def _finish(self, rc: RunningChunk, cancelled: bool = False) -> None:
+        """Wait for the chunk's last request, then let it go. A chunk interrupted by a crash of this code is
+        left to its lease: the producer reclaims it and re-enqueues what is unfinished."""
+        if rc.tasks:
+            results = await asyncio.gather(*list(rc.tasks), return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+            if errors:
+                log.error("chunk %s: %d requests ended in an unexpected error (first: %r); its lease will lapse "
+                          "and the producer re-enqueues what is unfinished", rc.id, len(errors), errors[0])
+                cancelled = True
+        if rc.lease is not None:
+            rc.lease.cancel()
+            await asyncio.gather(rc.lease, return_exceptions=True)
+        self.running.pop(rc.id, None)
+        if not cancelled:
+            self.ledger.finish_chunk(rc.dataset, rc.id)
+
+    async def _keep_lease(self, rc: RunningChunk) -> None:
+        """Refresh the lease every LEASE_MS/4 and, in predict mode, grow running requests' reservations every
+        BUDGETQ_RESERVE_INTERVAL seconds: a request that has run long is expected to run longer."""
+        interval = min(self.config.reserve_interval, LEASE_MS / 4000)
+        last_lease = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            reserved: int | None = None
+            try:
+                mode, model = self.budgeting.model(rc.dataset)
+                if mode == "predict" and rc.flights:
+                    for f in rc.flights.values():
+                        f.reserved = model.expected(self.budgeting.rates.progress(now - f.started))
+                    reserved = sum(f.reserved for f in rc.flights.values())
+                elif now - last_lease < LEASE_MS / 4000:
+                    continue
+                ok = self.ledger.refresh_chunk(rc.dataset, rc.id, reserved=reserved)
+                last_lease = now
+                if self.heartbeat is not None:
+                    self.heartbeat()
+            except Exception as exc:  # Redis hiccup: keep trying; the lease has slack for three misses
+                log.warning("lease refresh for %s failed: %s", rc.id, exc)
+                continue
+            if not ok:
+                log.warning("chunk %s was reclaimed or discarded: starting nothing more of it", rc.id)
+                rc.lost.set()
+                return
+
+    # -- shutdown ---------------------------------------------------------------------------------------
+    async def drain(self) -> None:
+        """Wait until every started request is committed (a warm shutdown keeps all GPU work)."""
+        while self.finishers:
+            await asyncio.gather(*list(self.finishers), return_exceptions=True)
+
+    def in_flight(self) -> int:
+        return sum(len(rc.flights) for rc in self.running.values())
