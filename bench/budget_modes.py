@@ -37,6 +37,7 @@ class Watch(threading.Thread):
         self.t90: float | None = None
         self.t_closed: float | None = None
         self.stop_flag = threading.Event()
+        self.history: list[tuple[float, int, int, int]] = []  # (t, used, reserved, in flight) every ~0.2 s
 
     def run(self) -> None:
         used_key, meta = f"bq:ds:{{{self.name}}}:used", f"bq:ds:{{{self.name}}}"
@@ -47,6 +48,10 @@ class Watch(threading.Thread):
                 self.t90 = now
             if self.t_closed is None and self.r.hget(meta, "status") == b"closed":
                 self.t_closed = now
+            if not self.history or now - self.history[-1][0] >= 0.2:
+                resv = sum(int(x) for x in self.r.hvals(meta + ":resv"))
+                inflight = sum(int(x) for x in self.r.hvals(meta + ":inflight"))
+                self.history.append((now, used, resv, inflight))
             time.sleep(0.02)
 
 
@@ -80,6 +85,7 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
         total = sum(x["completion_tokens"] for x in recs)
         sim_stats = stack.sim_stats()
         t90 = watch.t90 or t_end
+        (work / f"{mode}-history.json").write_text(json.dumps(watch.history))
         return {
             "mode": mode, "budget": args.budget, "tokens": total, "ratio": total / args.budget,
             "samples": len(recs), "discarded_samples": int(meta.get("todo", 0)),

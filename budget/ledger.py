@@ -43,6 +43,15 @@ class Admission:
 
 
 @dataclass(frozen=True)
+class LengthSample:
+    lengths: list[int]  # the last 4096 completion lengths
+    running: list[int]  # progress of requests running now: lengths known only to exceed these
+    prior_mean: float | None
+    max_new_tokens: int
+    mode: str
+
+
+@dataclass(frozen=True)
 class CommitOutcome:
     committed: bool  # False: a duplicate; nothing was changed
     used: int
@@ -147,7 +156,7 @@ class Ledger:
 
     def reclaim(self, name: str) -> list[str]:
         k = keys.DatasetKeys(name)
-        return [_s(x) for x in self._reclaim(keys=[k.chunks, k.resv, k.inflight])]
+        return [_s(x) for x in self._reclaim(keys=[k.chunks, k.resv, k.inflight, k.progress])]
 
     def discard(self, name: str, reason: str) -> int:
         k = keys.DatasetKeys(name)
@@ -168,20 +177,21 @@ class Ledger:
         k = keys.DatasetKeys(name)
         return _s(self._start(keys=[k.meta, k.chunks, k.resv, k.inflight], args=[chunk, lease_ms]))
 
-    def refresh_chunk(self, name: str, chunk: str, lease_ms: int = LEASE_MS,
-                      reserved: int | None = None) -> bool:
+    def refresh_chunk(self, name: str, chunk: str, lease_ms: int = LEASE_MS, reserved: int | None = None,
+                      progress: list[int] | None = None) -> bool:
         k = keys.DatasetKeys(name)
-        return bool(self._refresh(keys=[k.chunks, k.resv],
-                                  args=[chunk, lease_ms, "" if reserved is None else int(reserved)]))
+        return bool(self._refresh(keys=[k.chunks, k.resv, k.progress],
+                                  args=[chunk, lease_ms, "" if reserved is None else int(reserved),
+                                        "" if progress is None else json.dumps(progress)]))
 
     def finish_chunk(self, name: str, chunk: str) -> None:
         k = keys.DatasetKeys(name)
-        self._finish(keys=[k.chunks, k.resv, k.inflight], args=[chunk])
+        self._finish(keys=[k.chunks, k.resv, k.inflight, k.progress], args=[chunk])
 
-    def admit(self, name: str, sample: str, chunk: str, expected: int = 0) -> Admission:
+    def admit(self, name: str, sample: str, chunk: str, expected: int = 0, margin: float = 0.0) -> Admission:
         k = keys.DatasetKeys(name)
         verdict, reserved = self._admit(keys=[k.meta, k.chunks, k.pending, k.done, k.used, k.resv, k.inflight],
-                                        args=[sample, chunk, int(expected)])
+                                        args=[sample, chunk, int(expected), round(margin, 1)])
         return Admission(Admit(int(verdict)), int(reserved))
 
     def commit(self, name: str, sample: str, completion_tokens: int, result: dict[str, Any], *,
@@ -199,15 +209,17 @@ class Ledger:
         return bool(self._fail(keys=[k.done, k.pending, k.failed, k.resv, k.inflight],
                                args=[sample, chunk, json.dumps(reason, ensure_ascii=False), reserved]))
 
-    def length_sample(self, name: str) -> tuple[list[int], float | None, int, str]:
-        """(recent completion lengths, prior mean, max_new_tokens, mode): what predict's model learns from."""
+    def length_sample(self, name: str) -> LengthSample:
+        """What predict's length model learns from: recent completion lengths, running requests' progress."""
         k = keys.DatasetKeys(name)
         with self.r.pipeline(transaction=False) as p:
             p.lrange(k.lengths, 0, -1)
+            p.hvals(k.progress)
             p.hmget(k.meta, ["prior_mean", "max_new_tokens", "mode"])
-            lengths, (prior, max_new, mode) = p.execute()
-        return ([int(x) for x in lengths], float(prior) if prior else None, int(max_new or 0),
-                _s(mode) if mode else "drain")
+            lengths, progress, (prior, max_new, mode) = p.execute()
+        running = [int(x) for row in progress for x in json.loads(row)]
+        return LengthSample([int(x) for x in lengths], running, float(prior) if prior else None,
+                            int(max_new or 0), _s(mode) if mode else "drain")
 
     # -- reading -------------------------------------------------------------------------------------
     def state(self, name: str) -> DatasetState:

@@ -80,26 +80,30 @@ return 'ok'
 """
 
 REFRESH_CHUNK = _NOW_MS + """
--- refresh_chunk: extend a running chunk's lease and restate what its requests in flight reserve.
--- KEYS[1] chunks zset, KEYS[2] reservations hash
--- ARGV[1] chunk id, ARGV[2] lease length (ms), ARGV[3] tokens reserved by the chunk now, or '' to keep
+-- refresh_chunk: extend a running chunk's lease and restate what its requests in flight reserve and how far
+-- they have got (predict's length model counts running requests as "at least this long").
+-- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] progress hash
+-- ARGV[1] chunk id, ARGV[2] lease length (ms), ARGV[3] tokens reserved by the chunk now, or '' to keep,
+-- ARGV[4] JSON list of its running requests' progress in tokens, or '' to keep
 -- returns 1 if extended, 0 if the chunk is no longer ours (reclaimed after a missed lease, or discarded)
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
 redis.call('ZADD', KEYS[1], now_ms() + tonumber(ARGV[2]), ARGV[1])
 if ARGV[3] ~= '' and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
   redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+  if ARGV[4] ~= '' then redis.call('HSET', KEYS[3], ARGV[1], ARGV[4]) end
 end
 return 1
 """
 
 FINISH_CHUNK = """
 -- finish_chunk: a chunk's job is over; it is no longer live and reserves nothing.
--- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] in-flight hash
+-- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] in-flight hash, KEYS[4] progress hash
 -- ARGV[1] chunk id
 -- returns 1
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
 return 1
 """
 
@@ -107,12 +111,16 @@ ADMIT = _CLOSE_IF_SPENT + _RESERVED + """
 -- admit: may this chunk start a request for this sample now, and what does it reserve?
 -- KEYS[1] meta hash, KEYS[2] chunks zset, KEYS[3] pending hash, KEYS[4] done hash, KEYS[5] used counter,
 -- KEYS[6] reservations hash, KEYS[7] in-flight hash
--- ARGV[1] sample id, ARGV[2] chunk id, ARGV[3] expected completion tokens (the predict reservation)
+-- ARGV[1] sample id, ARGV[2] chunk id, ARGV[3] expected completion tokens (the predict reservation),
+-- ARGV[4] predict's safety margin per sqrt(request in flight), in tokens (k x the length's standard deviation)
 -- returns {verdict, reserved}: verdict 1 start it; 0 dataset closed (start nothing more); -1 chunk revoked
 -- (start nothing more); -2 skip this sample (already committed, or held by another chunk); -3 full (the
 -- budget is reserved by requests in flight: start nothing now, the dataset is still open)
--- Modes: drain reserves nothing; predict starts while used + reserved < budget and reserves the expected
--- length; strict reserves max_new_tokens and starts only while that fits, closing when nothing can.
+-- Modes: drain reserves nothing; predict starts while used + reserved + margin < budget and reserves the
+-- expected length, where margin = ARGV[4] x sqrt(requests in flight): the sum of running requests' lengths is
+-- uncertain, and admitting whenever the estimate dips below the budget would lock in its low swings (a
+-- winner's curse); the margin shrinks to 0 as the dataset drains, so predict still reaches its budget.
+-- strict reserves max_new_tokens and starts only while that fits, closing when nothing can.
 if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return {0, 0} end
 if not redis.call('ZSCORE', KEYS[2], ARGV[2]) then return {-1, 0} end
 if redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then return {-2, 0} end
@@ -129,7 +137,9 @@ if budget and budget ~= '' and mode ~= 'drain' then
     if used + reserved(KEYS[6]) + res > budget then return {-3, 0} end
   else
     res = tonumber(ARGV[3])
-    if used + reserved(KEYS[6]) >= budget then return {-3, 0} end
+    local n = 0
+    for _, v in ipairs(redis.call('HVALS', KEYS[7])) do n = n + tonumber(v) end
+    if used + reserved(KEYS[6]) + tonumber(ARGV[4] or '0') * math.sqrt(n) >= budget then return {-3, 0} end
   end
 end
 redis.call('HINCRBY', KEYS[6], ARGV[2], res)
@@ -240,7 +250,7 @@ return #ids
 
 RECLAIM = _NOW_MS + """
 -- reclaim: take back running chunks whose lease expired (their worker died or lost Redis).
--- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] in-flight hash
+-- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] in-flight hash, KEYS[4] progress hash
 -- returns the reclaimed chunk ids; their samples are then held by nobody and the producer enqueues them
 -- again; their reservations are dropped, so a dead worker never keeps budget reserved. If the old worker was
 -- only slow, its later commits hit the done guard (and count as late) and its next admit fails.
@@ -250,6 +260,7 @@ for i = 1, #ids, 1000 do
   redis.call('ZREM', KEYS[1], unpack(part))
   redis.call('HDEL', KEYS[2], unpack(part))
   redis.call('HDEL', KEYS[3], unpack(part))
+  redis.call('HDEL', KEYS[4], unpack(part))
 end
 return ids
 """

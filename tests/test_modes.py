@@ -141,3 +141,35 @@ def test_state_has_room(r: "redis.Redis") -> None:
     assert ledger.state("ds").has_room()
     ledger.admit("ds", "s0-0", cid)
     assert not ledger.state("ds").has_room()
+
+
+def test_running_requests_count_as_censored_lengths() -> None:
+    """Early in a run the finished requests are the short ones; the running ones say the rest are long."""
+    naive = LengthModel([100] * 500, prior_mean=None, max_new=4000)
+    km = LengthModel([100] * 500, prior_mean=None, max_new=4000, running=[2000] * 500)
+    assert naive.expected(0) < 200
+    assert km.expected(0) > 1000
+    assert km.expected(2500) > 2500 and km.expected(2500) <= 4000
+    # A survival curve that never drops to zero before the cap ends at the cap.
+    assert LengthModel([], None, 1000, running=[999] * 100).expected(999) == 1000
+
+
+def test_predict_margin_grows_with_requests_in_flight(r: "redis.Redis") -> None:
+    ledger, (cid,) = setup(r, "predict", 1000, size=20)
+    # No request in flight: no margin, so an idle dataset under its budget always admits.
+    assert ledger.admit("ds", "s0-0", cid, expected=100, margin=300).verdict is Admit.START
+    # One in flight: 100 reserved + 300 x sqrt(1) = 400 < 1000.
+    assert ledger.admit("ds", "s0-1", cid, expected=100, margin=300).verdict is Admit.START
+    # Two in flight: 200 + 300 x sqrt(2) = 624 < 1000; three: 300 + 300 x sqrt(3) = 820 < 1000;
+    # four: 400 + 600 = 1000, not below the budget: full.
+    assert ledger.admit("ds", "s0-2", cid, expected=100, margin=300).verdict is Admit.START
+    assert ledger.admit("ds", "s0-3", cid, expected=100, margin=300).verdict is Admit.START
+    assert ledger.admit("ds", "s0-4", cid, expected=100, margin=300).verdict is Admit.FULL
+    assert ledger.admit("ds", "s0-4", cid, expected=100, margin=0).verdict is Admit.START
+
+
+def test_length_model_sd() -> None:
+    model = LengthModel([1000] * 2000, prior_mean=1000, max_new=5000)
+    assert model.sd() < 200  # nearly all the same length (the prior adds a little spread)
+    wide = LengthModel(prior_sample(3800, 16384, points=2000), prior_mean=3800, max_new=16384)
+    assert 2000 < wide.sd() < 4500  # lognormal sigma 0.8: sd about 0.9 x mean

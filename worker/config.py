@@ -36,6 +36,19 @@ def _float(env: Mapping[str, str], name: str, default: float | None) -> float | 
     return value
 
 
+def _nonneg(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number") from None
+    if not value >= 0:
+        raise ValueError(f"{name}={raw!r}: must be 0 or more")
+    return value
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     servers: tuple[str, ...] = ("http://127.0.0.1:30000",)
@@ -47,6 +60,7 @@ class WorkerConfig:
     min_tokens_per_second: float = 5.0  # the slowest decode we wait for before calling a request hung
     backoff_cap: float = 20.0
     reserve_interval: float = 1.0  # seconds between predict-mode reservation updates of a running chunk
+    predict_margin: float = 1.0  # predict admits while used + reserved + k x sd x sqrt(in flight) < budget
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "WorkerConfig":
@@ -69,6 +83,7 @@ class WorkerConfig:
             or cls.min_tokens_per_second,
             backoff_cap=_float(env, "BUDGETQ_BACKOFF_CAP", cls.backoff_cap) or cls.backoff_cap,
             reserve_interval=_float(env, "BUDGETQ_RESERVE_INTERVAL", cls.reserve_interval) or cls.reserve_interval,
+            predict_margin=_nonneg(env, "BUDGETQ_PREDICT_MARGIN", cls.predict_margin),
         )
 
     def timeout_for(self, max_new_tokens: int) -> float:

@@ -41,12 +41,12 @@ class Flight:
 
 
 class Budgeting:
-    """What a worker knows about a dataset's budget mode and lengths, refreshed from Redis every few seconds."""
+    """What a worker knows about a dataset's budget mode and lengths, refreshed from Redis every
+    ``refresh_s`` seconds (5 reservation intervals: the running requests' progress in the model stays fresh)."""
 
-    REFRESH_S = 5.0
-
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, refresh_s: float = 5.0) -> None:
         self.ledger = ledger
+        self.REFRESH_S = refresh_s
         self.rates = RateTracker()
         self._models: dict[str, tuple[float, str, LengthModel]] = {}
 
@@ -54,13 +54,17 @@ class Budgeting:
         now = time.monotonic()
         cached = self._models.get(dataset)
         if cached is None or now - cached[0] > self.REFRESH_S:
-            lengths, prior, max_new, mode = self.ledger.length_sample(dataset)
-            cached = (now, mode, LengthModel(lengths, prior, max_new))
+            sample = self.ledger.length_sample(dataset)
+            cached = (now, sample.mode, LengthModel(sample.lengths, sample.prior_mean, sample.max_new_tokens,
+                                                    running=sample.running))
             self._models[dataset] = cached
         return cached[1], cached[2]
 
     def expected(self, dataset: str, elapsed: float = 0.0) -> int:
         return self.model(dataset)[1].expected(self.rates.progress(elapsed))
+
+    def sd(self, dataset: str) -> float:
+        return self.model(dataset)[1].sd()
 
 
 class RunningChunk:
@@ -85,7 +89,7 @@ class Dispatcher:
         self.client = client
         self.config = config
         self.heartbeat = heartbeat
-        self.budgeting = Budgeting(ledger)
+        self.budgeting = Budgeting(ledger, refresh_s=5 * config.reserve_interval)
         self.slots = asyncio.Semaphore(config.concurrency)
         self.ended = asyncio.Event()  # set whenever any request of this worker ends
         self.running: dict[str, RunningChunk] = {}
@@ -133,7 +137,8 @@ class Dispatcher:
             if rc.lost.is_set():
                 admission = Admission(Admit.REVOKED, 0)
             else:
-                admission = self.ledger.admit(rc.dataset, sample["id"], rc.id, self.budgeting.expected(rc.dataset))
+                admission = self.ledger.admit(rc.dataset, sample["id"], rc.id, self.budgeting.expected(rc.dataset),
+                                              self.config.predict_margin * self.budgeting.sd(rc.dataset))
             verdict = admission.verdict
             if verdict is Admit.FULL and self._dataset_in_flight(rc.dataset):
                 # The budget is reserved by requests in flight; ours will end and free some: wait for that.
@@ -180,7 +185,8 @@ class Dispatcher:
                                      "attempts": err.attempts}, reserved=flight.reserved):
                     report.failed += 1
                 return
-            self.budgeting.rates.observe(gen.completion_tokens, time.monotonic() - flight.started)
+            elapsed = time.monotonic() - flight.started
+            self.budgeting.rates.observe(gen.completion_tokens, elapsed)
             outcome = self.ledger.commit(rc.dataset, sid, gen.completion_tokens,
                                          result_record(rc.dataset, sample, gen, rc.chunk), chunk=rc.id,
                                          reserved=flight.reserved, finish_reason=gen.finish_reason)
@@ -225,15 +231,19 @@ class Dispatcher:
             await asyncio.sleep(interval)
             now = time.monotonic()
             reserved: int | None = None
+            progress: list[int] | None = None
             try:
                 mode, model = self.budgeting.model(rc.dataset)
                 if mode == "predict" and rc.flights:
+                    progress = []
                     for f in rc.flights.values():
-                        f.reserved = model.expected(self.budgeting.rates.progress(now - f.started))
+                        done = self.budgeting.rates.progress(now - f.started)
+                        f.reserved = model.expected(done)
+                        progress.append(int(done))
                     reserved = sum(f.reserved for f in rc.flights.values())
                 elif now - last_lease < LEASE_MS / 4000:
                     continue
-                ok = self.ledger.refresh_chunk(rc.dataset, rc.id, reserved=reserved)
+                ok = self.ledger.refresh_chunk(rc.dataset, rc.id, reserved=reserved, progress=progress)
                 last_lease = now
                 if self.heartbeat is not None:
                     self.heartbeat()

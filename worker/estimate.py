@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from collections import deque
 from typing import Sequence
 
 from budget.ledger import default_prior_mean
@@ -23,8 +23,6 @@ from budget.ledger import default_prior_mean
 #: enough that a few dozen real lengths outweigh it.
 PRIOR_POINTS = 32
 PRIOR_SIGMA = 0.8
-#: Below this many observations beyond a request's progress, the conditional mean is extrapolated.
-MIN_TAIL = 8
 
 
 def prior_sample(mean: float, max_new: int, points: int = PRIOR_POINTS, sigma: float = PRIOR_SIGMA) -> list[int]:
@@ -51,20 +49,67 @@ def _normal_quantile(q: float) -> float:
 
 
 class LengthModel:
-    """E[L] and E[L | L > x] from observed completion lengths plus a small prior, capped at max_new_tokens."""
+    """E[L] and E[L | L > x] for a dataset's completion lengths, capped at max_new_tokens.
 
-    def __init__(self, lengths: Sequence[int], prior_mean: float | None, max_new: int) -> None:
+    Built with the Kaplan-Meier estimator: completed requests are observed lengths; requests still running are
+    *censored* observations (their length is only known to exceed their progress). Leaving the running ones
+    out would bias the model short early in a run, when the completed requests are mostly the short ones
+    (exactly when the first reservations are made). A small lognormal prior (PRIOR_POINTS observations) keeps
+    the first estimates sensible.
+    """
+
+    def __init__(self, lengths: Sequence[int], prior_mean: float | None, max_new: int,
+                 running: Sequence[float] = ()) -> None:
         self.max_new = max(1, max_new)
         prior = prior_mean if prior_mean else default_prior_mean(self.max_new)
-        data = sorted([*lengths, *prior_sample(prior, self.max_new)])
-        self.sorted = data
-        self.suffix = [0] * (len(data) + 1)
-        for i in range(len(data) - 1, -1, -1):
-            self.suffix[i] = self.suffix[i + 1] + data[i]
+        events = sorted(min(self.max_new, max(0, int(x))) for x in [*lengths, *prior_sample(prior, self.max_new)])
+        censored = sorted(min(float(self.max_new), max(0.0, float(x))) for x in running)
         self.observed = len(lengths)
+        # Survival S(t) = P(L > t) as a step function: knots[i] with S just after knots[i] = surv[i].
+        self.knots: list[float] = [0.0]
+        self.surv: list[float] = [1.0]
+        n_at_risk = len(events) + len(censored)
+        ci = 0
+        s_now = 1.0
+        i = 0
+        while i < len(events):
+            t = events[i]
+            while ci < len(censored) and censored[ci] < t:  # censored before t: no longer at risk at t
+                n_at_risk -= 1
+                ci += 1
+            d = 0
+            while i < len(events) and events[i] == t:
+                d += 1
+                i += 1
+            if n_at_risk > 0:
+                s_now *= 1 - d / n_at_risk
+            n_at_risk -= d
+            self.knots.append(float(t))
+            self.surv.append(s_now)
+        if self.knots[-1] < self.max_new:  # every request ends by max_new_tokens
+            self.knots.append(float(self.max_new))
+            self.surv.append(0.0)
+        else:
+            self.surv[-1] = 0.0
+        # cumulative integral of S from 0 to each knot, and of 2t S(t) (the second moment)
+        self.area = [0.0]
+        second = 0.0
+        for j in range(1, len(self.knots)):
+            a, b = self.knots[j - 1], self.knots[j]
+            self.area.append(self.area[-1] + self.surv[j - 1] * (b - a))
+            second += self.surv[j - 1] * (b * b - a * a)
+        self.variance = max(0.0, second - self.area[-1] ** 2)
+
+    def _survival_and_area(self, x: float) -> tuple[float, float]:
+        j = bisect_right(self.knots, x) - 1
+        s = self.surv[j]
+        return s, self.area[j] + s * (x - self.knots[j])
 
     def mean(self) -> float:
-        return self.suffix[0] / len(self.sorted)
+        return self.area[-1]
+
+    def sd(self) -> float:
+        return math.sqrt(self.variance)
 
     def expected(self, progress: float) -> int:
         """Expected final length of a request that has generated about ``progress`` tokens so far."""
@@ -72,32 +117,42 @@ class LengthModel:
             return min(self.max_new, max(1, round(self.mean())))
         if progress >= self.max_new:
             return self.max_new
-        i = bisect_right(self.sorted, progress)
-        above = len(self.sorted) - i
-        if above >= MIN_TAIL:
-            value = self.suffix[i] / above
-        else:
-            # Beyond almost everything seen: assume the tail goes on like the last MIN_TAIL observations did.
-            tail = self.sorted[-MIN_TAIL:]
-            excess = sum(tail) / len(tail) - tail[0] if len(tail) > 1 else self.mean()
-            value = progress + max(excess, 1.0)
+        s, area = self._survival_and_area(progress)
+        if s <= 1e-9:
+            # Beyond every length seen: it is a long one; expect it to run to the cap.
+            return self.max_new
+        value = progress + (self.area[-1] - area) / s
         return min(self.max_new, max(math.ceil(progress) + 1, round(value)))
 
 
-@dataclass
 class RateTracker:
-    """Per-request decode speed seen by this worker: tokens / seconds of completed requests (an EWMA)."""
+    """Per-request decode speed seen by this worker: Σ tokens / Σ seconds over its last ``window`` completions.
 
-    alpha: float = 0.05
-    rate: float | None = None
-    samples: int = field(default=0)
+    A ratio of sums, not a mean of ratios: a short request's fixed overhead (HTTP, Redis, scheduling) would
+    otherwise make the speed look low, and short requests are the ones that finish first, when the first
+    reservations are made.
+    """
+
+    def __init__(self, window: int = 256) -> None:
+        self.window: deque[tuple[int, float]] = deque(maxlen=window)
+        self.tokens = 0
+        self.seconds = 0.0
+
+    @property
+    def rate(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
             return
-        r = tokens / seconds
-        self.rate = r if self.rate is None else (1 - self.alpha) * self.rate + self.alpha * r
-        self.samples += 1
+        if len(self.window) == self.window.maxlen:
+            old_t, old_s = self.window[0]
+            self.tokens -= old_t
+            self.seconds -= old_s
+        self.window.append((tokens, seconds))
+        self.tokens += tokens
+        self.seconds += seconds
 
     def progress(self, elapsed: float) -> float:
-        return 0.0 if self.rate is None else elapsed * self.rate
+        rate = self.rate
+        return 0.0 if rate is None else elapsed * rate

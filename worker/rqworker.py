@@ -29,9 +29,21 @@ from worker.config import WorkerConfig
 log = logging.getLogger("budgetq.worker")
 
 
+def _setup_logging() -> None:
+    """rq configures its own logger only; give budgetq's messages the same stream and format, once."""
+    root = logging.getLogger("budgetq")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S"))
+        root.addHandler(handler)
+        root.setLevel(os.environ.get("BUDGETQ_LOG_LEVEL", "INFO").upper())
+        root.propagate = False
+
+
 class Worker(SimpleWorker):
     def __init__(self, queues: Any, *args: Any, **kwargs: Any) -> None:
         kwargs["serializer"] = JSONSerializer
+        _setup_logging()
         super().__init__(queues, *args, **kwargs)
         # The CLI built the Queue objects with its own serializer: rebuild them with ours.
         self.queues = [Queue(q.name, connection=self.connection, serializer=JSONSerializer) for q in self.queues]
