@@ -100,14 +100,15 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
 
 def table(rows: list[dict[str, Any]]) -> str:
     base = next(r for r in rows if r["mode"] == "drain")
-    lines = ["| mode | final tokens / budget | over budget | samples discarded | 90% -> close (wall / simulated) | "
-             "90% -> last commit (wall / simulated) | close time vs drain |",
+    lines = ["| mode | final tokens / budget | over budget | samples never sent / chunks discarded | "
+             "90% -> close (wall / simulated) | 90% -> last commit (wall / simulated) | close time vs drain |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         close = r["s_90_to_close"]
         vs = (f"{close / base['s_90_to_close']:.2f}x" if close and base["s_90_to_close"] else "-")
         lines.append(
-            f"| {r['mode']} | {r['ratio']:.4f} | {r['tokens'] - r['budget']:+,} | {r['discarded_samples']} | "
+            f"| {r['mode']} | {r['ratio']:.4f} | {r['tokens'] - r['budget']:+,} | "
+            f"{r['discarded_samples']} / {r['discarded_chunks']} | "
             + (f"{close:.1f} s / {r['sim_s_90_to_close']:.0f} s" if close else "-")
             + f" | {r['s_90_to_end']:.1f} s / {r['sim_s_90_to_end']:.0f} s | {vs} |")
     return "\n".join(lines)

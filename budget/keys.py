@@ -8,6 +8,7 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | key                         | type   | written by               | what                                              |
 | --------------------------- | ------ | ------------------------ | ------------------------------------------------- |
 | ``bq:datasets``             | set    | producer                 | every dataset name known to this Redis            |
+| ``bq:epoch``                | string | producer                 | this Redis' lifetime id (lost state detection)    |
 | ``bq:ds:{n}``               | hash   | producer, scripts        | budget, status (open/closed), run fingerprint,    |
 |                             |        |                          | request settings, counters (committed, ...)       |
 | ``bq:ds:{n}:used``          | string | ``commit`` script        | completion tokens committed: THE budget counter   |
@@ -34,6 +35,9 @@ from dataclasses import dataclass
 
 PREFIX = "bq:"
 DATASETS = PREFIX + "datasets"
+#: A random id set once per Redis lifetime (SET NX): an attached producer that finds it gone or changed knows
+#: Redis lost its state (restarted empty, or restored from another snapshot) and stops instead of carrying on.
+EPOCH = PREFIX + "epoch"
 
 #: The one RQ queue that every dataset shares; workers listen on it (``worker.settings.QUEUES``).
 QUEUE_NAME = "budgetq"

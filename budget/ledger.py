@@ -21,6 +21,9 @@ LEASE_MS = 20_000
 
 MODES = ("drain", "predict", "strict")
 
+#: The errors that mean "Redis is not answering right now" (as opposed to a refused command): worth waiting out.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
 
 def default_prior_mean(max_new_tokens: int) -> float:
     """Expected completion length before a dataset has results or an --expect-mean: a quarter of the cap,

@@ -174,6 +174,9 @@ def _safe_url(url: str) -> str:
 @opt("--detach", is_flag=True, help="Enqueue what the budget needs, then exit 0 without collecting.")
 @opt("--job-timeout", type=click.IntRange(60), default=6 * 3600, show_default=True,
      help="RQ job timeout of one chunk, in seconds.")
+@opt("--allow-eviction", is_flag=True,
+     help="Run even though Redis may evict keys (maxmemory-policy other than noeviction): not recommended.")
+@opt("--require-aof", is_flag=True, help="Refuse a Redis without AOF persistence instead of warning.")
 @opt("--quiet", "-q", is_flag=True, help="Print only errors, warnings and the summary.")
 def run_cmd(**options: Any) -> None:
     try:
@@ -192,7 +195,8 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
          chat_template_kwargs: str | None, skip_invalid: bool, messages_field: str, prompt_field: str,
          conversations_field: str, id_field: str, system_prompt: str | None, expect_mean: float | None, dry_run: bool,
          pilot: int | None, throughput: float | None, as_json: bool, chunk_size: int, queue_depth: int,
-         new_run: bool, detach: bool, job_timeout: int, quiet: bool) -> None:
+         new_run: bool, detach: bool, job_timeout: int, allow_eviction: bool, require_aof: bool,
+         quiet: bool) -> None:
     # Everything that can be wrong with the options and the input is found before Redis is touched.
     try:
         default_budget, named = parse_budget_option(budgets)
@@ -247,7 +251,11 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
                          modes={n: named_modes.get(n, default_mode) for n in names}, expect_mean=expect_mean,
                          chunk_size=chunk_size, queue_depth=queue_depth, new_run=new_run,
                          job=JobSettings(job_timeout=job_timeout))
-    producer = Producer(_connect(redis_url), inputs.prepared, options, echo=echo)
+    from producer.preflight import check_redis
+    client = _connect(redis_url)
+    check_redis(client, allow_eviction=allow_eviction, require_aof=require_aof,
+                warn=lambda msg: click.echo(msg, err=True))
+    producer = Producer(client, inputs.prepared, options, echo=echo)
     try:
         producer.attach()
         summaries = producer.run(detach=detach)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import redis
 
 from budget import keys
-from budget.ledger import DatasetState, Ledger, default_prior_mean
+from budget.ledger import LEASE_MS, REDIS_DOWN, DatasetState, Ledger, default_prior_mean
 from budget.payload import ThinkPayload
 from producer.errors import ProduceError
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
@@ -126,6 +126,8 @@ class Producer:
         self.runs: list[DatasetRun] = []
         self._last_progress = 0.0
         self._last_stale_check = 0.0
+        self._grace_until = 0.0
+        self.epoch = ""
 
     # -- attach ----------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -142,6 +144,9 @@ class Producer:
                         f"dataset {prepared.name}: this run's settings differ from the stored run ({diff}). "
                         "Use the same options to resume, or --new-run to start the dataset over "
                         "(its old output is kept aside).", 2)
+        self.r.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
+        raw: Any = self.r.get(keys.EPOCH)
+        self.epoch = raw.decode()
         try:
             for prepared in self.datasets:
                 self.runs.append(self._attach_one(prepared))
@@ -264,11 +269,32 @@ class Producer:
                     if state.has_room():
                         self._refill(d, max_samples=self._samples_needed(d, state, everything=True))
                 return self.summaries()
-            while not self.step():
-                self._wait()
+            while True:
+                try:
+                    if self.step():
+                        break
+                    self._wait()
+                except REDIS_DOWN as exc:
+                    self._ride_out_outage(exc)
             return self.summaries()
         finally:
             self.release()
+
+    def _ride_out_outage(self, exc: Exception) -> None:
+        """Wait for Redis to come back, check it still holds this run's state, then go on. Leases that ran out
+        during the outage are not reclaimed for one lease period: their workers are alive and refresh them as
+        soon as they reach Redis again (reclaiming them would redo their GPU work)."""
+        self.echo(f"Redis unavailable ({exc}); waiting for it to come back")
+        delay = 0.2
+        while True:
+            time.sleep(delay)
+            try:
+                self.r.ping()
+                break
+            except REDIS_DOWN:
+                delay = min(5.0, delay * 2)
+        self.echo("Redis is back")
+        self._grace_until = time.monotonic() + LEASE_MS / 1000 + 5
 
     def _wait(self) -> None:
         streams: Any = {keys.DatasetKeys(d.name).results: "$" for d in self.runs if not d.finished}
@@ -277,6 +303,7 @@ class Producer:
             self.r.xread(streams, block=int(self.opt.poll_s * 1000), count=1)
 
     def step(self) -> bool:
+        self._check_epoch()
         now = time.monotonic()
         check_stale = now - self._last_stale_check >= STALE_CHECK_S
         if check_stale:
@@ -292,14 +319,25 @@ class Producer:
             self.echo(self.progress_line())
         return all(d.finished for d in self.runs)
 
+    def _check_epoch(self) -> None:
+        raw: Any = self.r.get(keys.EPOCH)
+        if raw is None or raw.decode() != self.epoch:
+            raise ProduceError("Redis lost this run's state (it restarted empty or from another snapshot: "
+                               f"{keys.EPOCH} is {'gone' if raw is None else 'different'}). Nothing on disk is "
+                               "lost: run the same produce command again to rebuild the counters from the output "
+                               "files.", 1)
+
     def _step_one(self, d: DatasetRun, check_stale: bool) -> None:
         k = keys.DatasetKeys(d.name)
-        if not self.ledger.refresh_lock(k.collector, d.lock_token, LOCK_TTL_MS):
-            raise ProduceError(f"dataset {d.name}: lost the collector lock (Redis lost it, or another produce "
-                               "took over after this one stalled for 30 s)", 1)
-        reclaimed = set(self.ledger.reclaim(d.name))
-        if check_stale:
-            reclaimed |= self._reclaim_stale_queued(d)
+        if not self.ledger.refresh_lock(k.collector, d.lock_token, LOCK_TTL_MS) \
+                and not self.ledger.acquire_lock(k.collector, d.lock_token, LOCK_TTL_MS):
+            raise ProduceError(f"dataset {d.name}: lost the collector lock (another produce took over after this "
+                               "one stalled for 30 s)", 1)
+        reclaimed: set[str] = set()
+        if time.monotonic() >= self._grace_until:
+            reclaimed = set(self.ledger.reclaim(d.name))
+            if check_stale:
+                reclaimed |= self._reclaim_stale_queued(d)
         for cid in sorted(reclaimed):
             self.echo(f"{d.name}: chunk {cid} lost its worker; its unfinished samples go back in the queue")
         live = self.ledger.live_chunks(d.name)
@@ -313,6 +351,10 @@ class Producer:
             for cid in ended:
                 self._release(d, cid, cid in reclaimed)
         state = self.ledger.state(d.name)
+        if state.used < d.out.total_tokens:
+            raise ProduceError(f"dataset {d.name}: Redis counts {state.used} tokens but {d.out.path} already holds "
+                               f"{d.out.total_tokens}: Redis went back to an older state. Nothing on disk is lost: "
+                               "run the same produce command again to recount from the output files.", 1)
         d.status, d.used = state.status, state.used
         self.r.hset(k.meta, mapping={"selected": len(d.prepared.samples), "todo": len(d.todo)})
         if state.status != "open":

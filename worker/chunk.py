@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,9 +54,16 @@ def backoff(attempt: int, cap: float, retry_after: float | None) -> float:
 
 async def generate_sample(client: SGLangClient, config: WorkerConfig, dataset: str, sample: SamplePayload,
                           sampling_params: dict[str, Any], report: ChunkReport) -> Generation:
-    """Try a sample up to ``max_attempts`` times; raises the last GenerateError when every attempt failed."""
+    """Generate one sample; raises the last GenerateError when it is given up.
+
+    Given up: at once on a final error (a 400); after ``max_attempts`` unusable answers (aborts, broken bodies);
+    and for an unavailable server (5xx, 429, resets, timeouts) only after ``retry_for`` seconds of trying, so
+    an outage of SGLang is waited out instead of failing every sample in flight.
+    """
     max_new = int(sampling_params["max_new_tokens"])
-    attempt = 0
+    first = time.monotonic()
+    unusable = 0  # aborts and broken answers
+    tries = 0  # requests that were not a duplicate-rid refusal
     rid_no = 0
     while True:
         payload = {"input_ids": sample["input_ids"], "sampling_params": sampling_params,
@@ -67,12 +75,16 @@ async def generate_sample(client: SGLangClient, config: WorkerConfig, dataset: s
             rid_no += 1
             if err.new_rid and rid_no < 100:
                 continue  # a previous run of this sample still holds the rid: not a failure
-            attempt += 1
-            if not err.retryable or attempt >= config.max_attempts:
+            tries += 1
+            if not err.unavailable:
+                unusable += 1
+            waited = time.monotonic() - first
+            if (not err.retryable or unusable >= config.max_attempts
+                    or (err.unavailable and waited >= config.retry_for and tries >= config.max_attempts)):
                 err.attempts = rid_no
                 raise
-            log.info("%s/%s attempt %d failed (%s), retrying", dataset, sample["id"], attempt, err.reason)
-            await asyncio.sleep(backoff(attempt, config.backoff_cap, err.retry_after))
+            log.info("%s/%s attempt %d failed (%s), retrying", dataset, sample["id"], tries, err.reason)
+            await asyncio.sleep(backoff(tries, config.backoff_cap, err.retry_after))
 
 
 def result_record(dataset: str, sample: SamplePayload, gen: Generation, chunk: ChunkPayload) -> dict[str, Any]:

@@ -54,7 +54,8 @@ class WorkerConfig:
     servers: tuple[str, ...] = ("http://127.0.0.1:30000",)
     api_key: str | None = field(default=None, repr=False)
     concurrency: int = 64  # requests in flight per worker process
-    max_attempts: int = 5  # per sample, for retryable errors (5xx, resets, timeouts, aborts)
+    max_attempts: int = 5  # per sample: unusable answers (aborts, broken bodies) tolerated
+    retry_for: float = 600.0  # seconds a sample keeps retrying an unavailable server (5xx, 429, resets, timeouts)
     connect_timeout: float = 10.0
     request_timeout: float | None = None  # None: sized per request from max_new_tokens
     min_tokens_per_second: float = 5.0  # the slowest decode we wait for before calling a request hung
@@ -77,6 +78,7 @@ class WorkerConfig:
             api_key=env.get("SGLANG_API_KEY") or None,
             concurrency=_int(env, "BUDGETQ_CONCURRENCY", cls.concurrency),
             max_attempts=_int(env, "BUDGETQ_MAX_ATTEMPTS", cls.max_attempts),
+            retry_for=_nonneg(env, "BUDGETQ_RETRY_FOR", cls.retry_for),
             connect_timeout=_float(env, "BUDGETQ_CONNECT_TIMEOUT", cls.connect_timeout) or cls.connect_timeout,
             request_timeout=_float(env, "BUDGETQ_REQUEST_TIMEOUT", None),
             min_tokens_per_second=_float(env, "BUDGETQ_MIN_TOKENS_PER_SECOND", cls.min_tokens_per_second)

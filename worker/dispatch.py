@@ -20,9 +20,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
-from budget.ledger import LEASE_MS, Admission, Admit, Ledger
+from budget.ledger import LEASE_MS, REDIS_DOWN, Admission, Admit, Ledger
 from budget.payload import ChunkPayload, SamplePayload
 from worker.chunk import CLOSE_REASON, ChunkReport, generate_sample, result_record
 from worker.config import WorkerConfig
@@ -30,6 +30,8 @@ from worker.estimate import LengthModel, RateTracker
 from worker.sglang import GenerateError, SGLangClient
 
 log = logging.getLogger("budgetq.worker")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -100,11 +102,26 @@ class Dispatcher:
         self.stopping = True
         self.slots.release()  # wake a dispatch waiting for a slot so it can give its chunk back
 
+    async def _redis(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Call the ledger, waiting out a Redis outage. Every budget script is idempotent (a resent commit hits
+        the done guard), so retrying is safe, and a response SGLang already produced is worth waiting for:
+        the alternative is throwing the GPU work away."""
+        delay, waited = 0.2, 0.0
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except REDIS_DOWN as exc:
+                if waited == 0.0 or int(waited) // 30 != int(waited + delay) // 30:
+                    log.warning("%s: Redis unavailable (%s); retrying until it is back", what, exc)
+                await asyncio.sleep(delay)
+                waited += delay
+                delay = min(5.0, delay * 2)
+
     # -- the RQ job's part ------------------------------------------------------------------------------
     async def dispatch(self, chunk: ChunkPayload) -> ChunkReport:
         """Start every sample of the chunk as slots free up; return once none is left to start."""
         rc = RunningChunk(chunk)
-        started = self.ledger.start_chunk(rc.dataset, rc.id)
+        started = await self._redis("start", self.ledger.start_chunk, rc.dataset, rc.id)
         if started != "ok":
             rc.report.status = started
             rc.report.not_started = len(chunk["samples"])
@@ -137,8 +154,8 @@ class Dispatcher:
             if rc.lost.is_set():
                 admission = Admission(Admit.REVOKED, 0)
             else:
-                admission = self.ledger.admit(rc.dataset, sample["id"], rc.id, self.budgeting.expected(rc.dataset),
-                                              self.config.predict_margin * self.budgeting.sd(rc.dataset))
+                admission = await self._redis(
+                    "admit", self._admit, rc.dataset, sample["id"], rc.id)
             verdict = admission.verdict
             if verdict is Admit.FULL and self._dataset_in_flight(rc.dataset):
                 # The budget is reserved by requests in flight; ours will end and free some: wait for that.
@@ -159,7 +176,8 @@ class Dispatcher:
                 rc.report.not_started = len(samples) - i
                 self.slots.release()
                 if verdict is Admit.CLOSED:
-                    self.ledger.discard(rc.dataset, CLOSE_REASON)  # strict closes at admission; idempotent
+                    # strict closes at admission; discard is idempotent
+                    await self._redis("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
                 return
             flight = Flight(time.monotonic(), admission.reserved)
             rc.flights[sample["id"]] = flight
@@ -167,6 +185,10 @@ class Dispatcher:
             rc.tasks.add(task)
             task.add_done_callback(rc.tasks.discard)
             i += 1
+
+    def _admit(self, dataset: str, sample: str, chunk: str) -> Admission:
+        return self.ledger.admit(dataset, sample, chunk, self.budgeting.expected(dataset),
+                                 self.config.predict_margin * self.budgeting.sd(dataset))
 
     def _dataset_in_flight(self, dataset: str) -> bool:
         return any(rc.flights for rc in self.running.values() if rc.dataset == dataset)
@@ -180,16 +202,16 @@ class Dispatcher:
                                             rc.chunk["sampling_params"], report)
             except GenerateError as err:
                 report.errors.append(f"{sid}: {err.reason}")
-                if self.ledger.fail(rc.dataset, sid, rc.id,
-                                    {"id": sid, "reason": err.reason, "status": err.status,
-                                     "attempts": err.attempts}, reserved=flight.reserved):
+                if await self._redis("fail", self.ledger.fail, rc.dataset, sid, rc.id,
+                                     {"id": sid, "reason": err.reason, "status": err.status,
+                                      "attempts": err.attempts}, reserved=flight.reserved):
                     report.failed += 1
                 return
             elapsed = time.monotonic() - flight.started
             self.budgeting.rates.observe(gen.completion_tokens, elapsed)
-            outcome = self.ledger.commit(rc.dataset, sid, gen.completion_tokens,
-                                         result_record(rc.dataset, sample, gen, rc.chunk), chunk=rc.id,
-                                         reserved=flight.reserved, finish_reason=gen.finish_reason)
+            outcome = await self._redis("commit", self.ledger.commit, rc.dataset, sid, gen.completion_tokens,
+                                        result_record(rc.dataset, sample, gen, rc.chunk), chunk=rc.id,
+                                        reserved=flight.reserved, finish_reason=gen.finish_reason)
             if outcome.committed:
                 report.committed += 1
                 report.tokens += gen.completion_tokens
@@ -197,7 +219,7 @@ class Dispatcher:
             else:
                 report.duplicates += 1
             if outcome.closed_now:
-                n = self.ledger.discard(rc.dataset, CLOSE_REASON)
+                n = await self._redis("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
                 log.info("%s reached its budget (%d tokens): closed, %d queued chunks discarded",
                          rc.dataset, outcome.used, n)
         finally:
@@ -220,7 +242,7 @@ class Dispatcher:
             await asyncio.gather(rc.lease, return_exceptions=True)
         self.running.pop(rc.id, None)
         if not cancelled:
-            self.ledger.finish_chunk(rc.dataset, rc.id)
+            await self._redis("finish", self.ledger.finish_chunk, rc.dataset, rc.id)
 
     async def _keep_lease(self, rc: RunningChunk) -> None:
         """Refresh the lease every LEASE_MS/4 and, in predict mode, grow running requests' reservations every

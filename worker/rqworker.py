@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
+
+from budget.ledger import REDIS_DOWN
 
 from worker import jobs, runtime
 from worker.config import WorkerConfig
@@ -56,8 +59,8 @@ class Worker(SimpleWorker):
 
     def _job_heartbeat(self) -> None:
         # A SimpleWorker does not heartbeat while a job runs; the chunk's lease task calls this so the worker
-        # stays visible (rq-dashboard, `rq info`) through long chunks.
-        self.heartbeat(self.worker_ttl)
+        # stays visible (rq-dashboard, `rq info`) through long chunks. From the request thread: no flagging.
+        super().heartbeat(self.worker_ttl)
 
     def request_stop(self, signum: Any, frame: Any) -> None:
         # Warm shutdown: the chunk being dispatched gives its unstarted samples back at once (the producer
@@ -83,9 +86,64 @@ class Worker(SimpleWorker):
         except Exception:  # the job hash may be garbage too; never let it take the worker down
             log.exception("could not mark job %s failed", job.id)
 
-    def teardown(self) -> None:
-        super().teardown()
+    # -- surviving a Redis restart ----------------------------------------------------------------------
+    # rq's work loop quits on a Redis error outside dequeue (a heartbeat, maintenance, the teardown itself).
+    # A GPU host's workers should not need a human after a Redis restart: work() waits for Redis to come back
+    # and starts the loop again. Meanwhile requests already running go on and their commits wait for Redis
+    # (worker/dispatch.py), so nothing SGLang produced is lost.
+    def work(self, burst: bool = False, *args: Any, **kwargs: Any) -> bool:  # type: ignore[override]
+        worked = False
         try:
-            self.runtime.close()
-        except Exception:
-            log.exception("closing the worker runtime")
+            while True:
+                self._redis_lost = False
+                try:
+                    worked = super().work(burst, *args, **kwargs) or worked
+                except REDIS_DOWN as exc:
+                    self._redis_lost = True
+                    log.warning("Redis error in the work loop: %s", exc)
+                if not self._redis_lost or self._stop_requested or burst:
+                    return worked
+                self._wait_for_redis()
+        finally:
+            try:
+                self.runtime.close()
+            except Exception:
+                log.exception("closing the worker runtime")
+
+    def _wait_for_redis(self) -> None:
+        delay = 0.5
+        log.warning("waiting for Redis to come back")
+        while not self._stop_requested:
+            try:
+                self.connection.ping()
+                break
+            except REDIS_DOWN:
+                time.sleep(delay)
+                delay = min(5.0, delay * 2)
+        # Our registration may have outlived the outage without a death mark: it is ours, clear it.
+        self.connection.delete(self.key)
+        log.warning("Redis is back: working again")
+
+    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except REDIS_DOWN:
+            self._redis_lost = True
+            raise
+
+    def dequeue_job_and_maintain_ttl(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().dequeue_job_and_maintain_ttl(*args, **kwargs)
+        self._redis_lost = False  # rq's dequeue waits out connection errors by itself
+        return result
+
+    def heartbeat(self, *args: Any, **kwargs: Any) -> None:
+        self._guard(super().heartbeat, *args, **kwargs)
+
+    def run_maintenance_tasks(self) -> None:
+        self._guard(super().run_maintenance_tasks)
+
+    def check_for_suspension(self, burst: bool) -> None:
+        self._guard(super().check_for_suspension, burst)
+
+    def teardown(self) -> None:
+        self._guard(super().teardown)

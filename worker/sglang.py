@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,10 +25,13 @@ class GenerateError(Exception):
     """An attempt that produced no usable generation."""
 
     def __init__(self, reason: str, *, retryable: bool, status: int | None = None,
-                 retry_after: float | None = None, new_rid: bool = False) -> None:
+                 retry_after: float | None = None, new_rid: bool = False, unavailable: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.retryable = retryable
+        # The server could not answer (down, overloaded, unreachable, too slow): worth waiting out, for minutes.
+        # Otherwise it answered with something unusable (an abort, a broken body): worth a few more tries only.
+        self.unavailable = unavailable
         self.status = status
         self.retry_after = retry_after
         self.new_rid = new_rid  # SGLang still runs a request with this rid: retry under the next one
@@ -105,24 +109,84 @@ def _retry_after(headers: Any) -> float | None:
 
 
 class SGLangClient:
-    """Sends attempts to the least-busy of the configured servers over one persistent session."""
+    """Sends attempts to the least-busy healthy server of the configured ones over one persistent session.
+
+    A server that failed to answer three times in a row is left alone for a while (1 s, doubling after each
+    failed probe up to 15 s: a circuit breaker), so with several servers the retries of a dead one's requests go to the others at once.
+    When every server is down, one request at a time probes the one due back first while the others wait for
+    it (half-open): an outage sees a trickle of probes, not every retry of every request in flight.
+    """
+
+    FAILURES_TO_OPEN = 3
+    MAX_COOLDOWN_S = 15.0  # so a recovered server is found again well within 30 s
 
     def __init__(self, session: aiohttp.ClientSession, config: WorkerConfig) -> None:
         self.session = session
         self.config = config
         self.in_flight = {url: 0 for url in config.servers}
+        self.failures = {url: 0 for url in config.servers}
+        self.down_until = {url: 0.0 for url in config.servers}
+        self.cooldown = {url: 0.0 for url in config.servers}
+        self.probing = {url: False for url in config.servers}
+        self.changed = asyncio.Event()  # set whenever a server's health changes
         self._turn = 0
         self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
 
     def pick_server(self) -> str:
-        """Least in flight from this worker; ties go round-robin so equal servers share the load."""
+        """Least in flight among healthy servers; ties round-robin. All down: the one that comes back first."""
         self._turn += 1
         servers = self.config.servers
         order = servers[self._turn % len(servers):] + servers[:self._turn % len(servers)]
-        return min(order, key=lambda url: self.in_flight[url])
+        healthy = [url for url in order if self.down_until[url] == 0.0]
+        if not healthy:
+            return min(order, key=lambda url: self.down_until[url])
+        return min(healthy, key=lambda url: self.in_flight[url])
+
+    def _mark(self, server: str, ok: bool, probe: bool = False) -> None:
+        if ok:
+            was_down = self.down_until[server] > 0
+            self.failures[server] = 0
+            self.cooldown[server] = 0.0
+            self.down_until[server] = 0.0
+            if was_down:
+                self.changed.set()
+            return
+        self.failures[server] += 1
+        if probe:  # still down: wait twice as long before the next probe
+            self.cooldown[server] = min(self.MAX_COOLDOWN_S, max(1.0, self.cooldown[server] * 2))
+            self.down_until[server] = time.monotonic() + self.cooldown[server]
+        elif self.down_until[server] == 0.0 and self.failures[server] >= self.FAILURES_TO_OPEN:
+            # Open. Failures of requests sent before it opened (a burst when a server dies with many in
+            # flight) do not stretch the cooldown: only failed probes do.
+            self.cooldown[server] = 1.0
+            self.down_until[server] = time.monotonic() + 1.0
+
+    async def _gate(self) -> tuple[str, bool]:
+        """Pick a server to send to now; returns (server, is_probe). Waits while every server is down."""
+        while True:
+            server = self.pick_server()
+            if self.down_until[server] == 0.0:  # closed: healthy
+                return server, False
+            if not self.probing[server]:
+                self.probing[server] = True
+                await asyncio.sleep(max(0.0, self.down_until[server] - time.monotonic()))
+                return server, True
+            self.changed.clear()  # a probe is pending: wait for its verdict
+            try:
+                await asyncio.wait_for(self.changed.wait(), timeout=self.MAX_COOLDOWN_S + 5)
+            except asyncio.TimeoutError:
+                pass
 
     async def generate(self, payload: dict[str, Any], max_new_tokens: int) -> Generation:
-        server = self.pick_server()
+        server, probe = await self._gate()
+        try:
+            return await self._send(server, payload, max_new_tokens, probe)
+        finally:
+            if probe:
+                self.probing[server] = False
+                self.changed.set()
+
+    async def _send(self, server: str, payload: dict[str, Any], max_new_tokens: int, probe: bool) -> Generation:
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_for(max_new_tokens),
                                         sock_connect=self.config.connect_timeout)
         self.in_flight[server] += 1
@@ -133,11 +197,15 @@ class SGLangClient:
                 status = resp.status
                 retry_after = _retry_after(resp.headers)
         except asyncio.TimeoutError:
-            raise GenerateError(f"timeout from {server}", retryable=True) from None
+            self._mark(server, False, probe)
+            raise GenerateError(f"timeout from {server}", retryable=True, unavailable=True) from None
         except (aiohttp.ClientError, OSError) as exc:
-            raise GenerateError(f"{type(exc).__name__} from {server}: {exc}", retryable=True) from None
+            self._mark(server, False, probe)
+            raise GenerateError(f"{type(exc).__name__} from {server}: {exc}", retryable=True,
+                                unavailable=True) from None
         finally:
             self.in_flight[server] -= 1
+        self._mark(server, status < 500 and status != 429, probe)
         if status == 200:
             try:
                 body = json.loads(raw)
@@ -149,4 +217,6 @@ class SGLangClient:
             if DUPLICATE_RID in message:
                 raise GenerateError(message, retryable=True, status=400, new_rid=True)
             raise GenerateError(f"400: {message}", retryable=False, status=400)
-        raise GenerateError(f"{status}: {message}", retryable=True, status=status, retry_after=retry_after)
+        unavailable = status >= 500 or status in (408, 429)
+        raise GenerateError(f"{status}: {message}", retryable=True, status=status, retry_after=retry_after,
+                            unavailable=unavailable)

@@ -1,0 +1,178 @@
+"""Faults on real parts (short forms; bench/chaos.py runs the long ones): Redis killed and restarted, Redis
+restarted empty, SGLang outages and malformed answers, an evicting Redis, the API key kept secret."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import redis
+
+from budget import keys
+from tests.procs import Workers, produce_cmd, read_jsonl, sim_stats, wait_for
+from tests.redis_server import RedisServer
+from tests.test_e2e import CODE, GLAIVE, TRACES, check_exact, produce
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server this test may kill and restart (AOF everysec, as production should run)."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.kill()
+
+
+def set_faults(sim_url: str, body: dict[str, Any]) -> None:
+    req = urllib.request.Request(sim_url + "/sim/faults", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        assert resp.status == 200
+
+
+def test_redis_kill9_and_restart_mid_run(own_redis: RedisServer, tokenizer_dir: Path, tmp_path: Path,
+                                         sim_factory: Any) -> None:
+    sim = sim_factory("--tokens-per-second-per-request", "200", "--mean-tokens", "200", "--seed", "11")
+    pool = Workers(own_redis.url, sim.url, tmp_path, {"BUDGETQ_CONCURRENCY": "16"})
+    r = redis.Redis.from_url(own_redis.url)
+    out = tmp_path / "out"
+    try:
+        pool.start("w0")
+        pool.start("w1")
+        proc = subprocess.Popen([*produce_cmd(), str(GLAIVE), "--tokenizer", str(tokenizer_dir), "--max-tokens",
+                                 "1000", "--chunk-size", "8", "--out", str(out), "--redis-url", own_redis.url],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        results = out / "glaive_fc" / "raw_responses.jsonl"
+        wait_for(lambda: len(read_jsonl(results)) >= 20, 60, "first results")
+        own_redis.kill()  # kill -9: AOF everysec keeps what was acknowledged a second before
+        own_redis.start()  # same port, same directory: it replays the AOF
+        _, stderr = proc.communicate(timeout=150)  # workers and produce carry on by themselves
+        assert proc.returncode == 0, stderr
+        assert all(p.poll() is None for p in pool.procs), "a worker quit on the Redis restart"
+        recs = check_exact(r, out, "glaive_fc")
+        assert sorted(x["id"] for x in recs) == sorted({str(x["id"]) for x in read_jsonl(GLAIVE)})
+    finally:
+        pool.stop_all()
+
+
+def test_redis_restarted_empty_is_detected_and_a_rerun_rebuilds(tmp_path: Path, tokenizer_dir: Path,
+                                                                 sim_factory: Any) -> None:
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    sim = sim_factory("--tokens-per-second-per-request", "200", "--mean-tokens", "200", "--seed", "12")
+    pool = Workers(server.url, sim.url, tmp_path, {"BUDGETQ_CONCURRENCY": "16"})
+    out = tmp_path / "out"
+    args = [*produce_cmd(), str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "1000", "--chunk-size",
+            "8", "--out", str(out), "--redis-url", server.url]
+    try:
+        pool.start("w0")
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: len(read_jsonl(out / "code_instruct" / "raw_responses.jsonl")) >= 20, 60, "results")
+        server.kill()
+        for p in (tmp_path / "redis").iterdir():  # its data is gone: an empty Redis comes back
+            if p.is_dir():
+                for f in p.iterdir():
+                    f.unlink()
+                p.rmdir()
+            else:
+                p.unlink()
+        server.start()
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 1
+        assert "lost this run's state" in stderr and "Traceback" not in stderr
+        again = subprocess.run(args, capture_output=True, text=True, timeout=180)
+        assert again.returncode == 0, again.stderr
+        assert "counted" in again.stderr  # the file's responses were recounted
+        r = redis.Redis.from_url(server.url)
+        recs = check_exact(r, out, "code_instruct")
+        assert len(recs) == 150
+    finally:
+        pool.stop_all()
+        server.kill()
+
+
+def test_sglang_outage_is_waited_out_with_backoff(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
+                                                  tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    sim = sim_factory("--tokens-per-second-per-request", "100", "--mean-tokens", "100", "--seed", "13")
+    workers(sim.url, BUDGETQ_CONCURRENCY="16").start("w0")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*produce_cmd(), str(GLAIVE), "--tokenizer", str(tokenizer_dir), "--max-tokens",
+                             "1000", "--chunk-size", "8", "--out", str(out), "--redis-url", redis_url],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: sim_stats(sim.url)["uptime"] >= 5, 60, "a few seconds of steady load")
+        start = int(sim_stats(sim.url)["uptime"])
+        set_faults(sim.url, {"outage_for": 6})
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    recs = check_exact(r, out, "glaive_fc")
+    assert len(recs) == 120  # the outage failed nothing: requests waited it out
+    assert not (out / "glaive_fc" / "failed.jsonl").exists()
+    stats = sim_stats(sim.url)
+    assert stats["outage_rejected"] + stats["outage_cut"] > 0
+    # Backoff and the half-open circuit: during the outage the request rate fell under 20% of the rate just
+    # before it (16 requests in flight retrying would otherwise hammer the server).
+    per_second = {int(sec): int(n) for sec, n in stats["requests_by_second"]}
+    before = sum(per_second.get(sec, 0) for sec in range(start - 3, start)) / 3
+    during = sum(per_second.get(sec, 0) for sec in range(start + 1, start + 6)) / 5
+    assert before > 5 and during < 0.2 * before, (before, during, start, sorted(per_second.items()))
+
+
+def test_malformed_answers_are_never_counted(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
+                                             tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    sim = sim_factory("--time-scale", "50", "--mean-tokens", "100", "--seed", "14", "--malformed-rate", "0.3")
+    workers(sim.url, BUDGETQ_BACKOFF_CAP="0.2").start("w0")
+    out = tmp_path / "out"
+    res = produce([str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "300", "--out", str(out)],
+                  redis_url)
+    assert res.returncode == 0, res.stderr
+    recs = check_exact(r, out, "agent_traces")
+    failed = read_jsonl(out / "agent_traces" / "failed.jsonl")
+    assert len(recs) + len(failed) == 80
+    for x in recs:  # every written record is a valid one
+        assert isinstance(x["completion_tokens"], int) and 0 <= x["completion_tokens"] <= 300
+        assert x["finish_reason"] in ("stop", "length")
+    assert all("malformed" in f["reason"] or "Payload" in f["reason"] or "502" in f["reason"] for f in failed)
+    assert sim_stats(sim.url)["malformed"]
+
+
+def test_evicting_redis_is_refused(redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path) -> None:
+    r.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        args = [str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "100", "--detach",
+                "--out", str(tmp_path / "out")]
+        res = produce(args, redis_url)
+        assert res.returncode == 1 and "maxmemory-policy allkeys-lru" in res.stderr
+        assert r.dbsize() == 0
+        assert produce([*args, "--allow-eviction"], redis_url).returncode == 0
+    finally:
+        r.config_set("maxmemory-policy", "noeviction")
+
+
+def test_api_key_is_sent_but_never_stored_or_logged(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
+                                                    tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    secret = "sk-budgetq-test-7f3a9c"
+    sim = sim_factory("--time-scale", "50", "--mean-tokens", "50", "--api-key", secret)
+    pool = workers(sim.url, SGLANG_API_KEY=secret)
+    pool.start("w0")
+    out = tmp_path / "out"
+    res = produce([str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "100", "--max-samples", "10",
+                   "--out", str(out)], redis_url)
+    assert res.returncode == 0, res.stderr
+    assert len(check_exact(r, out, "agent_traces")) == 10  # the key was accepted by the server
+    for key in r.scan_iter(count=1000):  # nothing in Redis holds the key, in any value
+        kind = r.type(key)
+        blob = repr({b"string": lambda: r.get(key), b"hash": lambda: r.hgetall(key),
+                     b"list": lambda: r.lrange(key, 0, -1), b"set": lambda: r.smembers(key),
+                     b"zset": lambda: r.zrange(key, 0, -1), b"stream": lambda: r.xrange(key)}[kind]())
+        assert secret not in blob, key
+    assert secret not in res.stdout + res.stderr
+    assert secret not in pool.log("w0")
+    assert os.environ.get("SGLANG_API_KEY") != secret
