@@ -229,6 +229,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
                          max_samples=max_samples, sampling_params=_sampling_params(max_tokens, temperature, top_p,
                                                                                    top_k, seed),
                          chat_template_kwargs=kwargs, skip_invalid=skip_invalid, echo=echo, mapping=mapping,
+                         show_progress=not quiet and sys.stderr.isatty(),
                          warn=lambda msg: click.echo(msg, err=True))
     names = {p.name for p in inputs.prepared}
     unknown = sorted((set(named) | set(named_modes)) - names)

@@ -62,7 +62,8 @@ def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_
 
 
 def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_context: int,
-            max_samples: int | None, skip_invalid: bool = False) -> Prepared:
+            max_samples: int | None, skip_invalid: bool = False,
+            progress: Callable[[int], None] | None = None) -> Prepared:
     prepared = Prepared(read.name, read.path, [], {}, {}, list(read.invalid), list(read.duplicates))
     batch = 256
     samples = read.samples
@@ -72,6 +73,8 @@ def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_contex
             break
         part = samples[start:start + batch]
         rendered = _render_part(read, renderer, part, skip_invalid, prepared.invalid)
+        if progress is not None:
+            progress(len(part))
         for i, (sample, out) in enumerate(rendered):
             if max_samples is not None and len(prepared.samples) >= max_samples:
                 prepared.beyond_max_samples += len(part) - i
@@ -139,7 +142,7 @@ class Inputs:
 def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_context: int | None,
                 max_samples: int | None, sampling_params: dict[str, Any], chat_template_kwargs: dict[str, Any],
                 skip_invalid: bool, echo: Callable[[str], None], warn: Callable[[str], None],
-                mapping: FieldMapping | None = None) -> Inputs:
+                mapping: FieldMapping | None = None, show_progress: bool = False) -> Inputs:
     """Read, validate and render every file. Raises ProduceError (exit 2) on any input problem."""
     from producer.reader import InputError, read_all
     from producer.render import default_max_context, load_tokenizer
@@ -162,11 +165,15 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
         max_context = default_max_context(tok)
         if max_context is None:
             raise input_error("the tokenizer has no sane model_max_length: give --max-context")
+    bar = _progress_bar(sum(len(r.samples) for r in reads), "rendering", show=show_progress)
     try:
         prepared = [prepare(r, renderer, max_tokens=max_tokens, max_context=max_context,
-                            max_samples=max_samples, skip_invalid=skip_invalid) for r in reads]
+                            max_samples=max_samples, skip_invalid=skip_invalid, progress=bar.update)
+                    for r in reads]
     except RenderError as exc:
         raise input_error(str(exc)) from None
+    finally:
+        bar.close()
     for p in prepared:
         for problem in p.over_context:
             echo(f"skipped {problem}")
@@ -175,3 +182,19 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
     settings = run_settings(renderer, sampling_params, chat_template_kwargs,
                             mapping.system_prompt if mapping else None)
     return Inputs(prepared, renderer, sampling_params, settings, chat_template_kwargs)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, what: str, *, show: bool) -> Any:
+    """A tqdm bar on stderr for long renders (100k prompts take a minute); nothing when not shown."""
+    if not show:
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, desc=what, unit=" prompts", leave=False, mininterval=0.5)

@@ -1,0 +1,170 @@
+"""``produce metrics``: every dataset's budget state as Prometheus text over HTTP, read-only.
+
+Each scrape reads Redis afresh (``producer.status.all_status`` plus the length of the shared RQ queue), so the
+exporter holds no state: it can run anywhere that reaches Redis, several of them can run at once, and it needs no
+attached ``produce``. It binds 127.0.0.1 by default: the figures name the datasets and their progress, so expose
+it to a Prometheus on another host on purpose (``--host``), never by accident.
+
+Every figure is a gauge, ``used`` included: ``--new-run`` and the reconciliation of a rerun can lower it, and a
+Prometheus counter must never go down. A Redis that does not answer is reported as ``budgetq_redis_up 0`` in a
+successful scrape (the exporter itself is fine), so one alert on that metric covers it.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+import redis
+
+from budget import keys
+from producer.status import DatasetStatus, all_status
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 9464
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus text exposition format 0.0.4
+REDIS_UP_HELP = "1 if Redis answered this scrape, 0 if not."
+
+
+@dataclass(frozen=True)
+class Gauge:
+    """One per-dataset metric family: its name, help text and how to read it from a dataset's status
+    (``None``: no sample for that dataset, e.g. the budget of an unlimited one)."""
+
+    name: str
+    help: str
+    read: Callable[[DatasetStatus], float | int | None]
+
+
+PER_DATASET: tuple[Gauge, ...] = (
+    Gauge("budgetq_budget_tokens", "Completion-token budget of the dataset (no sample: unlimited).",
+          lambda s: s.budget),
+    Gauge("budgetq_used_tokens", "Completion tokens committed: the budget counter.", lambda s: s.used),
+    Gauge("budgetq_reserved_tokens", "Tokens reserved by requests in flight (predict: expected length; "
+          "strict: max_new_tokens each; drain: 0).", lambda s: s.reserved),
+    Gauge("budgetq_in_flight_requests", "Requests running on SGLang now.", lambda s: s.in_flight),
+    Gauge("budgetq_done_samples", "Samples with a committed response.", lambda s: s.done),
+    Gauge("budgetq_selected_samples", "Samples selected for the run (no sample: not recorded).",
+          lambda s: s.selected),
+    Gauge("budgetq_failed_samples", "Samples whose every attempt failed (they go to failed.jsonl).",
+          lambda s: s.failed),
+    Gauge("budgetq_discarded_samples", "Samples of a closed dataset that will not run (budget reached).",
+          lambda s: s.discarded),
+    Gauge("budgetq_discarded_chunks", "Chunk jobs canceled because the dataset closed.", lambda s: s.discarded_chunks),
+    Gauge("budgetq_queued_chunks", "Chunk jobs of the dataset waiting in the RQ queue.", lambda s: s.queued_chunks),
+    Gauge("budgetq_unwritten_results", "Committed results in Redis not yet written to disk by produce.",
+          lambda s: s.unwritten),
+    Gauge("budgetq_late_commits", "Responses committed after their chunk had lost its lease (kept, counted).",
+          lambda s: s.late),
+    Gauge("budgetq_completion_tokens_per_second", "Completion tokens committed per second over the last full "
+          "minute (10-second buckets; the running bucket is left out).", lambda s: s.tokens_per_s),
+    Gauge("budgetq_open", "1 while the dataset admits requests, 0 once it is closed.",
+          lambda s: 1 if s.status == "open" else 0),
+)
+
+
+def _label(value: str) -> str:
+    """A label value escaped as the text format requires (dataset names are already [A-Za-z0-9_-])."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float | int) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+def _family(lines: list[str], name: str, help_text: str, samples: list[tuple[str, float | int]]) -> None:
+    lines.append(f"# HELP {name} {help_text}")
+    lines.append(f"# TYPE {name} gauge")
+    lines.extend(f"{name}{labels} {_number(value)}" for labels, value in samples)
+
+
+def render_metrics(client: "redis.Redis") -> str:
+    """The Prometheus text of every dataset in this Redis, plus the shared queue and Redis' own health."""
+    started = time.monotonic()
+    lines: list[str] = []
+    try:
+        rows = all_status(client)
+        queue_length = int(client.llen(keys.RQ_QUEUE))
+    except redis.RedisError:
+        _family(lines, "budgetq_redis_up", REDIS_UP_HELP, [("", 0)])
+        return "\n".join(lines) + "\n"
+    _family(lines, "budgetq_redis_up", REDIS_UP_HELP, [("", 1)])
+    _family(lines, "budgetq_queue_length", "Jobs waiting in the shared RQ queue (every dataset's chunks).",
+            [(f'{{queue="{_label(keys.QUEUE_NAME)}"}}', queue_length)])
+    _family(lines, "budgetq_datasets", "Datasets known to this Redis.", [("", len(rows))])
+    _family(lines, "budgetq_dataset_info", "Always 1; the labels give the dataset's budget mode and status.",
+            [(f'{{dataset="{_label(r.name)}",mode="{_label(r.mode)}",status="{_label(r.status)}"}}', 1)
+             for r in rows])
+    for gauge in PER_DATASET:
+        samples = [(f'{{dataset="{_label(r.name)}"}}', value) for r in rows
+                   if (value := gauge.read(r)) is not None]
+        _family(lines, gauge.name, gauge.help, samples)
+    _family(lines, "budgetq_responses", "Committed responses by finish reason (length: cut at max_new_tokens).",
+            [(f'{{dataset="{_label(r.name)}",finish_reason="{reason}"}}', count) for r in rows
+             for reason, count in (("stop", r.finish_stop), ("length", r.finish_length))])
+    _family(lines, "budgetq_scrape_duration_seconds", "Time this scrape took to read Redis.",
+            [("", round(time.monotonic() - started, 6))])
+    return "\n".join(lines) + "\n"
+
+
+class MetricsServer(ThreadingHTTPServer):
+    """Serves ``GET /metrics``; one thread per request, all sharing the (thread-safe) Redis client."""
+
+    daemon_threads = True
+
+    def __init__(self, client: "redis.Redis", address: tuple[str, int]) -> None:
+        self.client = client
+        super().__init__(address, _Handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: MetricsServer
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            self._send(200, CONTENT_TYPE, render_metrics(self.server.client))
+        elif path == "/":
+            self._send(200, "text/plain; charset=utf-8", "budgetq metrics: GET /metrics\n")
+        else:
+            self._send(404, "text/plain; charset=utf-8", "not found: GET /metrics\n")
+
+    def _send(self, status: int, content_type: str, body: str) -> None:
+        data = body.encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # a scrape every 15 s would flood stderr; errors reach the scraper as budgetq_redis_up 0
+
+
+def make_server(client: "redis.Redis", host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> MetricsServer:
+    """Bind the exporter (``port=0``: any free port, see ``server_address``) without serving yet."""
+    return MetricsServer(client, (host, port))
+
+
+def serve_metrics(client: "redis.Redis", host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                  on_ready: Callable[[MetricsServer], None] | None = None) -> None:
+    """Serve ``http://HOST:PORT/metrics`` until ``shutdown()`` or an interrupt (KeyboardInterrupt propagates).
+
+    ``on_ready`` gets the bound server (its ``server_address``, e.g. to print it) before serving starts."""
+    server = make_server(client, host, port)
+    try:
+        if on_ready is not None:
+            on_ready(server)
+        server.serve_forever()
+    finally:
+        server.server_close()
