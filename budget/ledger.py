@@ -18,6 +18,9 @@ from budget import keys, scripts
 #: expires only when its worker stopped refreshing (killed, frozen, cut off from Redis) for this long.
 LEASE_MS = 20_000
 
+#: How long a discarded (canceled) chunk stays visible in rq-dashboard before its job hash expires.
+DISCARDED_TTL_S = 7 * 24 * 3600
+
 
 MODES = ("drain", "predict", "strict")
 
@@ -161,10 +164,10 @@ class Ledger:
         k = keys.DatasetKeys(name)
         return [_s(x) for x in self._reclaim(keys=[k.chunks, k.resv, k.inflight, k.progress])]
 
-    def discard(self, name: str, reason: str) -> int:
+    def discard(self, name: str, reason: str, keep_s: int = DISCARDED_TTL_S) -> int:
         k = keys.DatasetKeys(name)
         return int(self._discard(keys=[k.meta, k.chunks, keys.RQ_QUEUE, keys.RQ_CANCELED],
-                                 args=[keys.RQ_JOB_PREFIX, reason]))
+                                 args=[keys.RQ_JOB_PREFIX, reason, keep_s]))
 
     def acquire_lock(self, key: str, token: str, ttl_ms: int) -> bool:
         return bool(self.r.set(key, token, nx=True, px=ttl_ms))

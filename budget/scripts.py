@@ -209,7 +209,8 @@ return 1
 DISCARD = """
 -- discard: remove a closed dataset's queued chunks from the shared RQ queue so no worker can take them.
 -- KEYS[1] meta hash, KEYS[2] chunks zset, KEYS[3] RQ queue list, KEYS[4] RQ canceled registry zset
--- ARGV[1] RQ job key prefix, ARGV[2] reason
+-- ARGV[1] RQ job key prefix, ARGV[2] reason, ARGV[3] seconds the canceled job hashes are kept (RQ never cleans
+-- its canceled registry: without a TTL a discarded chunk's prompts would stay in Redis for good)
 -- returns the number of chunks discarded (0 when run again: safe to repeat)
 -- Queued chunks are the live ones with score +inf. Their ids leave the list in one pass (LRANGE, filter,
 -- rewrite: O(queue length), not one LREM per chunk), their job hashes are marked canceled with the reason
@@ -241,6 +242,7 @@ for _, id in ipairs(ids) do
   if redis.call('EXISTS', key) == 1 then
     local desc = redis.call('HGET', key, 'description') or id
     redis.call('HSET', key, 'status', 'canceled', 'description', desc .. ' [discarded: ' .. ARGV[2] .. ']')
+    redis.call('EXPIRE', key, tonumber(ARGV[3] or '604800'))
     redis.call('ZADD', KEYS[4], now, id)
   end
 end

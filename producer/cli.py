@@ -344,6 +344,32 @@ def budget_cmd(name: str, amount: str, redis_url: str) -> None:
                f"{status}" + (f", {discarded} queued chunks discarded" if discarded else ""))
 
 
+@main.command("metrics", help="Serve every dataset's budget, usage and progress as Prometheus metrics at "
+              "http://HOST:PORT/metrics, read from Redis at each scrape, until Ctrl-C. Binds 127.0.0.1 unless "
+              "--host says otherwise.\n\n"
+              "\b\nExample:\n  produce metrics --port 9464 --redis-url redis://redis-host:6379/0")
+@redis_url_option
+@opt("--host", envvar="BUDGETQ_METRICS_HOST", default="127.0.0.1", show_default=True,
+     help="Address to listen on; another than loopback exposes the dataset names and progress to that network.")
+@opt("--port", type=click.IntRange(0, 65535), envvar="BUDGETQ_METRICS_PORT", default=9464, show_default=True,
+     help="TCP port to listen on (0: any free one, printed at start).")
+def metrics_cmd(redis_url: str, host: str, port: int) -> None:
+    from producer.metrics import MetricsServer, serve_metrics
+    client = _connect(redis_url)
+
+    def ready(server: MetricsServer) -> None:
+        bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
+        click.echo(f"serving http://{bound_host}:{bound_port}/metrics (Redis {_safe_url(redis_url)}); Ctrl-C stops",
+                   err=True)
+
+    try:
+        serve_metrics(client, host=host, port=port, on_ready=ready)
+    except OSError as exc:
+        raise RuntimeProblem(f"cannot listen on {host}:{port}: {exc}") from None
+    except KeyboardInterrupt:
+        return
+
+
 @main.command("export", help="Write the collected results of datasets NAMES as training conversations (ShareGPT or OpenAI "
               "messages) with the regenerated assistant turn, plus OUT/<dataset>/manifest.json.\n\n"
               "\b\nExample:\n  produce export B1_glaive --out out/ --format sharegpt --dest train/b1.jsonl")

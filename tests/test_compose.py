@@ -4,12 +4,15 @@ No Docker engine is needed: the compose file is read with PyYAML and checked for
 (loopback-only ports, dashboard auth + JSON serializer, durable non-evicting Redis, graceful worker stops),
 and every command a service runs is checked against this project: the console scripts exist, the flags are
 ones the real CLIs (rq, rq-dashboard, sglang-sim) accept, and the worker class and settings import.
-`docker compose config` also runs where a compose plugin is installed, and is skipped elsewhere.
+The file is also validated against the compose-spec JSON schema (tests/fixtures/compose-spec.json) where
+jsonschema is installed. `docker compose config` also runs where a compose plugin is installed, and is skipped
+elsewhere.
 """
 from __future__ import annotations
 
 import base64
 import configparser
+import copy
 import importlib
 import importlib.metadata
 import json
@@ -31,6 +34,9 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 SETUP_CFG = ROOT / "setup.cfg"
 DEPLOYMENT_DOC = ROOT / "docs" / "deployment.md"
+#: The compose-spec JSON schema (Apache-2.0, tests/fixtures/LICENSE.compose-spec), as vendored by the
+#: check-jsonschema package (check_jsonschema/builtin_schemas/vendor/compose-spec.json, 0.39.0).
+COMPOSE_SCHEMA = ROOT / "tests" / "fixtures" / "compose-spec.json"
 
 WORKER_ARGV = ["rq", "worker", "-w", "worker.Worker", "-c", "worker.settings"]
 OUR_IMAGE_SERVICES = ("dashboard", "sim", "worker", "produce")
@@ -512,6 +518,34 @@ def test_dockerignore_sends_only_the_source() -> None:
             assert not dockerignore_excludes(needed), f"{needed} must reach the build"
     for data_file in sorted((ROOT / "demo" / "data").glob("*.jsonl")):
         assert not dockerignore_excludes(str(data_file.relative_to(ROOT))), "package_data reaches the build"
+
+
+# ------------------------------------------------------------------------------- compose-spec schema
+
+def _schema_errors(document: Any) -> list[str]:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads(COMPOSE_SCHEMA.read_text(encoding="utf-8"))
+    validator_cls = jsonschema.validators.validator_for(schema)
+    validator_cls.check_schema(schema)
+    errors = validator_cls(schema).iter_errors(document)
+    return sorted(f"{'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in errors)
+
+
+def test_compose_file_validates_against_the_compose_spec_schema(compose: dict[str, Any]) -> None:
+    """What `docker compose config` checks first, without Docker: every key is one the compose spec knows,
+    with a value of the right shape (`depends_on: required`, `deploy.resources`, `x-` extensions, ...)."""
+    errors = _schema_errors(compose)
+    assert not errors, "docker-compose.yml does not follow the compose spec:\n  " + "\n  ".join(errors)
+
+
+def test_the_compose_schema_catches_typos_and_bad_values(compose: dict[str, Any]) -> None:
+    """The schema check has teeth: a misspelt key and an unknown depends_on condition are both reported."""
+    broken = copy.deepcopy(compose)
+    broken["services"]["worker"]["stop_grace_periode"] = "10m"
+    broken["services"]["dashboard"]["depends_on"]["redis"]["condition"] = "service_ready"
+    errors = "\n".join(_schema_errors(broken))
+    assert "services/worker:" in errors and "stop_grace_periode" in errors
+    assert "services/dashboard/depends_on:" in errors
 
 
 # ----------------------------------------------------------------------------------------- docs

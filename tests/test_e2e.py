@@ -1,6 +1,7 @@
 """End to end on real parts: produce (CLI subprocess) -> Redis -> rq worker subprocesses -> sglang-sim over HTTP."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -68,6 +69,10 @@ def test_budget_hit_and_unbudgeted_complete(redis_url: str, r: "redis.Redis", to
     stats = sim_stats(sim.url)
     assert stats["completed"] == len(code) + len(glaive)
     assert stats["aborted"] == 0
+    # Each chunk's RQ job carries its final progress in meta, as rq-dashboard shows it.
+    metas = [json.loads(r.hget(key, "meta") or b"{}") for key in r.scan_iter("rq:job:bq-glaive_fc-*")]
+    assert metas and all(m.get("state") == "done" for m in metas)
+    assert sum(m["committed"] for m in metas) == r.hlen(keys.DatasetKeys("glaive_fc").done)
     # Nothing of the closed dataset is left in the queue or live.
     assert not [j for j in r.lrange(keys.RQ_QUEUE, 0, -1) if b"code_instruct" in j]
     assert r.zcard(keys.DatasetKeys("code_instruct").chunks) == 0

@@ -22,6 +22,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
+from rq.serializers import JSONSerializer
+
+from budget import keys
 from budget.ledger import LEASE_MS, REDIS_DOWN, Admission, Admit, Ledger
 from budget.payload import ChunkPayload, SamplePayload
 from worker.chunk import CLOSE_REASON, ChunkReport, generate_sample, result_record
@@ -32,6 +35,9 @@ from worker.sglang import GenerateError, SGLangClient
 log = logging.getLogger("budgetq.worker")
 
 T = TypeVar("T")
+
+#: How often a running chunk's progress is copied into its RQ job's meta, where rq-dashboard's job page shows it.
+META_INTERVAL_S = 5.0
 
 
 @dataclass
@@ -80,6 +86,21 @@ class RunningChunk:
         self.tasks: set[asyncio.Task[None]] = set()
         self.lost = asyncio.Event()
         self.lease: asyncio.Task[None] | None = None
+        self.started = 0  # requests started (admitted and sent)
+        self.meta_at = 0.0  # monotonic time of the last progress write to the RQ job's meta
+
+    def meta(self, state: str) -> dict[str, Any]:
+        """The RQ job's meta: what the producer wrote at enqueue (dataset, samples, first, last) plus progress.
+        ``state``: running (requests may still start or run), done (last request committed), interrupted (the
+        worker's code or shutdown cut it short: the lease lapses and the producer re-enqueues the rest), or
+        revoked/closed (given back at its start: reclaimed, discarded, or its dataset closed)."""
+        samples, r = self.chunk["samples"], self.report
+        return {"dataset": self.dataset, "samples": len(samples),
+                "first": samples[0]["id"] if samples else None, "last": samples[-1]["id"] if samples else None,
+                "state": state, "started": self.started, "in_flight": len(self.flights), "committed": r.committed,
+                "failed": r.failed, "skipped": r.skipped, "not_started": r.not_started, "tokens": r.tokens,
+                "stop_reason": None if r.status == "ok" else r.status,
+                "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 class Dispatcher:
@@ -125,8 +146,10 @@ class Dispatcher:
         if started != "ok":
             rc.report.status = started
             rc.report.not_started = len(chunk["samples"])
+            self._write_meta(rc, started)
             return rc.report
         self.running[rc.id] = rc
+        self._write_meta(rc, "running")
         rc.lease = asyncio.create_task(self._keep_lease(rc))
         try:
             await self._start_all(rc)
@@ -181,6 +204,7 @@ class Dispatcher:
                 return
             flight = Flight(time.monotonic(), admission.reserved)
             rc.flights[sample["id"]] = flight
+            rc.started += 1
             task = asyncio.create_task(self._run_one(rc, sample, flight))
             rc.tasks.add(task)
             task.add_done_callback(rc.tasks.discard)
@@ -243,6 +267,22 @@ class Dispatcher:
         self.running.pop(rc.id, None)
         if not cancelled:
             await self._redis("finish", self.ledger.finish_chunk, rc.dataset, rc.id)
+        self._write_meta(rc, "interrupted" if cancelled else "done")
+
+    def _write_meta(self, rc: RunningChunk, state: str) -> None:
+        """Copy the chunk's progress into its RQ job's ``meta`` field (JSON, as RQ's JSONSerializer writes it).
+
+        Only that one field is written, and RQ never clobbers it: on success it saves the job with
+        ``include_meta=False``. The job hash must still exist: an HSET on an expired or deleted job would leave a
+        stub hash without a TTL. Best effort: the figures are for people (rq-dashboard's job page); the budget
+        and liveness never read them, so a Redis error is logged and the next write catches up."""
+        key = keys.rq_job_key(rc.id)
+        try:
+            if self.ledger.r.exists(key):
+                self.ledger.r.hset(key, "meta", JSONSerializer.dumps(rc.meta(state)))
+            rc.meta_at = time.monotonic()
+        except Exception as exc:
+            log.debug("progress of %s not written to its job meta: %s", rc.id, exc)
 
     async def _keep_lease(self, rc: RunningChunk) -> None:
         """Refresh the lease every LEASE_MS/4 and, in predict mode, grow running requests' reservations every
@@ -276,6 +316,8 @@ class Dispatcher:
                 log.warning("chunk %s was reclaimed or discarded: starting nothing more of it", rc.id)
                 rc.lost.set()
                 return
+            if now - rc.meta_at >= META_INTERVAL_S:
+                self._write_meta(rc, "running")
 
     # -- shutdown ---------------------------------------------------------------------------------------
     async def drain(self) -> None:
