@@ -237,14 +237,20 @@ local now = tonumber(t[1])
 for i = 1, #ids, 1000 do
   redis.call('ZREM', KEYS[2], unpack(ids, i, math.min(i + 999, #ids)))
 end
+local keep_s = tonumber(ARGV[3] or '604800')
+local canceled = {}
 for _, id in ipairs(ids) do
   local key = ARGV[1] .. id
-  if redis.call('EXISTS', key) == 1 then
-    local desc = redis.call('HGET', key, 'description') or id
+  local desc = redis.call('HGET', key, 'description')  -- nil: the job hash is gone, nothing to show
+  if desc then
     redis.call('HSET', key, 'status', 'canceled', 'description', desc .. ' [discarded: ' .. ARGV[2] .. ']')
-    redis.call('EXPIRE', key, tonumber(ARGV[3] or '604800'))
-    redis.call('ZADD', KEYS[4], now, id)
+    redis.call('EXPIRE', key, keep_s)
+    canceled[#canceled + 1] = now
+    canceled[#canceled + 1] = id
   end
+end
+for i = 1, #canceled, 1000 do
+  redis.call('ZADD', KEYS[4], unpack(canceled, i, math.min(i + 999, #canceled)))
 end
 redis.call('HINCRBY', KEYS[1], 'discarded_chunks', #ids)
 return #ids
