@@ -164,6 +164,11 @@ class SGLangClient:
     async def _gate(self) -> tuple[str, bool]:
         """Pick a server to send to now; returns (server, is_probe). Waits while every server is down."""
         while True:
+            now = time.monotonic()
+            for url in self.config.servers:  # a down server whose cooldown is over gets one probe, even while
+                if 0.0 < self.down_until[url] <= now and not self.probing[url]:  # others are healthy
+                    self.probing[url] = True
+                    return url, True
             server = self.pick_server()
             if self.down_until[server] == 0.0:  # closed: healthy
                 return server, False
