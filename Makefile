@@ -1,4 +1,4 @@
-.PHONY: setup install demo test typecheck clean
+.PHONY: setup install demo test typecheck chaos clean
 
 PYTHON ?= python3
 
@@ -20,6 +20,10 @@ test: setup
 
 typecheck:
 	$(PYTHON) -m mypy
+
+# Fault injection, full form (20,000 prompts, 4 workers; heavy: ~30 min). See docs/reliability.md.
+chaos:
+	$(PYTHON) -m bench.chaos --full
 
 clean:
 	rm -rf .demo out .pytest_cache .mypy_cache build

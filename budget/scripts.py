@@ -274,21 +274,29 @@ return ids
 """
 
 RECONCILE = _CLOSE_IF_SPENT + """
--- reconcile: count responses found on disk (raw_responses.jsonl) that Redis does not know (a new Redis, or
--- a rerun after Redis lost data).
+-- reconcile: make the counter agree with the responses on disk (raw_responses.jsonl is the truth for every id
+-- it holds): ids Redis does not know are added and counted (a new Redis, or a rerun after Redis lost data);
+-- ids Redis counted with another length (Redis restored from an older copy, the sample generated again in
+-- between) get the file's length, and the counter moves by the difference.
 -- KEYS[1] meta hash, KEYS[2] used counter, KEYS[3] done hash
 -- ARGV pairs: sample id, completion tokens, ...
--- returns {added, tokens added, used after}
-local added, tokens = 0, 0
+-- returns {added, tokens moved (may be negative), used after}
+local added, delta = 0, 0
 for i = 1, #ARGV, 2 do
-  if redis.call('HSETNX', KEYS[3], ARGV[i], ARGV[i + 1]) == 1 then
+  local n = tonumber(ARGV[i + 1])
+  local old = redis.call('HGET', KEYS[3], ARGV[i])
+  if not old then
+    redis.call('HSET', KEYS[3], ARGV[i], n)
     added = added + 1
-    tokens = tokens + tonumber(ARGV[i + 1])
+    delta = delta + n
+  elseif tonumber(old) ~= n then
+    redis.call('HSET', KEYS[3], ARGV[i], n)
+    delta = delta + n - tonumber(old)
   end
 end
-local used = redis.call('INCRBY', KEYS[2], tokens)
+local used = redis.call('INCRBY', KEYS[2], delta)
 close_if_spent(KEYS[1], used)
-return {added, tokens, used}
+return {added, delta, used}
 """
 
 UNCOMMIT = _CLOSE_IF_SPENT + """

@@ -88,7 +88,9 @@ class ResultsFile:
 
 def collect(client: "redis.Redis", dataset: str, out: ResultsFile,
             messages_for: Callable[[str], Any], batch: int = 1000) -> list[dict[str, Any]]:
-    """Move every committed result of ``dataset`` from its Redis stream into ``out``. Returns the new records."""
+    """Move every committed result of ``dataset`` from its Redis stream into ``out``. Returns the records newly
+    written. Ids read from the stream that were already on disk (a retry after a Redis error between the
+    fsync and the XDEL) are not returned: callers treat ``out.tokens`` as the set of samples done."""
     stream = keys.DatasetKeys(dataset).results
     written: list[dict[str, Any]] = []
     while True:

@@ -343,8 +343,9 @@ class Producer:
         live = self.ledger.live_chunks(d.name)
         messages = d.prepared.messages_by_id
         for rec in collect(self.r, d.name, d.out, lambda sid: messages.get(sid)):
-            d.done.add(rec["id"])
             d.rate.append((time.monotonic(), int(rec["completion_tokens"])))
+        # What is on disk is done, including results a failed collect wrote before Redis could drop them.
+        d.done.update(d.out.tokens.keys() - d.done)
         ended = [cid for cid in d.chunk_samples if cid not in live]
         if ended:
             d.failed = self.ledger.failed(d.name)

@@ -134,3 +134,14 @@ def test_enqueue_batch_is_atomic_with_bookkeeping(r: "redis.Redis") -> None:
     assert job.timeout == JobSettings().job_timeout and job.failure_ttl == JobSettings().failure_ttl
     raw = zlib.decompress(r.hget(keys.rq_job_key(ids[0]), "data"))  # RQ zlib-compresses job data
     assert json.loads(raw)[2][0]["samples"][0]["input_ids"] == [1, 2, 3]  # JSON on the wire, never pickle
+
+
+def test_reconcile_makes_the_file_the_truth_for_ids_it_holds(r: "redis.Redis") -> None:
+    """Redis restored from an older copy re-ran a sample that is on disk with another length: the file wins."""
+    ledger = Ledger(r)
+    ledger.set_budget("ds", None)
+    ledger.commit("ds", "a", 100, {})  # the regenerated response's count, in the restored Redis
+    ledger.commit("ds", "b", 7, {})
+    assert ledger.reconcile("ds", [("a", 40), ("b", 7), ("c", 5)]) == (1, -55)
+    assert ledger.done_ids("ds") == {"a": 40, "b": 7, "c": 5}
+    assert ledger.state("ds").used == 52

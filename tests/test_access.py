@@ -1,0 +1,146 @@
+"""Access: a whole run (two datasets, one closing at its budget, workers stopped with SIGTERM) as a Redis ACL
+user holding only what budgetq needs, and a whole run over TLS (``rediss://``) with a CA made here.
+
+The ACL rules are the ones docs/reliability.md recommends; LEAST_COMMANDS is the explicit command list a run
+uses (rq 3.0 + budgetq, found with MONITOR and ACL LOG), proving nothing else is needed.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import pytest
+import redis
+
+from tests.procs import Workers, read_jsonl, wait_for
+from tests.redis_server import free_port
+from tests.test_e2e import CODE, GLAIVE, check_exact, produce
+
+PASSWORD = "budgetq-acl-test-pw"
+#: What docs/reliability.md recommends: budgetq's and RQ's keys and channels, every command but the dangerous
+#: ones, plus INFO (rq reads the server version with it; without it rq assumes Redis 5 and dequeues the old way).
+RECOMMENDED = ["~bq:*", "~rq:*", "&rq:*", "+@all", "-@dangerous", "+info"]
+#: Every command a run can send, directly or from the Lua scripts (which run with the caller's permissions),
+#: RQ's paths for failed jobs, worker death and maintenance included (rq 3.0).
+LEAST_COMMANDS = (
+    "auth hello ping select client|setname client|info info "
+    "evalsha script|load multi exec watch unwatch discard "
+    "del exists expire pexpire persist get set incrby time "
+    "hget hset hsetnx hgetall hmget hlen hvals hincrby hincrbyfloat hexists hdel "
+    "lrange lrem rpush lpush lpop blpop lmove blmove llen lpos ltrim "
+    "sadd srem smembers scard "
+    "zadd zrem zcard zcount zscore zrange zrangebyscore zremrangebyscore zremrangebyrank "
+    "xadd xdel xlen xrange xrevrange xread subscribe unsubscribe publish"
+).split()
+LEAST = ["~bq:*", "~rq:*", "&rq:*", "-@all", *(f"+{c}" for c in LEAST_COMMANDS)]
+
+
+def start_redis(workdir: Path, args: Sequence[str], ping: "redis.Redis") -> subprocess.Popen[bytes]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    workdir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--dir", str(workdir), "--appendonly", "yes",
+                             "--save", "", "--maxmemory-policy", "noeviction", *args],
+                            stdout=open(workdir / "redis.log", "wb"), stderr=subprocess.STDOUT)
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"redis-server exited: {(workdir / 'redis.log').read_text()[-500:]}")
+        try:
+            return bool(ping.ping())
+        except redis.ConnectionError:
+            return False
+    wait_for(up, 15, "redis-server")
+    return proc
+
+
+def whole_run(url: str, admin: "redis.Redis", tmp_path: Path, tokenizer_dir: Path, sim_url: str
+              ) -> subprocess.CompletedProcess[str]:
+    """Two datasets through produce and two workers on ``url``; exact output checked with ``admin``."""
+    pool = Workers(url, sim_url, tmp_path, {"BUDGETQ_CONCURRENCY": "8"})
+    out = tmp_path / "out"
+    try:
+        pool.start("w0")
+        pool.start("w1")
+        res = produce([str(GLAIVE), str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "200",
+                       "--chunk-size", "8", "--budget", "code_instruct=3000", "--out", str(out)], url)
+    finally:
+        pool.stop_all()  # SIGTERM: warm shutdown, unregistering through the same connection
+    assert res.returncode == 0, res.stderr
+    assert all(p.returncode == 0 for p in pool.procs), [pool.log(n) for n in ("w0", "w1")]
+    glaive = check_exact(admin, out, "glaive_fc")
+    assert sorted(x["id"] for x in glaive) == sorted({str(x["id"]) for x in read_jsonl(GLAIVE)})
+    assert sum(x["completion_tokens"] for x in check_exact(admin, out, "code_instruct")) >= 3000
+    for name in ("w0", "w1"):
+        assert "Traceback" not in pool.log(name) and "NOPERM" not in pool.log(name), pool.log(name)[-2000:]
+    return res
+
+
+@pytest.mark.parametrize("rules", [RECOMMENDED, LEAST], ids=["recommended", "command-list"])
+def test_whole_run_as_a_least_privilege_acl_user(rules: list[str], tmp_path: Path, tokenizer_dir: Path,
+                                                  sim_factory: Any) -> None:
+    port = free_port()
+    admin = redis.Redis(port=port)  # the default user, only to check the outcome
+    server = start_redis(tmp_path / "redis", ["--port", str(port), "--user", "budgetq", "on", f">{PASSWORD}",
+                                              *rules], admin)
+    try:
+        sim = sim_factory("--time-scale", "20", "--mean-tokens", "100", "--seed", "21")
+        url = f"redis://budgetq:{PASSWORD}@127.0.0.1:{port}/0"
+        user = redis.Redis.from_url(url)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            user.set("elsewhere", "1")  # the rules are in force: no key outside bq:* and rq:*
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            user.flushall()
+        admin.acl_log_reset()
+        res = whole_run(url, admin, tmp_path, tokenizer_dir, sim.url)
+        # produce's preflight cannot read CONFIG as this user: it says so and goes on.
+        assert "cannot check Redis persistence and eviction settings" in res.stderr
+        denied = {e["object"] for e in admin.acl_log(200) if e["username"] == "budgetq"}
+        assert denied == {"config|get"}, denied
+        assert PASSWORD not in res.stdout + res.stderr
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Iterator[Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    d = tmp_path / "tls"
+    d.mkdir()
+
+    def ssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+        "-subj", "/CN=budgetq test CA")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj",
+        "/CN=127.0.0.1")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+        "server.crt", "-days", "1", "-extfile", "san.ext")
+    yield d
+
+
+def test_whole_run_over_tls(certs: Path, tmp_path: Path, tokenizer_dir: Path, sim_factory: Any) -> None:
+    port = free_port()
+    url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={certs / 'ca.crt'}"
+    admin = redis.Redis.from_url(url)
+    server = start_redis(tmp_path / "redis", [
+        "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(certs / "server.crt"),
+        "--tls-key-file", str(certs / "server.key"), "--tls-ca-cert-file", str(certs / "ca.crt"),
+        "--tls-auth-clients", "no"], admin)
+    try:
+        with pytest.raises(redis.ConnectionError):  # no plaintext: the TLS port does not speak it
+            redis.Redis(port=port, socket_timeout=2).ping()
+        with pytest.raises(redis.ConnectionError):  # and the certificate is verified against our CA
+            redis.Redis.from_url(f"rediss://127.0.0.1:{port}/0", socket_timeout=2).ping()
+        sim = sim_factory("--time-scale", "20", "--mean-tokens", "100", "--seed", "22")
+        whole_run(url, admin, tmp_path, tokenizer_dir, sim.url)
+    finally:
+        server.kill()
+        server.wait(10)
