@@ -22,14 +22,16 @@ from pathlib import Path
 from typing import Callable
 
 from bench import chaos_redis, chaos_sglang, chaos_workers
-from bench.chaos_run import SCALES, Ctx, Result, Scale
+from bench.chaos_audit import Result
+from bench.chaos_run import SCALES, Ctx, Scale
 from bench.harness import scratch, write_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 #: name -> (what is injected, the scenario)
 SCENARIOS: dict[str, tuple[str, Callable[[Ctx], Result]]] = {
-    "worker-kill": ("kill -9 a whole worker every 5 s, a replacement started at once", chaos_workers.worker_kill),
+    "worker-kill": ("kill -9 a whole worker every 5 s (ci: 3 s), a replacement started at once",
+                    chaos_workers.worker_kill),
     "worker-restart": ("kill -9 + restart under the same name; a chunk run twice; finished chunks requeued",
                        chaos_workers.worker_restart),
     "sigterm": ("SIGTERM every worker mid-run", chaos_workers.sigterm_all),

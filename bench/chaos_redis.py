@@ -8,8 +8,10 @@ import shutil
 import time
 from typing import Any
 
-from bench.chaos_run import (DATASET, KEYS, ChaosStack, Ctx, Result, Watch, audit, log_files, rounded as _r,
-                             sample_ids, wait_until)
+import redis
+
+from bench.chaos_audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
+from bench.chaos_run import KEYS, ChaosStack, Ctx, Watch, wait_until
 
 #: What a lost Redis connection looks like in rq's own log lines ("found an unhandled exception, quitting",
 #: with the traceback; worker.Worker then waits for Redis and starts its loop again).
@@ -20,7 +22,7 @@ REDIS_DOWN_TB = (r"redis\.exceptions\.(ConnectionError|TimeoutError|BusyLoadingE
 def _done(st: ChaosStack) -> int:
     try:
         return int(st.client().hlen(KEYS + ":done"))
-    except Exception:
+    except redis.RedisError:  # down: being killed or restarted
         return 0
 
 

@@ -10,8 +10,8 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
-from bench.chaos_run import (DATASET, KEYS, Ctx, Result, audit, log_files, read_jsonl, rounded as _r,
-                             sample_ids, wait_until)
+from bench.chaos_audit import DATASET, Result, audit, log_files, read_jsonl, rounded as _r, sample_ids
+from bench.chaos_run import KEYS, Ctx, wait_until
 
 RETRY_AFTER = 2.0
 SETTLE_S = 6.0  # after the mixed faults, before the outage: backoffs run out, the rate is steady again
@@ -21,6 +21,8 @@ FAULTS: dict[str, Any] = {"error_rates": {"503": 0.05, "429": 0.05, "500": 0.05,
 
 
 def sglang_faults(ctx: Ctx) -> Result:
+    """Mixed faults for a while (FAULTS), a few steady seconds, then a full outage; every request logged by the
+    recorder. Checks Retry-After, 400s, hangs, the request rate during the outage and the recovery after it."""
     s = ctx.scale
     res = Result("sglang-faults", s.name)
     timeout = s.request_s + 2  # longer than any healthy request, so only hangs time out

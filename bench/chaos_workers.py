@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import time
 from typing import Any
 
@@ -13,8 +14,8 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from bench.chaos_run import (DATASET, KEYS, QUEUE, ChaosStack, Ctx, Produce, Result, Watch, audit, log_files,
-                             rounded as _r, sample_ids, wait_until)
+from bench.chaos_audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
+from bench.chaos_run import KEYS, QUEUE, ChaosStack, Ctx, Produce, Watch, wait_until
 
 
 def worker_kill(ctx: Ctx) -> Result:
@@ -73,8 +74,8 @@ def worker_restart(ctx: Ctx) -> Result:
         victim.wait(10)
         again = st.add_worker(name)
         try:
-            rc_same = again.wait(30)
-        except Exception:
+            rc_same: int | None = again.wait(30)
+        except subprocess.TimeoutExpired:
             rc_same = None  # still running: rq accepted the name
         log = (st.workdir / f"{name}.log").read_text(errors="replace")
         refused = "There exists an active worker named" in log
@@ -101,7 +102,7 @@ def worker_restart(ctx: Ctx) -> Result:
         before_stats = st.sim_stats()
         before_file = (st.workdir / "out" / DATASET / "raw_responses.jsonl").read_bytes()
         used_before = r.get(KEYS + ":used")
-        finished = [j for j in q.finished_job_registry.get_job_ids()]
+        finished = list(q.finished_job_registry.get_job_ids())
         for jid in finished:
             q.enqueue_job(Job.fetch(jid, connection=r, serializer=JSONSerializer))
         wait_until(lambda: r.llen("rq:queue:" + QUEUE) == 0, 60, "requeued chunks taken")

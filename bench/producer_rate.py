@@ -9,12 +9,14 @@ chat prompts (system + user, user only, and multi-turn), their text cut from the
 
 In one command:
 1. rendering alone: a child process loads the tokenizer and calls ``Renderer.render_many`` on the same
-   conversations in batches of 256, exactly as producer/prepare.py does; only the render calls are timed;
+   conversations in batches of 256, exactly as producer/prepare.py does; only the render calls are timed
+   (wall and CPU); it runs before and after produce, and the baseline is the mean of the two;
 2. produce: ``produce prompts=FILE --tokenizer DIR --max-tokens 4096 --detach`` against a private
    redis-server, timed from process start to exit (interpreter start, imports, reading, validation,
    rendering, Redis checks, enqueue); its peak RSS and CPU come from wait4; Redis ``used_memory`` before and
    after gives the bytes per queued prompt.
-Ratio = produce's prompts/s / rendering's prompts/s.
+Ratio = produce's prompts/s / rendering's prompts/s; also rendering's CPU seconds / produce's CPU seconds (the
+same comparison, less sensitive to other work on the shared machine).
 """
 from __future__ import annotations
 
@@ -108,14 +110,14 @@ def render_only(data: Path, tok: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     renderer = Renderer(load_tokenizer(tok))
     t_load = time.perf_counter() - t0
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     n_tokens = 0
     for i in range(0, len(conversations), 256):
         for r in renderer.render_many(conversations[i:i + 256]):
             n_tokens += len(r.input_ids)
-    t_render = time.perf_counter() - t1
-    return {"prompts": len(conversations), "render_s": t_render, "tokenizer_load_s": t_load,
-            "prompt_tokens": n_tokens, "prompts_per_s": len(conversations) / t_render}
+    t_render, c_render = time.perf_counter() - t1, time.process_time() - c1
+    return {"prompts": len(conversations), "render_s": t_render, "render_cpu_s": c_render,
+            "tokenizer_load_s": t_load, "prompt_tokens": n_tokens, "prompts_per_s": len(conversations) / t_render}
 
 
 def run_child(argv: list[str], env: dict[str, str] | None = None, watch: list[int] | None = None
@@ -241,6 +243,17 @@ def serialization_options(data: Path, tok: Path, chunks: int = 20, size: int = 6
     return out
 
 
+def render_child(data: Path, tok: Path) -> dict[str, Any]:
+    rc, wall, usage, lines, _ = run_child([sys.executable, "-m", "bench.producer_rate", "--render-only", str(data),
+                                           str(tok)])
+    if rc != 0:
+        raise RuntimeError("render-only child failed: " + "\n".join(x for _, x in lines[-20:]))
+    out: dict[str, Any] = json.loads(lines[-1][1].removeprefix("stdout: "))
+    out.update({"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024,
+                "cpu_share_of_render": out["render_cpu_s"] / out["render_s"]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=100_000)
@@ -260,14 +273,8 @@ def main() -> None:
         data = work / "prompts.jsonl"
         ds = write_dataset(data, args.prompts)
         print("dataset", json.dumps(ds), "tokenizer", tok, f"vocab {vocab_size}", f"trained {train_s:.1f}s", flush=True)
-        rc, wall_r, ru_r, lines_r, _ = run_child([sys.executable, "-m", "bench.producer_rate", "--render-only",
-                                                  str(data), str(tok)])
-        if rc != 0:
-            raise RuntimeError("render-only child failed: " + "\n".join(x for _, x in lines_r[-20:]))
-        render = json.loads(lines_r[-1][1].removeprefix("stdout: "))
-        render.update({"wall_s": wall_r, "peak_rss_mb": ru_r.ru_maxrss / 1024,
-                       "cpu_share_of_render": (ru_r.ru_utime + ru_r.ru_stime) / wall_r})
-        print("render", json.dumps(render), flush=True)
+        renders = [render_child(data, tok)]
+        print("render", json.dumps(renders[-1]), flush=True)
         with Stack(work / "stack", workers=0, sim_count=0) as stack:
             r = stack.client()
             mem0 = int(r.info("memory")["used_memory"])
@@ -284,6 +291,8 @@ def main() -> None:
                          if isinstance(sample_job, bytes) else 0)
             ready = next((t for t, x in lines_p if "samples ready" in x), None)
             stack.stop()
+        renders.append(render_child(data, tok))  # again after produce: the machine is shared
+        print("render", json.dumps(renders[-1]), flush=True)
         prof = profile_produce(data, tok, work, args.profile_prompts) if args.profile_prompts else None
         print("profile", json.dumps(prof), flush=True)
         ser = serialization_options(data, tok)
@@ -293,18 +302,29 @@ def main() -> None:
                "s_to_samples_ready": ready, "s_enqueue_after_ready": (wall_p - ready) if ready else None,
                "redis_cpu_share": list(redis_cpu.values())[0] / wall_p, "queued_chunks": queued,
                "redis_bytes_total": mem1 - mem0, "redis_bytes_per_prompt": (mem1 - mem0) / args.prompts,
-               "redis_bytes_per_prompt_token": (mem1 - mem0) / max(1, render["prompt_tokens"]),
+               "redis_bytes_per_prompt_token": (mem1 - mem0) / max(1, renders[0]["prompt_tokens"]),
                "redis_bytes_one_chunk_job": job_bytes, "stderr": [x for _, x in lines_p][-6:]}
+    render = {"prompts_per_s": sum(r["prompts_per_s"] for r in renders) / len(renders),
+              "render_s": sum(r["render_s"] for r in renders) / len(renders),
+              "render_cpu_s": sum(r["render_cpu_s"] for r in renders) / len(renders),
+              "cpu_share_of_render": sum(r["cpu_share_of_render"] for r in renders) / len(renders),
+              "peak_rss_mb": max(r["peak_rss_mb"] for r in renders), "prompt_tokens": renders[0]["prompt_tokens"],
+              "runs": renders}
     ratio = produce["prompts_per_s"] / render["prompts_per_s"]
+    # The same work per CPU second: less sensitive to other work on the machine than wall-clock rates.
+    ratio_cpu = render["render_cpu_s"] / produce["cpu_s"]
     res = {"args": vars(args), "dataset": ds, "tokenizer": {"vocab": vocab_size, "trained_s": train_s},
-           "render_only": render, "produce": produce, "ratio": ratio, "produce_profile": prof,
+           "render_only": render, "produce": produce, "ratio": ratio, "ratio_cpu": ratio_cpu, "produce_profile": prof,
            "serialization": ser}
     save_results("producer_rate", res)
     print("produce", json.dumps(produce), flush=True)
     print("| figure | rendering alone | produce --detach | ratio |\n| --- | --- | --- | --- |")
+    each = " and ".join(f"{r['render_s']:.1f} s" for r in renders)
     print(f"| prompts/s ({args.prompts:,} prompts, {render['prompt_tokens'] / args.prompts:.0f} tokens mean) | "
-          f"{render['prompts_per_s']:,.0f} ({render['render_s']:.1f} s) | {produce['prompts_per_s']:,.0f} "
+          f"{render['prompts_per_s']:,.0f} (before and after produce: {each}) | {produce['prompts_per_s']:,.0f} "
           f"({wall_p:.1f} s: {ready or 0:.1f} s to rendered, then enqueue) | {ratio:.3f} |")
+    print(f"| CPU seconds for the same prompts | {render['render_cpu_s']:.1f} s | {produce['cpu_s']:.1f} s | "
+          f"{ratio_cpu:.3f} |")
     print(f"| CPU share (cores) | render child {render['cpu_share_of_render']:.2f} | "
           f"produce {produce['cpu_share']:.2f}, "
           f"redis {produce['redis_cpu_share']:.2f} | |")

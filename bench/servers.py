@@ -37,7 +37,7 @@ from bench.harness import (CpuMeter, Stack, fmt_cpu, produce_cmd, save_results, 
 
 SPEEDS = (1.0, 0.5)
 
-# A long system prompt shared by every prompt of the dataset (about 1.9K tokens with the demo tokenizer).
+# A long system prompt shared by every prompt of the dataset (about 5K tokens with the demo tokenizer).
 SYSTEM = " ".join(
     f"Rule {i}: when the user asks about topic {i}, first restate the question, then list the assumptions you make, "
     f"then answer step by step, and finish with a one-line summary; never invent facts about item {i * 7 % 101}."
