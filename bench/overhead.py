@@ -107,6 +107,9 @@ def profile(pid: int, seconds: float, out: Path) -> dict[str, Any] | None:
 # What a stack of the request thread is doing: the first category with a matching frame; order matters.
 CATEGORIES = [
     ("idle: waiting for network events (epoll)", ("select (selectors.py", "poll (selectors.py")),
+    ("Redis admit/commit/fail, batched: one pipeline per loop iteration (worker/batch.py)",
+     ("run_many (budget/ledger.py", "admit_call (budget/ledger.py", "commit_call (budget/ledger.py",
+      "fail_call (budget/ledger.py")),
     ("Redis admit (blocking call on the event loop)", ("admit (budget/ledger.py",)),
     ("Redis commit (blocking call on the event loop)", ("commit (budget/ledger.py",)),
     ("Redis other ledger calls (start/finish/refresh/length sample/fail)",
@@ -117,7 +120,7 @@ CATEGORIES = [
     ("result record + reasoning split", ("result_record (worker/chunk.py",)),
     ("asyncio scheduling (tasks, semaphores, futures)", ("_run_once (asyncio/base_events.py",)),
 ]
-SOCKET_LEAVES = ("send_packed_command", "_read_from_socket", "recv", "sendall", "can_read")
+SOCKET_LEAVES = ("send_packed_command", "read_from_socket", "recv", "sendall", "can_read")
 MAIN_CATEGORIES = [
     ("RQ: waiting for the job's samples to start (Runtime.run_chunk)", ("run_chunk (worker/runtime.py",)),
     ("RQ: dequeue (BLMOVE/BLPOP and job fetch)", ("dequeue_job_and_maintain_ttl (rq/",)),
@@ -164,7 +167,8 @@ def summarize(text: str) -> dict[str, Any]:
 
 
 def redis_round_trips(redis_url: str, n: int = 2048, batch: int = 64) -> dict[str, Any]:
-    """admit + commit for n samples: one call at a time (the worker today) vs pipelined ``batch`` at a time."""
+    """admit + commit for n samples: one call at a time (the worker before worker/batch.py) vs ``batch`` at a
+    time in one pipeline (``Ledger.run_many``, what the worker's batcher sends)."""
     from budget.ledger import Ledger
     from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
     out: dict[str, Any] = {"samples": n, "batch": batch}
@@ -189,22 +193,11 @@ def redis_round_trips(redis_url: str, n: int = 2048, batch: int = 64) -> dict[st
                     ledger.admit(name, it.id, cid)
                 for it in items:
                     ledger.commit(name, it.id, 32, {**record, "id": it.id}, chunk=cid)
-        else:
-            from budget import keys
-            k = keys.DatasetKeys(name)
+        else:  # as the worker sends them: a chunk's admissions together, then its commits (worker/batch.py)
             for cid, items in zip(cids, chunks):
-                with client.pipeline(transaction=False) as p:
-                    for it in items:
-                        ledger._admit(keys=[k.meta, k.chunks, k.pending, k.done, k.used, k.resv, k.inflight],
-                                      args=[it.id, cid, 0, 0.0], client=p)
-                    p.execute()
-                with client.pipeline(transaction=False) as p:
-                    for it in items:
-                        body = json.dumps({**record, "id": it.id}, ensure_ascii=False, separators=(",", ":"))
-                        ledger._commit(keys=[k.meta, k.used, k.done, k.pending, k.results, k.failed, k.resv,
-                                             k.inflight, k.lengths, k.stats],
-                                       args=[it.id, 32, body, cid, 0, "stop"], client=p)
-                    p.execute()
+                ledger.run_many([ledger.admit_call(name, it.id, cid) for it in items])
+                ledger.run_many([ledger.commit_call(name, it.id, 32, {**record, "id": it.id}, chunk=cid,
+                                                    finish_reason="stop") for it in items])
         dt = time.perf_counter() - t0
         assert int(client.hget(keys_meta(name), "committed") or 0) == n, "micro benchmark lost commits"
         out[mode] = {"us_per_sample": dt / n * 1e6, "samples_per_s": n / dt}

@@ -8,9 +8,11 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import redis
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 from budget import keys, scripts
 
@@ -26,6 +28,21 @@ MODES = ("drain", "predict", "strict")
 
 #: The errors that mean "Redis is not answering right now" (as opposed to a refused command): worth waiting out.
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One budget script call as a value: run alone (``Ledger.run``) or many in one round trip
+    (``Ledger.run_many``). Building the call and reading its reply are the ledger's; when it is sent is the
+    caller's."""
+
+    script: Script
+    keys: list[str]
+    args: list[Any]
+    parse: Callable[[Any], T]
 
 
 def default_prior_mean(max_new_tokens: int) -> float:
@@ -100,6 +117,34 @@ class DatasetState:
         if self.mode == "strict":
             return self.used + self.reserved + self.max_new_tokens <= self.budget
         return self.used + self.reserved < self.budget
+
+
+def _admission(reply: Any) -> Admission:
+    verdict, reserved = reply
+    return Admission(Admit(int(verdict)), int(reserved))
+
+
+def _commit_outcome(reply: Any) -> CommitOutcome:
+    ok, used, closed, late = reply
+    return CommitOutcome(bool(ok), int(used), bool(closed), bool(late))
+
+
+def _sort_replies(calls: Sequence[Call[Any]], todo: list[int], raw: list[Any], replies: list[Any],
+                  retry: bool) -> list[int]:
+    """Parse a pipeline's replies into ``replies``; return the calls that got NOSCRIPT, to send again."""
+    missing = []
+    for i, reply in zip(todo, raw):
+        if isinstance(reply, NoScriptError) and retry:
+            missing.append(i)
+        elif isinstance(reply, Exception):
+            replies[i] = reply
+        else:
+            replies[i] = calls[i].parse(reply)
+    return missing
+
+
+def _scripts(calls: Sequence[Call[Any]], which: list[int]) -> list[Script]:
+    return list({id(calls[i].script): calls[i].script for i in which}.values())
 
 
 def _s(value: Any) -> str:
@@ -195,25 +240,63 @@ class Ledger:
         self._finish(keys=[k.chunks, k.resv, k.inflight, k.progress], args=[chunk])
 
     def admit(self, name: str, sample: str, chunk: str, expected: int = 0, margin: float = 0.0) -> Admission:
+        return self.run(self.admit_call(name, sample, chunk, expected, margin))
+
+    def admit_call(self, name: str, sample: str, chunk: str, expected: int = 0,
+                   margin: float = 0.0) -> Call[Admission]:
         k = keys.DatasetKeys(name)
-        verdict, reserved = self._admit(keys=[k.meta, k.chunks, k.pending, k.done, k.used, k.resv, k.inflight],
-                                        args=[sample, chunk, int(expected), round(margin, 1)])
-        return Admission(Admit(int(verdict)), int(reserved))
+        return Call(self._admit, [k.meta, k.chunks, k.pending, k.done, k.used, k.resv, k.inflight],
+                    [sample, chunk, int(expected), round(margin, 1)], _admission)
 
     def commit(self, name: str, sample: str, completion_tokens: int, result: dict[str, Any], *,
                chunk: str = "", reserved: int = 0, finish_reason: str | None = None) -> CommitOutcome:
+        return self.run(self.commit_call(name, sample, completion_tokens, result, chunk=chunk, reserved=reserved,
+                                         finish_reason=finish_reason))
+
+    def commit_call(self, name: str, sample: str, completion_tokens: int, result: dict[str, Any], *,
+                    chunk: str = "", reserved: int = 0, finish_reason: str | None = None) -> Call[CommitOutcome]:
         k = keys.DatasetKeys(name)
         body = json.dumps(result, ensure_ascii=False, separators=(",", ":"))
         reason = finish_reason or str(result.get("finish_reason", "unknown"))
-        ok, used, closed, late = self._commit(
-            keys=[k.meta, k.used, k.done, k.pending, k.results, k.failed, k.resv, k.inflight, k.lengths, k.stats],
-            args=[sample, completion_tokens, body, chunk, reserved, reason])
-        return CommitOutcome(bool(ok), int(used), bool(closed), bool(late))
+        return Call(self._commit,
+                    [k.meta, k.used, k.done, k.pending, k.results, k.failed, k.resv, k.inflight, k.lengths, k.stats],
+                    [sample, completion_tokens, body, chunk, reserved, reason], _commit_outcome)
 
     def fail(self, name: str, sample: str, chunk: str, reason: dict[str, Any], reserved: int = 0) -> bool:
+        return self.run(self.fail_call(name, sample, chunk, reason, reserved))
+
+    def fail_call(self, name: str, sample: str, chunk: str, reason: dict[str, Any],
+                  reserved: int = 0) -> Call[bool]:
         k = keys.DatasetKeys(name)
-        return bool(self._fail(keys=[k.done, k.pending, k.failed, k.resv, k.inflight],
-                               args=[sample, chunk, json.dumps(reason, ensure_ascii=False), reserved]))
+        return Call(self._fail, [k.done, k.pending, k.failed, k.resv, k.inflight],
+                    [sample, chunk, json.dumps(reason, ensure_ascii=False), reserved], bool)
+
+    # -- running calls -------------------------------------------------------------------------------
+    def run(self, call: Call[T]) -> T:
+        return call.parse(call.script(keys=call.keys, args=call.args))
+
+    def run_many(self, calls: Sequence[Call[Any]]) -> list[Any]:
+        """Send ``calls`` in one non-transactional pipeline: one round trip instead of len(calls).
+
+        Returns each call's parsed reply, or the exception a call raised (a refused script does not stop the
+        others; each script is atomic on its own, which is all the budget needs). A connection error raises for
+        the whole batch: a caller may resend any of them, because every budget script is idempotent. The
+        pipeline sends plain EVALSHAs, not redis-py's pipeline scripts, which ask SCRIPT EXISTS before every
+        execute (a second round trip); a NOSCRIPT reply (Redis restarted, or SCRIPT FLUSH) means that script did
+        not run, so it is loaded and those calls alone are sent again."""
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in (1, 2):
+            with self.r.pipeline(transaction=False) as p:
+                for i in todo:
+                    p.evalsha(calls[i].script.sha, len(calls[i].keys), *calls[i].keys, *calls[i].args)
+                raw = p.execute(raise_on_error=False)
+            todo = _sort_replies(calls, todo, raw, replies, retry=attempt == 1)
+            if not todo:
+                break
+            for script in _scripts(calls, todo):
+                script.sha = self.r.script_load(script.script)
+        return replies
 
     def length_sample(self, name: str) -> LengthSample:
         """What predict's length model learns from: recent completion lengths, running requests' progress."""

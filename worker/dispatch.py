@@ -10,7 +10,8 @@ live (its lease refreshed, its reservations restated) until its last request is 
 recovery never depended on RQ's job status (see budget/ledger.py).
 
 Flow per sample: ``admit`` (dataset open? chunk still the sample's holder? room in the budget?) ->
-``POST /generate`` with retries -> ``commit`` (exactly-once, counted, result queued for the producer). When a
+``POST /generate`` with retries -> ``commit`` (exactly-once, counted, result queued for the producer). Admits
+and commits of one loop iteration share a Redis round trip (worker/batch.py). When a
 commit closes the dataset, the worker discards the dataset's queued chunks at once; requests in flight finish
 and are committed (GPU work is never thrown away), but no new request of the dataset starts.
 """
@@ -20,13 +21,14 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 from rq.serializers import JSONSerializer
 
 from budget import keys
-from budget.ledger import LEASE_MS, REDIS_DOWN, Admission, Admit, Ledger
+from budget.ledger import LEASE_MS, REDIS_DOWN, Admission, Admit, Call, Ledger
 from budget.payload import ChunkPayload, SamplePayload
+from worker.batch import Batcher
 from worker.chunk import CLOSE_REASON, ChunkReport, generate_sample, result_record
 from worker.config import WorkerConfig
 from worker.estimate import LengthModel, RateTracker
@@ -113,6 +115,7 @@ class Dispatcher:
         self.config = config
         self.heartbeat = heartbeat
         self.budgeting = Budgeting(ledger, refresh_s=5 * config.reserve_interval)
+        self.batcher = Batcher(ledger)
         self.slots = asyncio.Semaphore(config.concurrency)
         self.ended = asyncio.Event()  # set whenever any request of this worker ends
         self.running: dict[str, RunningChunk] = {}
@@ -127,10 +130,20 @@ class Dispatcher:
         """Call the ledger, waiting out a Redis outage. Every budget script is idempotent (a resent commit hits
         the done guard), so retrying is safe, and a response SGLang already produced is worth waiting for:
         the alternative is throwing the GPU work away."""
+        async def once() -> T:
+            return fn(*args, **kwargs)
+        return await self._retry(what, once)
+
+    async def _batched(self, what: str, call: Call[T]) -> T:
+        """``_redis`` for the per-sample calls (admit, commit, fail): sent with the others of this loop
+        iteration in one round trip (worker/batch.py)."""
+        return await self._retry(what, lambda: self.batcher.call(call))
+
+    async def _retry(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
         delay, waited = 0.2, 0.0
         while True:
             try:
-                return fn(*args, **kwargs)
+                return await attempt()
             except REDIS_DOWN as exc:
                 if waited == 0.0 or int(waited) // 30 != int(waited + delay) // 30:
                     log.warning("%s: Redis unavailable (%s); retrying until it is back", what, exc)
@@ -164,55 +177,70 @@ class Dispatcher:
         return rc.report
 
     async def _start_all(self, rc: RunningChunk) -> None:
-        samples = rc.chunk["samples"]
-        i = 0
-        while i < len(samples):
-            sample = samples[i]
+        """Admit and start the chunk's samples as slots free up. Every free slot is filled at once: the
+        admissions go out in one round trip, then the admitted requests start together."""
+        todo = list(reversed(rc.chunk["samples"]))  # a stack: the next sample to start is last
+        while todo:
             await self.slots.acquire()
+            n = 1
+            while n < len(todo) and not self.slots.locked():
+                await self.slots.acquire()  # does not suspend while the semaphore is unlocked
+                n += 1
             if self.stopping:
                 rc.report.status = "stopped"
-                rc.report.not_started = len(samples) - i
-                self.slots.release()
+                rc.report.not_started = len(todo)
+                self._release(n)
                 return
+            batch = [todo.pop() for _ in range(n)]
             if rc.lost.is_set():
-                admission = Admission(Admit.REVOKED, 0)
+                verdicts = [Admission(Admit.REVOKED, 0)] * n
             else:
-                admission = await self._redis(
-                    "admit", self._admit, rc.dataset, sample["id"], rc.id)
-            verdict = admission.verdict
+                expected = self.budgeting.expected(rc.dataset)
+                margin = self.config.predict_margin * self.budgeting.sd(rc.dataset)
+                verdicts = list(await asyncio.gather(*(
+                    self._batched("admit", self.ledger.admit_call(rc.dataset, s["id"], rc.id, expected, margin))
+                    for s in batch)))
+            refused: list[tuple[SamplePayload, Admit]] = []
+            for sample, admission in zip(batch, verdicts):
+                if admission.verdict is Admit.START:
+                    self._launch(rc, sample, admission.reserved)
+                elif admission.verdict is Admit.SKIP:
+                    rc.report.skipped += 1
+                    self.slots.release()
+                else:
+                    refused.append((sample, admission.verdict))
+                    self.slots.release()
+            if not refused:
+                continue
+            # Put the refused samples back in order; what is done next depends on the first refusal.
+            todo.extend(reversed([sample for sample, _ in refused]))
+            verdict = refused[0][1]
             if verdict is Admit.FULL and self._dataset_in_flight(rc.dataset):
                 # The budget is reserved by requests in flight; ours will end and free some: wait for that.
-                self.slots.release()
                 self.ended.clear()
                 try:
                     await asyncio.wait_for(self.ended.wait(), timeout=1.0)
                 except asyncio.TimeoutError:
                     pass
                 continue
-            if verdict is Admit.SKIP:
-                rc.report.skipped += 1
-                self.slots.release()
-                i += 1
-                continue
-            if verdict is not Admit.START:
-                rc.report.status = {Admit.CLOSED: "closed", Admit.FULL: "full"}.get(verdict, "revoked")
-                rc.report.not_started = len(samples) - i
-                self.slots.release()
-                if verdict is Admit.CLOSED:
-                    # strict closes at admission; discard is idempotent
-                    await self._redis("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
-                return
-            flight = Flight(time.monotonic(), admission.reserved)
-            rc.flights[sample["id"]] = flight
-            rc.started += 1
-            task = asyncio.create_task(self._run_one(rc, sample, flight))
-            rc.tasks.add(task)
-            task.add_done_callback(rc.tasks.discard)
-            i += 1
+            rc.report.status = {Admit.CLOSED: "closed", Admit.FULL: "full"}.get(verdict, "revoked")
+            rc.report.not_started = len(todo)
+            if verdict is Admit.CLOSED:
+                # strict closes at admission; discard is idempotent
+                await self._redis("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
+            return
 
-    def _admit(self, dataset: str, sample: str, chunk: str) -> Admission:
-        return self.ledger.admit(dataset, sample, chunk, self.budgeting.expected(dataset),
-                                 self.config.predict_margin * self.budgeting.sd(dataset))
+    def _launch(self, rc: RunningChunk, sample: SamplePayload, reserved: int) -> None:
+        flight = Flight(time.monotonic(), reserved)
+        rc.flights[sample["id"]] = flight
+        rc.started += 1
+        task = asyncio.create_task(self._run_one(rc, sample, flight))
+        rc.tasks.add(task)
+        task.add_done_callback(rc.tasks.discard)
+
+    def _release(self, n: int) -> None:
+        for _ in range(n):
+            self.slots.release()
 
     def _dataset_in_flight(self, dataset: str) -> bool:
         return any(rc.flights for rc in self.running.values() if rc.dataset == dataset)
@@ -226,16 +254,16 @@ class Dispatcher:
                                             rc.chunk["sampling_params"], report)
             except GenerateError as err:
                 report.errors.append(f"{sid}: {err.reason}")
-                if await self._redis("fail", self.ledger.fail, rc.dataset, sid, rc.id,
-                                     {"id": sid, "reason": err.reason, "status": err.status,
-                                      "attempts": err.attempts}, reserved=flight.reserved):
+                if await self._batched("fail", self.ledger.fail_call(
+                        rc.dataset, sid, rc.id, {"id": sid, "reason": err.reason, "status": err.status,
+                                                 "attempts": err.attempts}, reserved=flight.reserved)):
                     report.failed += 1
                 return
             elapsed = time.monotonic() - flight.started
             self.budgeting.rates.observe(gen.completion_tokens, elapsed)
-            outcome = await self._redis("commit", self.ledger.commit, rc.dataset, sid, gen.completion_tokens,
-                                        result_record(rc.dataset, sample, gen, rc.chunk), chunk=rc.id,
-                                        reserved=flight.reserved, finish_reason=gen.finish_reason)
+            outcome = await self._batched("commit", self.ledger.commit_call(
+                rc.dataset, sid, gen.completion_tokens, result_record(rc.dataset, sample, gen, rc.chunk),
+                chunk=rc.id, reserved=flight.reserved, finish_reason=gen.finish_reason))
             if outcome.committed:
                 report.committed += 1
                 report.tokens += gen.completion_tokens

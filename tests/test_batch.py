@@ -1,0 +1,115 @@
+"""Ledger calls in one round trip (budget/ledger.py run_many, worker/batch.py) on a real redis-server."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from budget import keys
+from budget.ledger import Admit, CommitOutcome, Ledger
+from worker.batch import Batcher
+
+
+def test_run_many_gives_each_call_its_own_reply(r: "redis.Redis") -> None:
+    ledger = Ledger(r)
+    ledger.set_budget("ds", 20)
+    calls = [ledger.commit_call("ds", f"s{i}", 8, {"id": f"s{i}"}) for i in range(3)]
+    calls.append(ledger.commit_call("ds", "s0", 8, {"id": "s0"}))  # a resend in the same batch
+    outcomes = ledger.run_many(calls)
+    assert [o.committed for o in outcomes] == [True, True, True, False]
+    assert [o.closed_now for o in outcomes] == [False, False, True, False]
+    assert int(r.get(keys.DatasetKeys("ds").used) or 0) == 24
+
+
+def test_run_many_a_refused_call_does_not_stop_the_others(r: "redis.Redis") -> None:
+    ledger = Ledger(r)
+    ledger.set_budget("ds", None)
+    r.set(keys.DatasetKeys("bad").used, "not a number")  # INCRBY on it fails inside the script
+    replies = ledger.run_many([ledger.commit_call("ds", "a", 5, {}), ledger.commit_call("bad", "b", 5, {}),
+                               ledger.commit_call("ds", "c", 5, {})])
+    assert isinstance(replies[0], CommitOutcome) and replies[0].committed
+    assert isinstance(replies[1], redis.ResponseError)
+    assert isinstance(replies[2], CommitOutcome) and replies[2].used == 10
+
+
+def test_run_many_reloads_scripts_redis_forgot(r: "redis.Redis") -> None:
+    """After a Redis restart (or SCRIPT FLUSH) every EVALSHA gets NOSCRIPT: the scripts are loaded and the
+    calls sent again, each running exactly once."""
+    ledger = Ledger(r)
+    ledger.set_budget("ds", None)
+    r.hset(keys.DatasetKeys("ds").pending, "f", "c1")  # chunk c1 holds sample f, so its failure is recorded
+    r.script_flush()  # our own session server (tests/conftest.py)
+    outcomes = ledger.run_many([ledger.commit_call("ds", f"s{i}", 3, {}) for i in range(4)]
+                               + [ledger.fail_call("ds", "f", "c1", {"reason": "x"})])
+    assert [o.committed for o in outcomes[:4]] == [True] * 4
+    assert outcomes[4] is True
+    k = keys.DatasetKeys("ds")
+    assert int(r.get(k.used) or 0) == 12 and r.xlen(k.results) == 4 and r.hlen(k.failed) == 1
+
+
+def test_batcher_sends_calls_of_one_loop_iteration_together(r: "redis.Redis") -> None:
+    ledger = Ledger(r)
+    ledger.set_budget("ds", 1000)
+
+    async def main() -> tuple[list[CommitOutcome], Batcher]:
+        batcher = Batcher(ledger)
+        outcomes = await asyncio.gather(*(batcher.call(ledger.commit_call("ds", f"s{i}", 10, {}))
+                                          for i in range(50)))
+        return list(outcomes), batcher
+
+    outcomes, batcher = asyncio.run(main())
+    assert all(o.committed for o in outcomes)
+    assert sorted(o.used for o in outcomes) == list(range(10, 501, 10))
+    assert (batcher.batches, batcher.calls) == (1, 50)
+
+
+def test_batcher_caps_a_batch(r: "redis.Redis") -> None:
+    ledger = Ledger(r)
+    ledger.set_budget("ds", None)
+
+    async def main() -> Batcher:
+        batcher = Batcher(ledger, max_batch=8)
+        await asyncio.gather(*(batcher.call(ledger.commit_call("ds", f"s{i}", 1, {})) for i in range(20)))
+        return batcher
+
+    batcher = asyncio.run(main())
+    assert (batcher.batches, batcher.calls) == (3, 20)
+    assert int(r.get(keys.DatasetKeys("ds").used) or 0) == 20
+
+
+def test_batcher_hands_a_connection_error_to_every_caller(redis_url: str) -> None:
+    """The dispatcher retries on REDIS_DOWN (worker/dispatch.py ``_retry``); it must see the error, not hang."""
+    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)  # nothing listens on port 1
+    ledger = Ledger(dead)
+
+    async def main() -> list[object]:
+        batcher = Batcher(ledger)
+        return list(await asyncio.gather(
+            *(batcher.call(ledger.admit_call("ds", f"s{i}", "c")) for i in range(3)), return_exceptions=True))
+    
+    results = asyncio.run(main())
+    assert len(results) == 3 and all(isinstance(e, redis.ConnectionError) for e in results)
+
+
+def test_admissions_in_one_batch_match_one_by_one(r: "redis.Redis") -> None:
+    """A strict budget with room for exactly two requests: of five admissions sent together, the first two
+    start and the rest are refused, as when sent one at a time."""
+    from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+    ledger = Ledger(r)
+    ledger.set_budget("ds", 20)
+    ledger.set_mode("ds", "strict", 10)
+    [cid] = enqueue_chunks(r, make_queue(r), "ds", [[Item(f"s{i}", [1], False) for i in range(5)]],
+                           sampling_params={"max_new_tokens": 10}, think=None, settings=JobSettings())
+    assert ledger.start_chunk("ds", cid) == "ok"
+    verdicts = ledger.run_many([ledger.admit_call("ds", f"s{i}", cid) for i in range(5)])
+    assert [v.verdict for v in verdicts] == [Admit.START, Admit.START, Admit.FULL, Admit.FULL, Admit.FULL]
+    assert ledger.state("ds").reserved == 20
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_run_many_of_a_single_or_few_calls(r: "redis.Redis", n: int) -> None:
+    ledger = Ledger(r)
+    ledger.set_budget("ds", None)
+    assert len(ledger.run_many([ledger.commit_call("ds", f"s{i}", 1, {}) for i in range(n)])) == n
+    assert ledger.run_many([]) == []
