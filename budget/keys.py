@@ -9,6 +9,8 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | --------------------------- | ------ | ------------------------ | ------------------------------------------------- |
 | ``bq:datasets``             | set    | producer                 | every dataset name known to this Redis            |
 | ``bq:epoch``                | string | producer                 | this Redis' lifetime id (lost state detection)    |
+| ``bq:server_info``          | hash   | worker (serverinfo)      | "host url" -> JSON: SGLang's /get_server_info,    |
+|                             |        |                          | SERVER_INFO_KEYS only; expires with the workers   |
 | ``bq:ds:{n}``               | hash   | producer, scripts        | budget, status (open/closed), run fingerprint,    |
 |                             |        |                          | request settings, counters (committed, ...)       |
 | ``bq:ds:{n}:used``          | string | ``commit`` script        | completion tokens committed: THE budget counter   |
@@ -38,6 +40,9 @@ DATASETS = PREFIX + "datasets"
 #: A random id set once per Redis lifetime (SET NX): an attached producer that finds it gone or changed knows
 #: Redis lost its state (restarted empty, or restored from another snapshot) and stops instead of carrying on.
 EPOCH = PREFIX + "epoch"
+#: What each worker's SGLang servers say about themselves (budget/serverinfo.py): field ``"<worker host> <url>"``,
+#: value JSON of SERVER_INFO_KEYS plus when it was fetched. Never an API key: only the listed keys are kept.
+SERVER_INFO = PREFIX + "server_info"
 
 #: The one RQ queue that every dataset shares; workers listen on it (``worker.settings.QUEUES``).
 QUEUE_NAME = "budgetq"

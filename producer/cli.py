@@ -7,6 +7,7 @@ Every option can also be set by an environment variable (shown in --help); REDIS
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -16,10 +17,15 @@ from typing import Any, Callable, TypeVar
 import click
 import redis
 
+from budget import logs
 from producer.amount import parse_amount, parse_budget_option
 from producer.errors import ProduceError
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: produce's progress and event messages: stderr, one line each, text (as always) or JSON (--log-format).
+log = logging.getLogger("budgetq.produce")
+_LOG = {"json": False}  # errors go through the log too while JSON is on
 
 EXAMPLE = """\b
 Example:
@@ -28,13 +34,21 @@ Example:
 """
 
 
-class InputProblem(click.ClickException):
+class _Problem(click.ClickException):
+    def show(self, file: Any = None) -> None:
+        if _LOG["json"]:
+            log.error(self.format_message(), extra={"exit_code": self.exit_code})
+        else:
+            super().show(file)
+
+
+class InputProblem(_Problem):
     """Bad input or options: exit 2, a clear message, no traceback, nothing written to Redis."""
 
     exit_code = 2
 
 
-class RuntimeProblem(click.ClickException):
+class RuntimeProblem(_Problem):
     exit_code = 1
 
 
@@ -59,6 +73,27 @@ def opt(*decls: str, **kwargs: Any) -> Callable[[F], F]:
     return click.option(*decls, **kwargs)
 
 
+def log_options(f: F) -> F:
+    """--verbose and --log-format, for the commands that report progress on stderr."""
+    f = opt("--log-format", type=click.Choice(logs.FORMATS), default="text", show_default=True,
+            help="Progress and event messages on stderr: text, or one JSON object per line (ts, level, logger, "
+                 "msg and the event's fields).")(f)
+    return opt("--verbose", "-v", is_flag=True, help="Also print debug messages.")(f)
+
+
+def _setup_logging(log_format: str, verbose: bool = False, quiet: bool = False) -> None:
+    if verbose and quiet:
+        raise InputProblem("--verbose and --quiet exclude each other")
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    logs.configure("budgetq", fmt=log_format, level=level)
+    _LOG["json"] = log_format == "json"
+
+
+def _warn(message: str) -> None:
+    """A warning of the library (worded "warning: ..." for text): the level says it in JSON."""
+    log.warning(message.removeprefix("warning: ") if _LOG["json"] else message)
+
+
 redis_url_option = click.option(
     "--redis-url", envvar="REDIS_URL", show_envvar=True, default="redis://127.0.0.1:6379/0", show_default=True,
     help="Redis holding the queue and the budget state.")
@@ -69,7 +104,7 @@ redis_url_option = click.option(
                   "'produce FILES...' means 'produce run FILES...'.\n\n" + EXAMPLE)
 @click.version_option(package_name="budgetq")
 def main() -> None:
-    pass
+    _LOG["json"] = False  # set again by the commands that configure logging
 
 
 def _sampling_params(max_tokens: int, temperature: float | None, top_p: float | None, top_k: int | None,
@@ -110,6 +145,7 @@ def _connect(redis_url: str) -> "redis.Redis":
         client.ping()
     except redis.RedisError as exc:
         raise RuntimeProblem(f"cannot reach Redis at {_safe_url(redis_url)}: {exc}") from None
+    log.debug("connected to Redis at %s", _safe_url(redis_url), extra={"redis": _safe_url(redis_url)})
     return client
 
 
@@ -178,14 +214,18 @@ def _safe_url(url: str) -> str:
      help="Run even though Redis may evict keys (maxmemory-policy other than noeviction): not recommended.")
 @opt("--require-aof", is_flag=True, help="Refuse a Redis without AOF persistence instead of warning.")
 @opt("--quiet", "-q", is_flag=True, help="Print only errors, warnings and the summary.")
+@log_options
 def run_cmd(**options: Any) -> None:
+    _setup_logging(options["log_format"], options["verbose"], options["quiet"])
     try:
         _run(**options)
     except ProduceError as exc:
         raise _problem(exc) from None
     except KeyboardInterrupt:
         # Before attach nothing was written; after it the run goes on in the workers. Either way: detach.
-        click.echo("\ndetached: the workers go on; run the same command again to resume and collect.", err=True)
+        if not _LOG["json"]:
+            click.echo("", err=True)
+        log.warning("detached: the workers go on; run the same command again to resume and collect.")
         sys.exit(130)
 
 
@@ -196,7 +236,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
          conversations_field: str, id_field: str, system_prompt: str | None, expect_mean: float | None, dry_run: bool,
          pilot: int | None, throughput: float | None, as_json: bool, chunk_size: int, queue_depth: int,
          new_run: bool, detach: bool, job_timeout: int, allow_eviction: bool, require_aof: bool,
-         quiet: bool) -> None:
+         quiet: bool, verbose: bool, log_format: str) -> None:
     # Everything that can be wrong with the options and the input is found before Redis is touched.
     try:
         default_budget, named = parse_budget_option(budgets)
@@ -215,7 +255,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
             raise InputProblem(f"--chat-template-kwargs: not valid JSON ({exc})") from None
         if not isinstance(kwargs, dict):
             raise InputProblem("--chat-template-kwargs: expected a JSON object")
-    echo: Callable[[str], None] = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
+    echo: Callable[[str], None] = log.info
     from producer.records import FieldMapping
     try:
         mapping = FieldMapping(messages_field=messages_field, prompt_field=prompt_field,
@@ -225,12 +265,15 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
         raise InputProblem(str(exc)) from None
 
     from producer.prepare import load_inputs
+    started = time.monotonic()
     inputs = load_inputs(files, tokenizer=tokenizer, max_tokens=max_tokens, max_context=max_context,
                          max_samples=max_samples, sampling_params=_sampling_params(max_tokens, temperature, top_p,
                                                                                    top_k, seed),
                          chat_template_kwargs=kwargs, skip_invalid=skip_invalid, echo=echo, mapping=mapping,
-                         show_progress=not quiet and sys.stderr.isatty(),
-                         warn=lambda msg: click.echo(msg, err=True))
+                         show_progress=not quiet and log_format == "text" and sys.stderr.isatty(),
+                         warn=_warn)
+    log.debug("read, validated and rendered %d dataset(s) in %.1f s", len(inputs.prepared),
+              time.monotonic() - started)
     names = {p.name for p in inputs.prepared}
     unknown = sorted((set(named) | set(named_modes)) - names)
     if unknown:
@@ -252,17 +295,54 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
                          modes={n: named_modes.get(n, default_mode) for n in names}, expect_mean=expect_mean,
                          chunk_size=chunk_size, queue_depth=queue_depth, new_run=new_run,
                          job=JobSettings(job_timeout=job_timeout))
+    log.debug("run settings: out %s, chunk size %d, queue depth %d, job timeout %d s, %s", out_dir, chunk_size,
+              queue_depth, job_timeout, "detach" if detach else "attached",
+              extra={"budgets": per_dataset, "modes": options.modes, "sampling_params": inputs.sampling_params})
     from producer.preflight import check_redis
     client = _connect(redis_url)
-    check_redis(client, allow_eviction=allow_eviction, require_aof=require_aof,
-                warn=lambda msg: click.echo(msg, err=True))
+    check_redis(client, allow_eviction=allow_eviction, require_aof=require_aof, warn=_warn)
     producer = Producer(client, inputs.prepared, options, echo=echo)
     try:
         producer.attach()
         summaries = producer.run(detach=detach)
     except redis.RedisError as exc:
         raise RuntimeProblem(f"Redis error: {exc}") from None
+    if not detach:
+        _write_run_manifests(client, out_dir, [s.name for s in summaries])
     click.echo(summary_table(summaries, detached=detach))
+
+
+def _write_run_manifests(client: "redis.Redis", out_dir: Path, names: list[str]) -> None:
+    """At the end of a run: each dataset's manifest.json, with what the workers recorded of their SGLang
+    servers (bq:server_info) and the dataset's budget state. Best effort: a failure is a warning, never an exit
+    code (the responses are on disk; ``produce export`` writes the manifest again)."""
+    from budget import serverinfo
+    from producer.export import ExportError, write_manifest
+    try:
+        servers: list[dict[str, Any]] | None = serverinfo.load(client) or None
+    except redis.RedisError as exc:
+        _warn(f"warning: cannot read the SGLang servers' info from Redis ({exc}); the manifests keep what they had")
+        servers = None
+    if servers is None:
+        log.info("no worker recorded its SGLang servers' /get_server_info in the last %d h: the manifests keep "
+                 "what they had about the server", serverinfo.MAX_AGE_S // 3600)
+    for name in names:
+        try:
+            path = write_manifest(out_dir / name, servers=servers, extra=_manifest_extra(client, name))
+        except (OSError, ExportError, redis.RedisError) as exc:
+            _warn(f"warning: {name}: cannot write {out_dir / name / 'manifest.json'}: {exc}")
+            continue
+        log.info("%s: manifest %s%s", name, path, _describe_servers(servers), extra={
+            "dataset": name, "manifest": str(path), "servers": len(servers or [])})
+
+
+def _describe_servers(servers: list[dict[str, Any]] | None) -> str:
+    if not servers:
+        return ""
+    from budget import serverinfo
+    same = serverinfo.common(servers)
+    what = ", ".join(f"{k} {same[k]}" for k in ("version", "model_path") if k in same) or "servers differ"
+    return f" (SGLang: {what}; {len(servers)} server{'s' if len(servers) != 1 else ''})"
 
 
 def _dry_run(inputs: Any, budgets: dict[str, int | None], out_dir: Path, expect_mean: float | None,
@@ -353,14 +433,16 @@ def budget_cmd(name: str, amount: str, redis_url: str) -> None:
      help="Address to listen on; another than loopback exposes the dataset names and progress to that network.")
 @opt("--port", type=click.IntRange(0, 65535), envvar="BUDGETQ_METRICS_PORT", default=9464, show_default=True,
      help="TCP port to listen on (0: any free one, printed at start).")
-def metrics_cmd(redis_url: str, host: str, port: int) -> None:
+@log_options
+def metrics_cmd(redis_url: str, host: str, port: int, verbose: bool, log_format: str) -> None:
     from producer.metrics import MetricsServer, serve_metrics
+    _setup_logging(log_format, verbose)
     client = _connect(redis_url)
 
     def ready(server: MetricsServer) -> None:
         bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
-        click.echo(f"serving http://{bound_host}:{bound_port}/metrics (Redis {_safe_url(redis_url)}); Ctrl-C stops",
-                   err=True)
+        log.info("serving http://%s:%d/metrics (Redis %s); Ctrl-C stops", bound_host, bound_port,
+                 _safe_url(redis_url), extra={"url": f"http://{bound_host}:{bound_port}/metrics"})
 
     try:
         serve_metrics(client, host=host, port=port, on_ready=ready)
@@ -370,8 +452,8 @@ def metrics_cmd(redis_url: str, host: str, port: int) -> None:
         return
 
 
-@main.command("export", help="Write the collected results of datasets NAMES as training conversations (ShareGPT or OpenAI "
-              "messages) with the regenerated assistant turn, plus OUT/<dataset>/manifest.json.\n\n"
+@main.command("export", help="Write the collected results of datasets NAMES as training conversations (ShareGPT or "
+              "OpenAI messages) with the regenerated assistant turn, plus OUT/<dataset>/manifest.json.\n\n"
               "\b\nExample:\n  produce export B1_glaive --out out/ --format sharegpt --dest train/b1.jsonl")
 @click.argument("names", nargs=-1, required=True)
 @opt("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"), show_default=True,
@@ -388,10 +470,18 @@ def metrics_cmd(redis_url: str, host: str, port: int) -> None:
 @opt("--token-ids", is_flag=True, help="Add input_ids/output_ids, checked by re-tokenizing (needs --tokenizer).")
 @opt("--tokenizer", default=None, help="The run's tokenizer directory (for --token-ids).")
 @opt("--redis-url", envvar="BUDGETQ_EXPORT_REDIS_URL", show_envvar=True, default=None,
-     help="Optional: record the dataset's budget, mode and usage from this Redis in the manifest.")
+     help="Optional: record the dataset's budget, mode and usage from this Redis in the manifest, and the SGLang "
+          "servers' version and model the workers recorded there if the manifest has none yet.")
+@opt("--server-url", metavar="URL[,URL...]", default=None,
+     help="Ask these SGLang servers' /get_server_info (with SGLANG_API_KEY if set) and record their version, "
+          "model and parallelism in the manifest, replacing what it had.")
+@log_options
 def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | None, truncated: str, reasoning: str,
-               token_ids: bool, tokenizer: str | None, redis_url: str | None) -> None:
-    from producer.export import ExportError, ExportOptions, export_dataset
+               token_ids: bool, tokenizer: str | None, redis_url: str | None, server_url: str | None,
+               verbose: bool, log_format: str) -> None:
+    from budget import serverinfo
+    from producer.export import ExportError, ExportOptions, export_dataset, read_manifest
+    _setup_logging(log_format, verbose)
     tok = None
     if token_ids:
         if not tokenizer:
@@ -407,24 +497,60 @@ def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | Non
         raise InputProblem(str(exc)) from None
     if dest is not None and len(names) > 1 and dest.suffix:
         raise InputProblem("--dest must be a directory when exporting several datasets")
+    fetched = _fetch_servers(server_url) if server_url else None
+    client = _connect(redis_url) if redis_url else None
+    recorded: list[dict[str, Any]] | None = None
+    if client is not None and fetched is None:
+        recorded = serverinfo.load(client) or None
+        log.debug("%d SGLang server(s) recorded in Redis by the workers", len(recorded or []))
     for name in names:
-        extra = _manifest_extra(redis_url, name) if redis_url else None
+        extra = _manifest_extra(client, name) if client is not None else None
+        servers = fetched
+        if servers is None and recorded is not None:
+            known = read_manifest(out_dir / name)
+            if known.get("server") is None and known.get("servers") is None:
+                servers = recorded  # the end of the run recorded none; what serves now is the best we know
+            else:
+                log.debug("%s: the manifest already names its servers: kept (--server-url replaces them)", name)
         target = (dest if dest is not None and (len(names) == 1 and dest.suffix) else
                   (dest / f"{name}.jsonl" if dest is not None else out_dir / name / f"{fmt}.jsonl"))
         try:
-            report = export_dataset(out_dir / name, target, options, tokenizer=tok, extra=extra)
+            report = export_dataset(out_dir / name, target, options, tokenizer=tok, servers=servers, extra=extra)
         except ExportError as exc:
             raise InputProblem(str(exc)) from None
         click.echo(f"{name}: {report.written} conversations -> {report.path} ({report.dropped_truncated} truncated "
                    f"dropped, {report.skipped_failed} failed skipped); manifest {report.manifest}")
+        if servers is not None:
+            log.info("%s: manifest %s%s", name, report.manifest, _describe_servers(servers),
+                     extra={"dataset": name, "manifest": str(report.manifest), "servers": len(servers)})
         if token_ids and report.prompt_mismatch:
-            click.echo(f"{name}: {report.prompt_mismatch} records left out: the re-rendered prompt differs "
-                       f"(first: {', '.join(report.mismatched_ids[:5])})", err=True)
+            log.warning("%s: %d records left out: the re-rendered prompt differs (first: %s)", name,
+                        report.prompt_mismatch, ", ".join(report.mismatched_ids[:5]),
+                        extra={"dataset": name, "prompt_mismatch": report.prompt_mismatch})
 
 
-def _manifest_extra(redis_url: str, name: str) -> dict[str, Any]:
+def _fetch_servers(server_url: str) -> list[dict[str, Any]]:
+    """--server-url: ask each server now (SGLANG_API_KEY as the bearer token). Exit 1 if one cannot answer."""
+    from budget import serverinfo
+    urls = [u.strip() for u in server_url.split(",") if u.strip()]
+    if not urls or not all(u.startswith(("http://", "https://")) for u in urls):
+        raise InputProblem("--server-url: expected http(s) URLs, comma-separated, not "
+                           f"{serverinfo.public_url(server_url)!r}")
+    api_key = os.environ.get("SGLANG_API_KEY") or None
+    out = []
+    for url in urls:
+        try:
+            info = serverinfo.fetch(url, api_key=api_key)
+        except serverinfo.ServerInfoError as exc:
+            raise RuntimeProblem(f"--server-url: {exc}") from None
+        out.append(serverinfo.clean({"url": url, "fetched": serverinfo.utc_iso(time.time()), **info}))
+        log.debug("SGLang server %s: %s", out[-1]["url"], info, extra={"server": out[-1]["url"]})
+    return out
+
+
+def _manifest_extra(client: "redis.Redis", name: str) -> dict[str, Any]:
     from budget.ledger import Ledger
-    state = Ledger(_connect(redis_url)).state(name)
+    state = Ledger(client).state(name)
     return {"budget": state.budget, "budget_mode": state.mode, "used": state.used, "status": state.status}
 
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import IO, Any, Final, Iterator, Mapping
+from typing import IO, Any, Final, Iterator, Mapping, Sequence
 
+from budget import serverinfo
 from producer.output import FAILED, RESULTS, RUN
 from producer.render import RenderError, Renderer
 
@@ -40,13 +41,10 @@ REASONING_MODES: Final = ("inline", "field", "drop")
 #: OpenAI role -> ShareGPT "from". SpecForge's parser maps human/gpt back and passes system/tool through.
 SHAREGPT_FROM: Final = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
 DEFAULT_THINK: Final = ("<think>", "</think>")
-#: What a manifest keeps of SGLang's /get_server_info: it returns every server argument, api_key included, so
-#: only what identifies the model and the engine is copied, never the whole dict.
-SERVER_INFO_KEYS: Final = (
-    "version", "model_path", "served_model_name", "tokenizer_path", "revision", "dtype", "quantization",
-    "kv_cache_dtype", "context_length", "tp_size", "dp_size", "pp_size", "ep_size", "random_seed",
-    "speculative_algorithm", "reasoning_parser", "tool_call_parser",
-)
+#: What a manifest keeps of SGLang's /get_server_info (defined in budget/serverinfo.py, shared with the workers):
+#: it returns every server argument, api_key included, so only what identifies the model and the engine is
+#: copied, never the whole dict.
+SERVER_INFO_KEYS: Final = serverinfo.SERVER_INFO_KEYS
 _BATCH: Final = 256  # prompts rendered per apply_chat_template call when token ids are asked for
 _MAX_LISTED_IDS: Final = 20
 _REQUIRED: Final[dict[str, type]] = {
@@ -96,11 +94,12 @@ class ExportReport:
 
 def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tokenizer: Any | None = None,
                    server_info: Mapping[str, Any] | None = None,
+                   servers: Sequence[Mapping[str, Any]] | None = None,
                    extra: Mapping[str, Any] | None = None) -> ExportReport:
     """Export ``dataset_dir``'s responses to the JSONL file ``dest`` and refresh the dataset's manifest.
 
     `tokenizer` (a transformers tokenizer, the one the run used) is required with ``options.token_ids``.
-    `server_info` and `extra` go to the manifest (see `write_manifest`). Raises ExportError on a user error;
+    `server_info`, `servers` and `extra` go to the manifest (see `write_manifest`). Raises ExportError on a user error;
     ``dest`` is then left as it was.
     """
     dataset_dir, dest = Path(dataset_dir), Path(dest)
@@ -133,18 +132,24 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
                 batch = []
         _write_batch(fh, batch, options, think, ids, report, source)
     report.torn_tail = results.torn_tail
-    _write_manifest(dataset_dir, settings, stats, len(failed), server_info, extra)
+    _write_manifest(dataset_dir, settings, stats, len(failed), server_info, servers, extra)
     return report
 
 
 def write_manifest(dataset_dir: Path, *, server_info: Mapping[str, Any] | None = None,
+                   servers: Sequence[Mapping[str, Any]] | None = None,
                    extra: Mapping[str, Any] | None = None) -> Path:
     """Write ``<dataset_dir>/manifest.json``: what the dataset holds and how it was made; return its path.
 
     Counts, token totals, finish reasons and completion lengths are recomputed from the files every time. What only
-    the caller knows, `server_info` (from SGLang's /get_server_info; only SERVER_INFO_KEYS are kept) and `extra`
-    (budget, mode...), replaces the previous manifest's when given and is kept from it when not, so refreshing the
-    manifest (every export does) never loses them.
+    the caller knows replaces the previous manifest's when given and is kept from it when not, so refreshing the
+    manifest (every export does) never loses it:
+
+    - the servers: either `servers`, entries as budget.serverinfo keeps them (``url``, ``host``, ``fetched`` and
+      SERVER_INFO_KEYS; from ``bq:server_info`` or `serverinfo.fetch`), written as ``servers`` with ``server``
+      = what they all report alike; or `server_info`, one server's /get_server_info, written as ``server``. Only
+      SERVER_INFO_KEYS are kept of either, never the whole dict (it holds the API key);
+    - `extra` (budget, mode...).
     """
     dataset_dir = Path(dataset_dir)
     settings = _run_settings(dataset_dir)
@@ -153,7 +158,8 @@ def write_manifest(dataset_dir: Path, *, server_info: Mapping[str, Any] | None =
     if source.is_file():
         for _number, rec in _Results(source):
             stats.add(rec)
-    return _write_manifest(dataset_dir, settings, stats, len(_failed_ids(dataset_dir)), server_info, extra)
+    return _write_manifest(dataset_dir, settings, stats, len(_failed_ids(dataset_dir)), server_info, servers,
+                           extra)
 
 
 def template_hash(tokenizer: Any) -> str:
@@ -432,8 +438,14 @@ def _previous_manifest(path: Path) -> dict[str, Any]:
     return previous if isinstance(previous, dict) else {}
 
 
+def read_manifest(dataset_dir: Path) -> dict[str, Any]:
+    """``<dataset_dir>/manifest.json`` as a dict; {} when there is none (or it is unreadable)."""
+    return _previous_manifest(Path(dataset_dir) / MANIFEST)
+
+
 def _write_manifest(dataset_dir: Path, settings: Mapping[str, Any], stats: _Stats, failed: int,
-                    server_info: Mapping[str, Any] | None, extra: Mapping[str, Any] | None) -> Path:
+                    server_info: Mapping[str, Any] | None, servers: Sequence[Mapping[str, Any]] | None,
+                    extra: Mapping[str, Any] | None) -> Path:
     path = dataset_dir / MANIFEST
     previous = _previous_manifest(path)
     manifest: dict[str, Any] = {
@@ -448,10 +460,16 @@ def _write_manifest(dataset_dir: Path, settings: Mapping[str, Any], stats: _Stat
         "sampling_params": settings.get("sampling_params"),
         "settings": dict(settings),
     }
-    server = ({k: server_info[k] for k in SERVER_INFO_KEYS if k in server_info} if server_info is not None
-              else previous.get("server"))
-    if server is not None:
-        manifest["server"] = server
+    if servers is not None:
+        entries = [serverinfo.clean(e) for e in servers]
+        manifest["server"] = serverinfo.common(entries)
+        manifest["servers"] = entries
+    elif server_info is not None:
+        manifest["server"] = serverinfo.pick(server_info)
+    else:
+        for key in ("server", "servers"):
+            if previous.get(key) is not None:
+                manifest[key] = previous[key]
     kept_extra = dict(extra) if extra is not None else previous.get("extra")
     if kept_extra is not None:
         manifest["extra"] = kept_extra

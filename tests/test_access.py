@@ -1,20 +1,26 @@
 """Access: a whole run (two datasets, one closing at its budget, workers stopped with SIGTERM) as a Redis ACL
 user holding only what budgetq needs, and a whole run over TLS (``rediss://``) with a CA made here.
 
-The ACL rules are the ones docs/reliability.md recommends; LEAST_COMMANDS is the explicit command list a run
-uses (rq 3.0 + budgetq, found with MONITOR and ACL LOG), proving nothing else is needed.
+The ACL rules are the ones docs/reliability.md and docs/deployment.md recommend (checked against the docs here);
+LEAST_COMMANDS is the explicit command list a run uses (rq 3.0 + budgetq, found with MONITOR and ACL LOG),
+proving nothing else is needed. As the same user, after the run: ``produce status``, ``budget``, ``export
+--redis-url``, ``metrics``, ``rq info`` and rq-dashboard, the tools deployment.md has use the same URL.
 """
 from __future__ import annotations
 
+import json
+import os
+import re
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import pytest
 import redis
 
-from tests.procs import Workers, read_jsonl, wait_for
+from tests.procs import Workers, produce_cmd, read_jsonl, wait_for
 from tests.redis_server import free_port
 from tests.test_e2e import CODE, GLAIVE, check_exact, produce
 
@@ -35,6 +41,21 @@ LEAST_COMMANDS = (
     "xadd xdel xlen xrange xrevrange xread subscribe unsubscribe publish"
 ).split()
 LEAST = ["~bq:*", "~rq:*", "&rq:*", "-@all", *(f"+{c}" for c in LEAST_COMMANDS)]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def documented_acl_rules(doc: str) -> list[list[str]]:
+    """The rules of every ``ACL SETUSER budgetq on >PASSWORD ...`` (or aclfile ``user budgetq on >PASSWORD
+    ...``) line in a docs page."""
+    text = (ROOT / "docs" / doc).read_text(encoding="utf-8")
+    return [m.group(1).split() for m in re.finditer(r"(?:ACL SETUSER|user) budgetq on >PASSWORD ([^`\n]+)", text)]
+
+
+def test_the_docs_recommend_the_rules_tested_here() -> None:
+    for doc in ("reliability.md", "deployment.md"):
+        found = documented_acl_rules(doc)
+        assert found and all(rules == RECOMMENDED for rules in found), (doc, found)
+    assert "~*" not in (ROOT / "docs" / "deployment.md").read_text(encoding="utf-8"), "a broader rule is left"
 
 
 def start_redis(workdir: Path, args: Sequence[str], ping: "redis.Redis") -> subprocess.Popen[bytes]:
@@ -98,12 +119,72 @@ def test_whole_run_as_a_least_privilege_acl_user(rules: list[str], tmp_path: Pat
         res = whole_run(url, admin, tmp_path, tokenizer_dir, sim.url)
         # produce's preflight cannot read CONFIG as this user: it says so and goes on.
         assert "cannot check Redis persistence and eviction settings" in res.stderr
+        # The workers recorded their server's /get_server_info (bq:server_info) and the run wrote it down.
+        assert json.loads((tmp_path / "out" / "glaive_fc" / "manifest.json").read_text())["server"]["version"]
+        said = res.stdout + res.stderr + operate(url, tmp_path)
         denied = {e["object"] for e in admin.acl_log(200) if e["username"] == "budgetq"}
         assert denied == {"config|get"}, denied
-        assert PASSWORD not in res.stdout + res.stderr
+        assert PASSWORD not in said
+        for log in (tmp_path / "w0.log", tmp_path / "w1.log"):
+            assert PASSWORD not in log.read_text()
     finally:
         server.kill()
         server.wait(10)
+
+
+def operate(url: str, tmp_path: Path) -> str:
+    """What an operator runs with the same URL after the run; returns everything they printed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUDGETQ_")}
+    said = []
+
+    def cli(*args: str) -> str:
+        res = subprocess.run(list(args), capture_output=True, text=True, timeout=120, env=env)
+        assert res.returncode == 0, (args, res.stdout, res.stderr)
+        said.append(res.stdout + res.stderr)
+        return res.stdout
+
+    rows = json.loads(cli(*produce_cmd(), "status", "--json", "--redis-url", url))
+    assert {row["name"]: row["status"] for row in rows} == {"glaive_fc": "open", "code_instruct": "closed"}
+    assert cli(*produce_cmd(), "budget", "glaive_fc", "1G", "--redis-url", url).startswith(
+        "glaive_fc: budget 1,000,000,000, used ")
+    out = tmp_path / "out"
+    cli(*produce_cmd(), "export", "glaive_fc", "code_instruct", "--out", str(out), "--redis-url", url)
+    assert json.loads((out / "code_instruct" / "manifest.json").read_text())["extra"]["status"] == "closed"
+    assert "budgetq" in cli("rq", "info", "--url", url, "--only-queues")
+
+    metrics = subprocess.Popen([*produce_cmd(), "metrics", "--port", "0", "--redis-url", url], env=env,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert metrics.stderr is not None
+        first = metrics.stderr.readline()
+        said.append(first)
+        address = re.search(r"(http://\S+/metrics)", first)
+        assert address, first
+        with urllib.request.urlopen(address.group(1), timeout=10) as resp:
+            body = resp.read().decode()
+        assert "budgetq_redis_up 1" in body and 'budgetq_used_tokens{dataset="glaive_fc"}' in body
+    finally:
+        metrics.terminate()
+        metrics.wait(10)
+
+    from tests.test_dashboard import GOOD, Dashboard
+    dash = Dashboard(url, tmp_path)
+    try:
+        for path in ("/0/data/queues.json", "/0/data/jobs/budgetq/canceled/8/asc/1.json",
+                     "/0/data/jobs/budgetq/finished/8/asc/1.json", "/0/data/workers.json", "/",
+                     "/0/view/jobs/budgetq/canceled/8/asc/1"):
+            status, body = dash.request("GET", path, GOOD)
+            assert status == 200, (path, status, body[:300])
+        status, body = dash.request("GET", "/0/data/queues.json", GOOD)
+        queues = {q["name"]: q for q in json.loads(body)["queues"]}
+        assert queues["budgetq"]["canceled_job_registry_count"] > 0
+        job = json.loads(dash.request("GET", "/0/data/jobs/budgetq/finished/8/asc/1.json", GOOD)[1])["jobs"][0]
+        status, body = dash.request("GET", f"/0/data/job/{job['id']}.json", GOOD)
+        assert status == 200 and json.loads(body)["status"] == "finished"
+    finally:
+        dash.stop()
+    said.append((tmp_path / "rq-dashboard.log").read_text())
+    return "\n".join(said)
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
+from budget import logs
 from budget.ledger import REDIS_DOWN
 
 from worker import jobs, runtime
@@ -33,14 +34,26 @@ log = logging.getLogger("budgetq.worker")
 
 
 def _setup_logging() -> None:
-    """rq configures its own logger only; give budgetq's messages the same stream and format, once."""
+    """rq configures its own logger only; give budgetq's messages a handler of their own, once.
+
+    BUDGETQ_LOG_FORMAT=json makes every line of the worker one JSON object (budget/logs.py): budgetq's, rq's own
+    (its handlers are given the same formatter) and anything else that reaches the root logger (other libraries'
+    warnings, Python warnings). An invalid value stops the worker at start, naming the variable."""
+    fmt = logs.parse_format(os.environ.get("BUDGETQ_LOG_FORMAT"))
+    level = os.environ.get("BUDGETQ_LOG_LEVEL", "INFO").strip().upper() or "INFO"
+    if not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"BUDGETQ_LOG_LEVEL={level!r}: expected DEBUG, INFO, WARNING or ERROR")
     root = logging.getLogger("budgetq")
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S"))
-        root.addHandler(handler)
-        root.setLevel(os.environ.get("BUDGETQ_LOG_LEVEL", "INFO").upper())
-        root.propagate = False
+    if root.handlers:
+        return
+    logs.configure("budgetq", fmt=fmt, level=level,
+                   text=logs.TextFormatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S"))
+    if fmt == "json":
+        for handler in logging.getLogger("rq.worker").handlers:
+            handler.setFormatter(logs.JsonFormatter())
+        if not logging.getLogger().handlers:
+            logs.configure("", fmt="json", level=logging.WARNING)
+            logging.captureWarnings(True)
 
 
 class Worker(SimpleWorker):

@@ -21,6 +21,7 @@ from budget.payload import ChunkPayload
 from worker.chunk import ChunkReport
 from worker.config import WorkerConfig
 from worker.dispatch import Dispatcher
+from worker.serverinfo import ServerInfoReporter
 from worker.sglang import SGLangClient
 
 log = logging.getLogger("budgetq.worker")
@@ -39,6 +40,8 @@ class Runtime:
         self.thread.start()
         self.dispatcher: Dispatcher = self._call(self._make(heartbeat))
         self._closed = False
+        # Best effort, on a thread of its own: the servers' version and model for the manifests (bq:server_info).
+        self.server_info = ServerInfoReporter(connection, config).start()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -69,6 +72,7 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        self.server_info.stop()
         try:
             self._call(self.dispatcher.drain())
             self._call(self.session.close())

@@ -1,0 +1,194 @@
+"""What the SGLang servers say about themselves (``GET /get_server_info``), kept for the datasets' manifests.
+
+A manifest should say which engine and model produced a dataset. SGLang answers ``/get_server_info`` with every
+server argument, ``api_key`` included, so only SERVER_INFO_KEYS (scalar values) are ever kept, and a URL is kept
+without user, password, query or fragment.
+
+Who writes and who reads:
+
+- each worker fetches it from each of its servers when it starts, in a background thread that never delays or
+  fails the worker, and again every REFRESH_S while it runs (worker/serverinfo.py), into the hash
+  ``bq:server_info`` (budget/keys.py): field ``"<worker host> <url>"`` (so that ``http://127.0.0.1:30000`` on
+  two GPU hosts stays two servers), value JSON of the kept keys plus ``url``, ``host`` and ``fetched`` (UTC,
+  from Redis' clock);
+- ``produce`` reads it when it writes the manifests at the end of a run, and ``produce export --redis-url``;
+  ``produce export --server-url`` fetches directly with `fetch`.
+
+Freshness: readers ignore entries older than MAX_AGE_S (two missed refreshes: their workers are gone or their
+server is down), a worker's write prunes them, and the hash expires MAX_AGE_S after the last write, so once every
+worker has stopped it disappears by itself.
+
+This module is shared by the producer and the workers, so it uses the standard library's HTTP client only.
+"""
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import urllib.error
+import urllib.request
+from datetime import datetime, timezone
+from typing import Any, Final, Mapping, Sequence
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+import redis
+
+from budget import keys
+
+#: What is kept of /get_server_info: what identifies the model and the engine, never the whole dict.
+SERVER_INFO_KEYS: Final = (
+    "version", "model_path", "served_model_name", "tokenizer_path", "revision", "dtype", "quantization",
+    "kv_cache_dtype", "context_length", "tp_size", "dp_size", "pp_size", "ep_size", "random_seed",
+    "speculative_algorithm", "reasoning_parser", "tool_call_parser",
+)
+#: Each entry's own fields besides SERVER_INFO_KEYS.
+ENTRY_KEYS: Final = ("url", "host", "fetched")
+REFRESH_S: Final = 3600.0
+MAX_AGE_S: Final = 2 * 3600 + 600
+FETCH_TIMEOUT_S: Final = 10.0
+_MAX_BODY: Final = 4 << 20  # /get_server_info is a few KB; never read an unbounded body
+
+
+class ServerInfoError(Exception):
+    """The server could not be asked, or did not answer with a JSON object. The message holds no secret."""
+
+
+def pick(info: Mapping[str, Any]) -> dict[str, Any]:
+    """The SERVER_INFO_KEYS of `info` whose values are plain scalars (null values left out)."""
+    return {k: info[k] for k in SERVER_INFO_KEYS
+            if k in info and isinstance(info[k], (str, int, float, bool))}
+
+
+def public_url(url: str) -> str:
+    """``url`` without user, password, query and fragment, and without a trailing slash."""
+    parts = urlsplit(url.strip())
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    netloc = host + (f":{port}" if port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+
+
+def fetch(url: str, *, api_key: str | None = None, timeout: float = FETCH_TIMEOUT_S) -> dict[str, Any]:
+    """GET ``url``/get_server_info and return its SERVER_INFO_KEYS (`pick`). Sends ``Authorization: Bearer
+    api_key`` when given (SGLang's ``--api-key``), else basic auth from the URL's user and password if it has
+    them. Proxies from the environment are not used (the workers' requests do not use them either).
+    Raises ServerInfoError."""
+    parts = urlsplit(url.strip())
+    base = public_url(url)
+    headers = {"Accept": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    elif parts.username or parts.password:
+        pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+        headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
+    where = f"{base}/get_server_info"
+    try:
+        request = urllib.request.Request(where, headers=headers)
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(request, timeout=timeout) as resp:
+            raw = resp.read(_MAX_BODY)
+    except urllib.error.HTTPError as exc:
+        raise ServerInfoError(f"{where}: HTTP {exc.code}" + (" (wrong or missing SGLANG_API_KEY?)"
+                                                              if exc.code in (401, 403) else "")) from None
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        raise ServerInfoError(f"{where}: {type(exc).__name__}: {reason}") from None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise ServerInfoError(f"{where}: the answer is not JSON") from None
+    if not isinstance(body, dict):
+        raise ServerInfoError(f"{where}: the answer is not a JSON object")
+    return pick(body)
+
+
+def field(url: str, host: str) -> str:
+    return f"{host} {public_url(url)}"
+
+
+def utc_iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _redis_now(r: "redis.Redis") -> float:
+    sec, usec = r.time()
+    return float(sec) + float(usec) / 1e6
+
+
+def _age(entry: Mapping[str, Any], now: float) -> float | None:
+    try:
+        fetched = datetime.fromisoformat(str(entry["fetched"]).replace("Z", "+00:00"))
+    except (KeyError, ValueError):
+        return None
+    return now - fetched.timestamp()
+
+
+def _fresh(entry: Mapping[str, Any] | None, now: float, max_age: float) -> bool:
+    if entry is None:
+        return False
+    age = _age(entry, now)
+    return age is not None and age <= max_age
+
+
+def clean(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """An entry as it may be stored or written to a manifest: ``url`` (credentials stripped), ``host``,
+    ``fetched`` when present, and the SERVER_INFO_KEYS. Anything else is dropped."""
+    out: dict[str, Any] = {}
+    if isinstance(entry.get("url"), str):
+        out["url"] = public_url(entry["url"])
+    for k in ("host", "fetched"):
+        if isinstance(entry.get(k), str):
+            out[k] = entry[k]
+    out.update(pick(entry))
+    return out
+
+
+def store(r: "redis.Redis", url: str, host: str, info: Mapping[str, Any]) -> dict[str, Any]:
+    """Record what server ``url``, as used by a worker on ``host``, said; prune entries too old to trust.
+    Returns the stored entry."""
+    now = _redis_now(r)
+    entry = clean({"url": url, "host": host, "fetched": utc_iso(now), **pick(info)})
+    pipe = r.pipeline(transaction=True)
+    pipe.hset(keys.SERVER_INFO, field(url, host), json.dumps(entry, sort_keys=True))
+    pipe.expire(keys.SERVER_INFO, MAX_AGE_S)
+    pipe.execute()
+    stale = [f for f, e in _entries(r).items() if not _fresh(e, now, MAX_AGE_S)]
+    if stale:
+        r.hdel(keys.SERVER_INFO, *stale)
+    return entry
+
+
+def _entries(r: "redis.Redis") -> dict[bytes, dict[str, Any] | None]:
+    out: dict[bytes, dict[str, Any] | None] = {}
+    raw: Any = r.hgetall(keys.SERVER_INFO)
+    for f, v in raw.items():
+        try:
+            entry = json.loads(v)
+        except ValueError:
+            entry = None
+        out[f] = entry if isinstance(entry, dict) else None
+    return out
+
+
+def load(r: "redis.Redis", max_age: float = MAX_AGE_S) -> list[dict[str, Any]]:
+    """The entries fetched within ``max_age`` seconds (Redis' clock), cleaned, sorted by url and host."""
+    now = _redis_now(r)
+    out = []
+    for entry in _entries(r).values():
+        if entry is not None and _fresh(entry, now, max_age):
+            out.append(clean(entry))
+    return sorted(out, key=lambda e: (e.get("url", ""), e.get("host", "")))
+
+
+def common(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The SERVER_INFO_KEYS every entry reports, with the same value: the manifest's ``server``."""
+    if not entries:
+        return {}
+    first = entries[0]
+    return {k: first[k] for k in SERVER_INFO_KEYS
+            if k in first and all(k in e and e[k] == first[k] for e in entries[1:])}
