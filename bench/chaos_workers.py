@@ -16,6 +16,7 @@ from rq.serializers import JSONSerializer
 
 from bench.chaos_audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
 from bench.chaos_run import KEYS, QUEUE, ChaosStack, Ctx, Produce, Watch, wait_until
+from producer.enqueue import BATCH_CHUNKS
 
 
 def worker_kill(ctx: Ctx) -> Result:
@@ -180,9 +181,10 @@ def produce_races(ctx: Ctx) -> Result:
         r.flushall()
         shutil.rmtree(st.workdir / "out", ignore_errors=True)
         # Kill detached runs right where they enqueue. A run holds the collector lock once its input is
-        # validated and rendered; it then bumps the chunk counter (bq:ds:{n}:seq), builds the chunk payloads
-        # and sends them in one MULTI/EXEC. Kills land when the lock appears, or 0-200 ms after the counter
-        # moved. Each run may enqueue more than the last (--max-samples grows): every kill can land on work.
+        # validated and rendered; it then sends its chunks in batches of BATCH_CHUNKS, each one bump of the
+        # chunk counter (bq:ds:{n}:seq), then the payloads built and sent in one MULTI/EXEC. Kills land when the
+        # lock appears, or 0-200 ms after the counter first moved. Each run may enqueue more than the last
+        # (--max-samples grows): every kill can land on work.
         attach_s, window = _detach_window(ctx, st, "probe")
         r.flushall()
         shutil.rmtree(st.workdir / "out", ignore_errors=True)
@@ -202,13 +204,15 @@ def produce_races(ctx: Ctx) -> Result:
             time.sleep(delay)
             p.kill()
             n_held = sum(_samples_in_queue(r).values())
-            # All or nothing: the queue holds either what it held before or every selected sample.
-            outcome = "nothing" if n_held == held_before else ("all" if n_held == cap else f"PART ({n_held})")
+            # Whole batches: the queue holds what it held before plus whole batches, or every selected sample.
+            added, batch = n_held - held_before, BATCH_CHUNKS * s.chunk
+            outcome = ("nothing" if added == 0 else "all" if n_held == cap else
+                       f"{added // batch} batches" if added % batch == 0 else f"PART ({n_held})")
             kills.append({"trigger": trigger, "delay_s": round(delay, 3), "rc": p.proc.returncode,
                           "max_samples": cap, "enqueued": outcome})
             held_before = n_held
         res.figures.update(prepare_s=_r(attach_s), enqueue_window_s=round(window, 3), kills=kills)
-        res.check("each killed enqueue was all or nothing", not [k for k in kills if "PART" in k["enqueued"]],
+        res.check("each killed enqueue left whole batches", not [k for k in kills if "PART" in k["enqueued"]],
                   kills)
         held = _samples_in_queue(r)
         dupes = {sid: n for sid, n in held.items() if n > 1}

@@ -149,10 +149,13 @@ def run_child(argv: list[str], env: dict[str, str] | None = None, watch: list[in
 # Where produce's time goes: the nearest enclosing frame that matches (leaf upward) names the activity.
 PRODUCE_CATEGORIES = [
     ("imports (transformers, rq, ...)", ("(<frozen importlib",)),
-    ("enqueue: RQ Job.to_dict (zlib.compress of each payload)", ("Job.to_dict (rq/job.py",)),
-    ("enqueue: JSON of each payload (rq JSONSerializer)", ("JSONSerializer.dumps (rq/serializers.py",)),
+    ("enqueue: zlib of each payload (level 1, in threads)", ("ChunkJob.to_dict (producer/enqueue.py",
+                                                             "_WorkItem.run (concurrent/futures/thread.py")),
+    ("enqueue: RQ Job.to_dict (RQ's own fields)", ("Job.to_dict (rq/job.py",)),
+    ("enqueue: JSON of each payload (orjson)", ("ChunkSerializer.dumps (producer/enqueue.py",
+                                                 "JSONSerializer.dumps (rq/serializers.py")),
     ("enqueue: RQ job objects, pipeline, MULTI/EXEC", ("enqueue_chunks (producer/enqueue.py",)),
-    ("enqueue: Items from arrays (array.tolist)", ("Producer._refill (producer/run.py",)),
+    ("enqueue: Items, batches", ("Producer._refill (producer/run.py", "Producer._batches (producer/run.py")),
     ("render: chat template (jinja)", ("render_jinja_template (transformers",)),
     ("render: tokenize (tokenizers + transformers glue)", ("TokenizersBackend", "PreTrainedTokenizerBase.__call__")),
     ("render: think-tail decode", ("_opens_think (producer/render.py",)),
@@ -206,8 +209,8 @@ def profile_produce(data: Path, tok: Path, work: Path, n: int) -> dict[str, Any]
 
 
 def serialization_options(data: Path, tok: Path, chunks: int = 20, size: int = 64) -> dict[str, Any]:
-    """What one chunk job's payload costs to serialize today (json + zlib level 6, RQ's Job.save) and with
-    cheaper choices the producer could make, on real rendered chunks."""
+    """What one chunk job's payload costs to serialize: RQ's own way (json + zlib level 6 in Job.save, what
+    produce did before), cheaper choices, and what produce does now, on real rendered chunks."""
     import zlib
 
     import orjson
@@ -227,16 +230,26 @@ def serialization_options(data: Path, tok: Path, chunks: int = 20, size: int = 6
                          "sampling_params": {"max_new_tokens": 4096}, "think": {"start": "<think>", "end": "</think>"},
                          "samples": [{"id": f"p{c * size + j}", "input_ids": r.input_ids, "opens_think": r.opens_think}
                                      for j, r in enumerate(rendered)]})
+    # What produce holds after prepare: each sample's ids as an array('i'); it writes them with
+    # producer.enqueue's serializer and zlib level (the zlib part runs in threads there).
+    from array import array
+
+    from producer.enqueue import ZLIB_LEVEL, ChunkSerializer, wire_ids
+    held = [{**p, "samples": [{**x, "input_ids": array("i", x["input_ids"])} for x in p["samples"]]}
+            for p in payloads]
     out: dict[str, Any] = {"chunks": chunks, "samples_per_chunk": size}
     variants = {
-        "json + zlib level 6 (RQ today)": lambda p: zlib.compress(json.dumps(p).encode(), 6),
+        "json + zlib level 6 (RQ's Job.save, before)": lambda p: zlib.compress(json.dumps(p).encode(), 6),
         "json + zlib level 1": lambda p: zlib.compress(json.dumps(p).encode(), 1),
         "orjson + zlib level 1": lambda p: zlib.compress(orjson.dumps(p), 1),
         "orjson, uncompressed": lambda p: orjson.dumps(p),
+        "produce now: orjson from the arrays + zlib level 1": lambda p: zlib.compress(ChunkSerializer.dumps(
+            {**p, "samples": [{**x, "input_ids": wire_ids(x["input_ids"])} for x in p["samples"]]}), ZLIB_LEVEL),
     }
     for label, fn in variants.items():
+        source = held if label.startswith("produce now") else payloads
         t0 = time.perf_counter()
-        sizes = [len(fn(p)) for p in payloads]
+        sizes = [len(fn(p)) for p in source]
         dt = time.perf_counter() - t0
         out[label] = {"ms_per_chunk": dt / chunks * 1000, "us_per_sample": dt / chunks / size * 1e6,
                       "bytes_per_sample": sum(sizes) / chunks / size}

@@ -266,11 +266,13 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
 
     from producer.prepare import load_inputs
     started = time.monotonic()
+    # Bars for validating, rendering and (with --detach) enqueueing: for a person at a terminal, never in JSON logs.
+    show_progress = not quiet and log_format == "text" and sys.stderr.isatty()
     inputs = load_inputs(files, tokenizer=tokenizer, max_tokens=max_tokens, max_context=max_context,
                          max_samples=max_samples, sampling_params=_sampling_params(max_tokens, temperature, top_p,
                                                                                    top_k, seed),
                          chat_template_kwargs=kwargs, skip_invalid=skip_invalid, echo=echo, mapping=mapping,
-                         show_progress=not quiet and log_format == "text" and sys.stderr.isatty(),
+                         show_progress=show_progress,
                          warn=_warn)
     log.debug("read, validated and rendered %d dataset(s) in %.1f s", len(inputs.prepared),
               time.monotonic() - started)
@@ -294,7 +296,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
                          settings=inputs.settings, think={"start": think.start, "end": think.end} if think else None,
                          modes={n: named_modes.get(n, default_mode) for n in names}, expect_mean=expect_mean,
                          chunk_size=chunk_size, queue_depth=queue_depth, new_run=new_run,
-                         job=JobSettings(job_timeout=job_timeout))
+                         job=JobSettings(job_timeout=job_timeout), show_progress=show_progress)
     log.debug("run settings: out %s, chunk size %d, queue depth %d, job timeout %d s, %s", out_dir, chunk_size,
               queue_depth, job_timeout, "detach" if detach else "attached",
               extra={"budgets": per_dataset, "modes": options.modes, "sampling_params": inputs.sampling_params})

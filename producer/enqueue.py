@@ -2,19 +2,42 @@
 
 A batch of chunks goes in one MULTI/EXEC: the RQ jobs, their ids in the dataset's live-chunk set (score +inf:
 queued) and each sample's holder in the pending hash. A ``produce`` killed mid-enqueue leaves either a whole
-batch or nothing, so a rerun never enqueues a sample twice and never loses one.
+batch or nothing, so a rerun never enqueues a sample twice and never loses one. ``produce --detach`` sends a
+dataset in batches of ``BATCH_CHUNKS`` chunks (producer/run.py): one MULTI/EXEC of everything would hold every
+payload in memory at once (1.9 GB for 100,000 prompts) for no gain in safety, since each batch is atomic.
+
+Serialization is the producer's hot spot (benchmark 4, docs/performance.md): a chunk of 64 prompts is ~100 KB of
+JSON. RQ's own path (stdlib ``json`` of Python int lists, then ``zlib`` at level 6 in ``Job.to_dict``) cost
+103 µs a sample, more than a third of ``produce``. Here the job data is the same standard JSON, written by orjson
+straight from the rendered ``array``s (through a zero-copy numpy view: no Python int per token) and compressed
+at level 1: ~17 µs a sample, for ~15% more bytes in Redis. Workers need no change: they read job data with rq's
+``JSONSerializer`` (stdlib ``json.loads``), and RQ's ``Job.restore`` decompresses any zlib level.
 """
 from __future__ import annotations
 
+import json
+import zlib
+from array import array
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
+import numpy as np
+import orjson
 import redis
 from rq import Queue
-from rq.serializers import JSONSerializer
+from rq.job import Job
 
 from budget import keys
-from budget.payload import JOB_FUNCTION, VERSION, ChunkPayload, SamplePayload, ThinkPayload
+from budget.payload import JOB_FUNCTION, VERSION, ThinkPayload
+
+#: Chunks per MULTI/EXEC when a whole dataset is enqueued (``--detach``, the first fill): 64 chunks of 64
+#: prompts are ~2 MB on the wire, so a batch costs little memory and the round trips stay few.
+BATCH_CHUNKS = 64
+#: Threads compressing chunk data while the producer's thread serializes the next chunks: zlib releases the GIL.
+COMPRESS_THREADS = 2
+#: zlib level of job data. Level 1 compresses a chunk's JSON ~2.9x (level 6: ~3.7x) at a third of the CPU.
+ZLIB_LEVEL = 1
 
 
 @dataclass(frozen=True)
@@ -24,47 +47,105 @@ class JobSettings:
     failure_ttl: int = 7 * 24 * 3600  # always explicit: RQ's failure stream never expires otherwise
 
 
+TokenIds = Union[list[int], "array[int]"]
+
+
 @dataclass(frozen=True)
 class Item:
-    """A sample ready to send."""
+    """A sample ready to send. ``input_ids`` may stay the compact ``array('i')`` prepare made: it is written to
+    JSON from the array itself."""
 
     id: str
-    input_ids: list[int]
+    input_ids: TokenIds
     opens_think: bool
 
 
+class ChunkSerializer:
+    """Standard JSON out (orjson, numpy int arrays as JSON arrays), stdlib ``json`` in, as the workers read it.
+
+    Only this process writes with it; anything reading a chunk job (workers, rq-dashboard, tests) uses rq's
+    ``JSONSerializer`` and gets the same values."""
+
+    @staticmethod
+    def dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    @staticmethod
+    def loads(data: bytes) -> Any:
+        return json.loads(data)
+
+
+class ChunkJob(Job):
+    """RQ's job, with its data compressed at ``ZLIB_LEVEL`` instead of zlib's default level 6, possibly ahead of
+    time in another thread (``compressed``: zlib releases the GIL, so a batch's chunks compress in parallel
+    with the job bookkeeping on this thread).
+
+    ``Job.to_dict`` calls ``zlib.compress(self.data)`` with no level and offers no hook, so the data is swapped
+    for an empty string while RQ builds the rest of the hash (every other field stays RQ's), then put in
+    compressed here. tests/test_enqueue.py checks the result against RQ's own ``to_dict``."""
+
+    compressed: "Future[bytes] | None" = None
+
+    def to_dict(self, include_meta: bool = True, include_result: bool = True) -> dict[str, Any]:
+        data = self.data
+        self._data = b""
+        try:
+            obj = super().to_dict(include_meta=include_meta, include_result=include_result)
+        finally:
+            self._data = data
+        obj["data"] = self.compressed.result() if self.compressed is not None else zlib.compress(data, ZLIB_LEVEL)
+        return obj
+
+
 def make_queue(client: "redis.Redis") -> Queue:
-    return Queue(keys.QUEUE_NAME, connection=client, serializer=JSONSerializer)
+    return Queue(keys.QUEUE_NAME, connection=client, serializer=ChunkSerializer, job_class=ChunkJob)
+
+
+def wire_ids(ids: TokenIds) -> Any:
+    """What orjson writes as the JSON array of ``ids``: a numpy view of an ``array('i')`` (no copy, no Python
+    ints), a list as it is."""
+    if isinstance(ids, array):
+        return np.frombuffer(ids, dtype=np.intc)
+    return ids
 
 
 def enqueue_chunks(client: "redis.Redis", queue: Queue, dataset: str, chunks: Sequence[Sequence[Item]], *,
                    sampling_params: dict[str, Any], think: ThinkPayload | None,
-                   settings: JobSettings) -> list[str]:
-    """Enqueue ``chunks`` (lists of samples) for ``dataset``; returns their chunk ids in order."""
+                   settings: JobSettings, compress: Executor | None = None) -> list[str]:
+    """Enqueue ``chunks`` (lists of samples) for ``dataset`` in one MULTI/EXEC; returns their chunk ids in order.
+
+    The payload is ``budget.payload.ChunkPayload`` on the wire; ``input_ids`` arrays are written as JSON arrays
+    without becoming lists first. With ``compress`` (a thread pool), each chunk's data is compressed there while
+    the next chunks are serialized and the jobs built here."""
     if not chunks:
         return []
     k = keys.DatasetKeys(dataset)
     last = int(client.incrby(k.seq, len(chunks)))
     ids = [keys.chunk_id(dataset, seq) for seq in range(last - len(chunks) + 1, last + 1)]
-    datas = []
+    jobs = []
     pending: dict[Any, Any] = {}
     for cid, items in zip(ids, chunks):
-        samples: list[SamplePayload] = [
-            {"id": it.id, "input_ids": it.input_ids, "opens_think": it.opens_think} for it in items]
-        payload: ChunkPayload = {"v": VERSION, "dataset": dataset, "chunk": cid,
-                                 "sampling_params": sampling_params, "think": think, "samples": samples}
+        samples = [{"id": it.id, "input_ids": wire_ids(it.input_ids), "opens_think": it.opens_think}
+                   for it in items]
+        payload = {"v": VERSION, "dataset": dataset, "chunk": cid, "sampling_params": sampling_params,
+                   "think": think, "samples": samples}
         first, final = items[0].id, items[-1].id
-        datas.append(Queue.prepare_data(
+        job = queue.create_job(
             JOB_FUNCTION, args=(payload,), job_id=cid, timeout=settings.job_timeout,
             result_ttl=settings.result_ttl, failure_ttl=settings.failure_ttl,
             description=f"{dataset}: {len(items)} samples ({first} .. {final})",
-            meta={"dataset": dataset, "samples": len(items), "first": first, "last": final}))
+            meta={"dataset": dataset, "samples": len(items), "first": first, "last": final})
+        if compress is not None and isinstance(job, ChunkJob):
+            job.compressed = compress.submit(zlib.compress, job.data, ZLIB_LEVEL)
+        jobs.append(job)
         for it in items:
             pending[it.id] = cid
     with client.pipeline(transaction=True) as pipe:
+        pipe.multi()  # explicit: RQ's enqueue_job puts a pipeline in MULTI mode itself unless it already is
         pipe.sadd(keys.DATASETS, dataset)
         pipe.zadd(k.chunks, {cid: float("inf") for cid in ids})
         pipe.hset(k.pending, mapping=pending)
-        queue.enqueue_many(datas, pipeline=pipe)
+        for job in jobs:
+            queue.enqueue_job(job, pipeline=pipe)
         pipe.execute()
     return ids

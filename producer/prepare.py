@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from producer.errors import input_error
+from producer.progress import progress_bar
 from producer.reader import Problem, ReadResult, Sample
 from producer.records import FieldMapping
 from producer.render import Rendered, RenderError, Renderer
@@ -147,10 +148,13 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
     from producer.reader import InputError, read_all
     from producer.render import default_max_context, load_tokenizer
 
+    reading = progress_bar(None, "validating", show=show_progress, unit=" records")
     try:
-        reads = read_all(list(files), skip_invalid, mapping=mapping or FieldMapping())
+        reads = read_all(list(files), skip_invalid, mapping=mapping or FieldMapping(), progress=reading.update)
     except InputError as exc:
         raise input_error(str(exc)) from None
+    finally:
+        reading.close()
     for r in reads:
         for problem in r.invalid:
             warn(f"skipped {problem}")
@@ -165,7 +169,7 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
         max_context = default_max_context(tok)
         if max_context is None:
             raise input_error("the tokenizer has no sane model_max_length: give --max-context")
-    bar = _progress_bar(sum(len(r.samples) for r in reads), "rendering", show=show_progress)
+    bar = progress_bar(sum(len(r.samples) for r in reads), "rendering", show=show_progress)
     try:
         prepared = [prepare(r, renderer, max_tokens=max_tokens, max_context=max_context,
                             max_samples=max_samples, skip_invalid=skip_invalid, progress=bar.update)
@@ -182,19 +186,3 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
     settings = run_settings(renderer, sampling_params, chat_template_kwargs,
                             mapping.system_prompt if mapping else None)
     return Inputs(prepared, renderer, sampling_params, settings, chat_template_kwargs)
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress_bar(total: int, what: str, *, show: bool) -> Any:
-    """A tqdm bar on stderr for long renders (100k prompts take a minute); nothing when not shown."""
-    if not show:
-        return _NoBar()
-    from tqdm import tqdm
-    return tqdm(total=total, desc=what, unit=" prompts", leave=False, mininterval=0.5)

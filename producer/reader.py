@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Callable
 
 from producer.jsonfiles import read_json, read_jsonl
 from producer.records import DEFAULT_MAPPING, FieldMapping
@@ -102,7 +103,8 @@ def check_unique_names(pairs: list[tuple[str, Path]]) -> None:
         raise InputError(problems)
 
 
-def read_dataset(name: str, path: Path, *, mapping: FieldMapping = DEFAULT_MAPPING) -> ReadResult:
+def read_dataset(name: str, path: Path, *, mapping: FieldMapping = DEFAULT_MAPPING,
+                 progress: Callable[[int], None] | None = None) -> ReadResult:
     """Read one dataset, a file or a folder, in the format its path says (see the module doc).
 
     Bad records and duplicates are collected, never raised; a dataset that cannot be read at all raises
@@ -110,11 +112,12 @@ def read_dataset(name: str, path: Path, *, mapping: FieldMapping = DEFAULT_MAPPI
     dataset without any record column, or one given without pyarrow/datasets installed.
     """
     result = ReadResult(name, path, [], [], [])
-    sink = Collector(result)
+    sink = Collector(result, progress)
     if _is_dir(path):
         _read_folder(path, sink, mapping)
     else:
         _read_file(path, sink, mapping)
+    sink.report_progress()
     return result
 
 
@@ -159,10 +162,12 @@ def _read_folder(path: Path, sink: Collector, mapping: FieldMapping) -> None:
         _read_file(file, sink, mapping)
 
 
-def read_all(args: list[str], skip_invalid: bool, *, mapping: FieldMapping = DEFAULT_MAPPING) -> list[ReadResult]:
+def read_all(args: list[str], skip_invalid: bool, *, mapping: FieldMapping = DEFAULT_MAPPING,
+             progress: Callable[[int], None] | None = None) -> list[ReadResult]:
     """Parse dataset arguments and read every dataset, raising one InputError that lists everything wrong.
 
     Bad records are fatal unless ``skip_invalid``; a dataset without a single valid sample always is.
+    ``progress`` is called with the number of records read (valid or not) as reading goes.
     """
     pairs = []
     problems: list[Problem] = []
@@ -177,7 +182,7 @@ def read_all(args: list[str], skip_invalid: bool, *, mapping: FieldMapping = DEF
     results = []
     for name, path in pairs:
         try:
-            results.append(read_dataset(name, path, mapping=mapping))
+            results.append(read_dataset(name, path, mapping=mapping, progress=progress))
         except InputError as e:
             problems.extend(e.problems)
     if problems:

@@ -22,9 +22,10 @@ import socket
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import redis
 
@@ -32,9 +33,10 @@ from budget import keys
 from budget.ledger import LEASE_MS, REDIS_DOWN, DatasetState, Ledger, default_prior_mean
 from budget.payload import ThinkPayload
 from producer.errors import ProduceError
-from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.enqueue import BATCH_CHUNKS, COMPRESS_THREADS, Item, JobSettings, enqueue_chunks, make_queue
 from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, stream_ids, write_failed
 from producer.prepare import Prepared, settings_diff
+from producer.progress import progress_bar
 
 log = logging.getLogger("budgetq.produce")
 
@@ -73,6 +75,7 @@ class RunOptions:
     job: JobSettings = field(default_factory=JobSettings)
     poll_s: float = 0.2
     progress_s: float = 5.0
+    show_progress: bool = False  # a bar on stderr while --detach enqueues (produce: a terminal and not --quiet)
 
 
 @dataclass
@@ -263,11 +266,7 @@ class Producer:
     def run(self, detach: bool = False) -> list[DatasetSummary]:
         try:
             if detach:
-                for d in self.runs:
-                    state = self.ledger.state(d.name)
-                    d.status = state.status
-                    if state.has_room():
-                        self._refill(d, max_samples=self._samples_needed(d, state, everything=True))
+                self._enqueue_all()
                 return self.summaries()
             while True:
                 try:
@@ -279,6 +278,21 @@ class Producer:
             return self.summaries()
         finally:
             self.release()
+
+    def _enqueue_all(self) -> None:
+        """--detach: enqueue what each dataset's budget needs (everything when unbudgeted), batch by batch."""
+        plan = []
+        for d in self.runs:
+            state = self.ledger.state(d.name)
+            d.status = state.status
+            if state.has_room():
+                plan.append((d, self._samples_needed(d, state, everything=True)))
+        bar = progress_bar(sum(min(n, len(d.todo)) for d, n in plan), "enqueueing", show=self.opt.show_progress)
+        try:
+            for d, n in plan:
+                self._refill(d, max_samples=n, progress=bar.update)
+        finally:
+            bar.close()
 
     def _ride_out_outage(self, exc: Exception) -> None:
         """Wait for Redis to come back, check it still holds this run's state, then go on. Leases that ran out
@@ -427,22 +441,51 @@ class Producer:
             return float(raw)
         return default_prior_mean(int(self.opt.sampling_params["max_new_tokens"]))
 
-    def _refill(self, d: DatasetRun, max_chunks: int | None = None, max_samples: int | None = None) -> None:
+    def _refill(self, d: DatasetRun, max_chunks: int | None = None, max_samples: int | None = None,
+                progress: Callable[[int], None] | None = None) -> None:
+        """Enqueue up to ``max_chunks`` chunks holding up to ``max_samples`` of ``d``'s to-do samples.
+
+        In batches of ``BATCH_CHUNKS`` chunks, each one MULTI/EXEC (all of it or none): a ``--detach`` of a
+        whole dataset never holds more than one batch's payloads, and a produce killed between batches leaves
+        whole batches, which its rerun finds live and does not enqueue again. Chunk data is compressed in a
+        small thread pool while this thread serializes and builds the jobs (producer/enqueue.py)."""
+        with ThreadPoolExecutor(COMPRESS_THREADS, thread_name_prefix="bq-zlib") as pool:
+            for chunks in self._batches(d, max_chunks, max_samples):
+                try:
+                    cids = enqueue_chunks(self.r, self.queue, d.name, chunks,
+                                          sampling_params=self.opt.sampling_params, think=self.opt.think,
+                                          settings=self.opt.job, compress=pool)
+                except BaseException:
+                    # Not enqueued (or, after a lost EXEC reply, perhaps enqueued): the samples go back to the
+                    # front of the to-do list either way. Enqueued twice is harmless: the holder hash names the
+                    # newer chunk, so the older one's admits are refused, and done samples are skipped.
+                    d.todo.extendleft(reversed([it.id for items in chunks for it in items]))
+                    raise
+                n = 0
+                for cid, items in zip(cids, chunks):
+                    d.chunk_samples[cid] = [it.id for it in items]
+                    n += len(items)
+                d.enqueued_samples += n
+                if progress is not None:
+                    progress(n)
+
+    def _batches(self, d: DatasetRun, max_chunks: int | None, max_samples: int | None) -> Iterator[list[list[Item]]]:
+        """Pop ``d``'s to-do samples into chunks, one batch at a time: only the batch being sent exists as Items.
+        Items keep the prepared ``array``s; their JSON is written from the arrays (no Python int per token)."""
         size = self.opt.chunk_size
-        chunks: list[list[Item]] = []
         p = d.prepared
-        budget = len(d.todo) if max_samples is None else max_samples
-        while d.todo and budget > 0 and (max_chunks is None or len(chunks) < max_chunks):
-            ids = [d.todo.popleft() for _ in range(min(size, len(d.todo), budget))]
-            budget -= len(ids)
-            chunks.append([Item(sid, p.input_ids[sid].tolist(), p.opens_think[sid]) for sid in ids])
-        if not chunks:
-            return
-        cids = enqueue_chunks(self.r, self.queue, d.name, chunks, sampling_params=self.opt.sampling_params,
-                              think=self.opt.think, settings=self.opt.job)
-        for cid, items in zip(cids, chunks):
-            d.chunk_samples[cid] = [it.id for it in items]
-            d.enqueued_samples += len(items)
+        samples = len(d.todo) if max_samples is None else max_samples
+        chunks_left = max_chunks
+        while d.todo and samples > 0 and (chunks_left is None or chunks_left > 0):
+            n_chunks = BATCH_CHUNKS if chunks_left is None else min(BATCH_CHUNKS, chunks_left)
+            chunks: list[list[Item]] = []
+            while d.todo and samples > 0 and len(chunks) < n_chunks:
+                ids = [d.todo.popleft() for _ in range(min(size, len(d.todo), samples))]
+                samples -= len(ids)
+                chunks.append([Item(sid, p.input_ids[sid], p.opens_think[sid]) for sid in ids])
+            if chunks_left is not None:
+                chunks_left -= len(chunks)
+            yield chunks
 
     # -- reporting -------------------------------------------------------------------------------------
     def progress_line(self) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 Unit = Literal["line", "row"]
 
@@ -77,13 +77,31 @@ class Collector:
     """Adds records to a ReadResult in reading order: the first sample of an id wins, later ones are duplicates.
 
     One collector spans every file of a folder dataset, so an id repeated across its files is a duplicate too.
+    ``progress`` (a progress bar's ``update``) hears of the records read, every ``PROGRESS_EVERY`` records: every
+    format reads through a collector, and a call per record would cost more than the bar is worth.
     """
 
-    def __init__(self, result: ReadResult) -> None:
+    PROGRESS_EVERY = 1024
+
+    def __init__(self, result: ReadResult, progress: Callable[[int], None] | None = None) -> None:
         self.result = result
         self._first: dict[str, Sample] = {}
+        self._progress = progress
+        self._unreported = 0
+
+    def _count(self) -> None:
+        self._unreported += 1
+        if self._unreported >= self.PROGRESS_EVERY:
+            self.report_progress()
+
+    def report_progress(self) -> None:
+        """Tell ``progress`` about the records not reported yet (also called once the dataset is read)."""
+        if self._progress is not None and self._unreported:
+            self._progress(self._unreported)
+        self._unreported = 0
 
     def add(self, path: str, n: int, unit: Unit, sample_id: str, messages: list[dict[str, Any]]) -> None:
+        self._count()
         first = self._first.get(sample_id)
         if first is None:
             sample = Sample(sample_id, messages, n, path, unit)
@@ -94,6 +112,7 @@ class Collector:
         self.result.duplicates.append(Problem(path, n, f'duplicate id "{sample_id}" (first seen {seen})', unit))
 
     def reject(self, path: str, n: int, unit: Unit, reason: str) -> None:
+        self._count()
         self.result.invalid.append(Problem(path, n, reason, unit))
 
 

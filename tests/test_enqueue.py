@@ -1,0 +1,242 @@
+"""Enqueueing on a real redis-server: the job data workers read, the batches, and a produce killed between them.
+
+The producer writes chunk job data itself (orjson straight from the rendered arrays, zlib level 1) instead of
+RQ's stdlib json + zlib level 6. Workers read it with rq's ``JSONSerializer`` (stdlib ``json.loads``), so these
+tests read it the same way; tests/test_e2e.py runs real ``rq worker -w worker.Worker`` processes on it.
+``produce --detach`` sends a dataset in batches of ``BATCH_CHUNKS`` chunks, one MULTI/EXEC each: MONITOR shows
+the transactions as Redis executes them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import zlib
+from array import array
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import redis
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from budget import keys
+from producer.enqueue import (BATCH_CHUNKS, ZLIB_LEVEL, ChunkJob, ChunkSerializer, Item, JobSettings,
+                              enqueue_chunks, make_queue)
+from tests.procs import produce_cmd, read_jsonl
+
+DATA = Path(__file__).resolve().parent.parent / "demo" / "data"
+CODE = DATA / "code_instruct.jsonl"  # 150 samples
+SETTINGS = JobSettings()
+
+
+def rq_reader(r: "redis.Redis") -> Queue:
+    """The queue as a worker sees it: RQ's own Job class and JSON serializer."""
+    return Queue(keys.QUEUE_NAME, connection=r, serializer=JSONSerializer)
+
+
+def job_payloads(r: "redis.Redis") -> list[dict[str, Any]]:
+    """The payload of every queued chunk job, in queue order, read as a worker reads it."""
+    queue = rq_reader(r)
+    out = []
+    for raw in r.lrange(keys.RQ_QUEUE, 0, -1):
+        job = queue.fetch_job(raw.decode())
+        assert job is not None
+        out.append(job.args[0])
+    return out
+
+
+def test_job_data_is_standard_json_that_rq_reads(r: "redis.Redis") -> None:
+    """Arrays (as prepare keeps them) and lists give the same JSON; every field reads back through RQ."""
+    ids = array("i", [0, 7, 151_643, 2**31 - 1])
+    chunks = [[Item("a", ids, True), Item("b", [1, 2, 3], False)], [Item("c", array("i", [5]), False)]]
+    params = {"max_new_tokens": 64, "temperature": 0.6, "top_p": 0.95}
+    think = {"start": "<think>", "end": "</think>"}
+    cids = enqueue_chunks(r, make_queue(r), "ds", chunks, sampling_params=params, think=think, settings=SETTINGS)
+    assert cids == ["bq-ds-0000001", "bq-ds-0000002"]
+    raw = r.hget(keys.rq_job_key(cids[0]), "data")
+    assert isinstance(raw, bytes) and raw[:2] == b"\x78\x01"  # zlib header, FLEVEL 0: the fastest level
+    text = zlib.decompress(raw)
+    func, instance, args, kwargs = json.loads(text, parse_constant=pytest.fail)  # strict standard JSON
+    assert (func, instance, kwargs) == ("worker.jobs.run_chunk", None, {})
+    assert args == [{"v": 1, "dataset": "ds", "chunk": cids[0], "sampling_params": params, "think": think,
+                     "samples": [{"id": "a", "input_ids": [0, 7, 151_643, 2**31 - 1], "opens_think": True},
+                                 {"id": "b", "input_ids": [1, 2, 3], "opens_think": False}]}]
+    job = rq_reader(r).fetch_job(cids[1])
+    assert job is not None and type(job) is Job
+    assert job.func_name == "worker.jobs.run_chunk"
+    assert job.args[0]["samples"] == [{"id": "c", "input_ids": [5], "opens_think": False}]
+    assert job.meta == {"dataset": "ds", "samples": 1, "first": "c", "last": "c"}
+    assert job.description == "ds: 1 samples (c .. c)"
+    assert (job.timeout, job.result_ttl, job.failure_ttl) == (SETTINGS.job_timeout, SETTINGS.result_ttl,
+                                                             SETTINGS.failure_ttl)
+    assert job.get_status() == "queued" and job.origin == keys.QUEUE_NAME
+
+
+def test_chunk_job_hash_is_rqs_own_but_for_the_zlib_level(r: "redis.Redis") -> None:
+    """Every field of the job hash is what RQ's Job.to_dict writes; only the data's compression level differs."""
+    payload = {"samples": [{"id": "a", "input_ids": list(range(500)), "opens_think": False}]}
+    made = {}
+    for cls, serializer in ((Job, JSONSerializer), (ChunkJob, ChunkSerializer)):
+        job = cls.create("worker.jobs.run_chunk", args=(payload,), connection=r, id="bq-x-0000001",
+                         timeout=60, result_ttl=70, failure_ttl=80, description="d", meta={"m": 1},
+                         origin=keys.QUEUE_NAME, serializer=serializer)
+        job.created_at = job.enqueued_at = datetime(2026, 1, 1, tzinfo=timezone.utc)
+        made[cls] = job.to_dict()
+    ours, theirs = made[ChunkJob], made[Job]
+    assert ours.keys() == theirs.keys()
+    assert {k: v for k, v in ours.items() if k not in ("data", "meta")} == \
+        {k: v for k, v in theirs.items() if k not in ("data", "meta")}
+    assert json.loads(ours["meta"]) == json.loads(theirs["meta"])
+    assert json.loads(zlib.decompress(ours["data"])) == json.loads(zlib.decompress(theirs["data"]))
+    assert ours["data"] == zlib.compress(zlib.decompress(ours["data"]), ZLIB_LEVEL)
+
+
+class Monitor:
+    """Redis MONITOR in a thread: every command Redis executes, grouped into each client's MULTI/EXEC blocks.
+
+    ``on_batch`` is called (in the monitor thread) at the EXEC of each transaction that pushed onto the RQ queue."""
+
+    STOP = "bq-test-monitor-stop"
+
+    def __init__(self, url: str, on_batch: Callable[[list[str]], None] | None = None) -> None:
+        self.url = url
+        self.on_batch = on_batch
+        self.batches: list[list[str]] = []  # the commands of each transaction that enqueued chunks
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "Monitor":
+        self.thread.start()
+        assert self.ready.wait(10), "MONITOR did not start"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        client = redis.Redis.from_url(self.url)
+        client.echo(self.STOP)  # MONITOR shows it last: every command before it has been seen
+        client.close()
+        self.thread.join(10)
+
+    def _run(self) -> None:
+        open_tx: dict[str, list[str]] = {}
+        with redis.Redis.from_url(self.url).monitor() as m:
+            self.ready.set()
+            for entry in m.listen():
+                cmd, client = entry["command"], f"{entry.get('client_address')}:{entry.get('client_port')}"
+                if cmd == f"ECHO {self.STOP}":
+                    return
+                if cmd == "MULTI":
+                    open_tx[client] = []
+                elif cmd == "EXEC":
+                    tx = open_tx.pop(client, [])
+                    if any(c.startswith(f"RPUSH {keys.RQ_QUEUE} ") for c in tx):
+                        self.batches.append(tx)
+                        if self.on_batch is not None:
+                            self.on_batch(tx)
+                elif client in open_tx:
+                    open_tx[client].append(cmd)
+
+
+def batch_shape(tx: list[str], dataset: str) -> tuple[list[str], list[str]]:
+    """(chunk ids pushed, sample ids given a holder) by one transaction; checks it carries all of each chunk."""
+    k = keys.DatasetKeys(dataset)
+    pushed = [c.split()[2] for c in tx if c.startswith(f"RPUSH {keys.RQ_QUEUE} ")]
+    (zadd,) = [c for c in tx if c.startswith(f"ZADD {k.chunks} ")]
+    assert zadd.split()[3::2] == pushed and set(zadd.split()[2::2]) == {"inf"}  # queued (score inf) in the live set in the same transaction
+    (hset,) = [c for c in tx if c.startswith(f"HSET {k.pending} ")]
+    holders = hset.split()[2:]
+    assert set(holders[1::2]) == set(pushed)
+    for cid in pushed:  # the job hash itself: status, then RQ's whole mapping
+        assert sum(c.startswith(f"HSET {keys.rq_job_key(cid)} ") for c in tx) == 2
+    return pushed, holders[0::2]
+
+
+def produce(args: list[str], redis_url: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*produce_cmd(), *args, "--redis-url", redis_url], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_detach_sends_a_dataset_in_atomic_batches(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
+                                                  tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    """150 one-sample chunks: 3 MULTI/EXEC of 64, 64 and 22 chunks, each with its bookkeeping; then real workers
+    run every chunk and an attached produce collects each sample exactly once."""
+    args = [str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "64", "--chunk-size", "1",
+            "--out", str(tmp_path / "out")]
+    with Monitor(redis_url) as mon:
+        res = produce([*args, "--detach"], redis_url)
+    assert res.returncode == 0, res.stderr
+    shapes = [batch_shape(tx, "code_instruct") for tx in mon.batches]
+    assert [len(pushed) for pushed, _ in shapes] == [BATCH_CHUNKS, BATCH_CHUNKS, 150 - 2 * BATCH_CHUNKS]
+    samples = [sid for _, held in shapes for sid in held]
+    assert len(samples) == len(set(samples)) == 150
+    assert r.llen(keys.RQ_QUEUE) == 150
+
+    sim = sim_factory("--zero-latency", "--length-dist", "fixed", "--mean-tokens", "16")
+    workers(sim.url, BUDGETQ_CONCURRENCY="16").start("w0")
+    again = produce(args, redis_url)
+    assert again.returncode == 0, again.stderr
+    recs = read_jsonl(tmp_path / "out" / "code_instruct" / "raw_responses.jsonl")
+    assert sorted(x["id"] for x in recs) == sorted(samples)
+    assert int(r.get(keys.DatasetKeys("code_instruct").used) or 0) == sum(x["completion_tokens"] for x in recs)
+
+
+@pytest.fixture
+def many_prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "many.jsonl"
+    with open(path, "w") as fh:
+        for i in range(2_000):
+            fh.write(json.dumps({"id": f"m{i}", "messages": [{"role": "user", "content": f"Say {i} in words."}]})
+                     + "\n")
+    return path
+
+
+@pytest.fixture
+def pauser(redis_url: str) -> Iterator[Callable[[], None]]:
+    """CLIENT PAUSE WRITE on the test server, always lifted at the end."""
+    client = redis.Redis.from_url(redis_url)
+    yield lambda: client.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+    client.execute_command("CLIENT", "UNPAUSE")
+    client.close()
+
+
+def test_produce_killed_between_batches_leaves_whole_batches_and_the_rerun_adds_the_rest(
+        redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, many_prompts: Path,
+        pauser: Callable[[], None]) -> None:
+    """Writes are paused the moment the first batch's EXEC runs, and produce is killed -9 while blocked: Redis
+    holds whole batches only. The rerun enqueues exactly the samples that are not held by a queued chunk."""
+    total = 2_000
+    args = [f"many={many_prompts}", "--tokenizer", str(tokenizer_dir), "--max-tokens", "64", "--chunk-size", "1",
+            "--out", str(tmp_path / "out"), "--detach", "--redis-url", redis_url]
+    first_batch = threading.Event()
+
+    def pause_writes(tx: list[str]) -> None:
+        if not first_batch.is_set():
+            pauser()
+            first_batch.set()
+
+    with Monitor(redis_url, on_batch=pause_writes):
+        proc = subprocess.Popen([*produce_cmd(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            assert first_batch.wait(240), "produce never enqueued a batch"
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate(30)
+        r.execute_command("CLIENT", "UNPAUSE")
+    assert proc.returncode == -signal.SIGKILL, err
+    k = keys.DatasetKeys("many")
+    queued = r.llen(keys.RQ_QUEUE)
+    assert 0 < queued < total and queued % BATCH_CHUNKS == 0, queued  # whole batches, and not all of them
+    held = [s["id"] for p in job_payloads(r) for s in p["samples"]]
+    assert len(held) == len(set(held)) == queued == r.hlen(k.pending) == r.zcard(k.chunks)
+
+    res = subprocess.run([*produce_cmd(), *args], capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    held = [s["id"] for p in job_payloads(r) for s in p["samples"]]
+    assert sorted(held) == sorted(f"m{i}" for i in range(total))  # every sample once: none lost, none twice
+    assert r.zcard(k.chunks) == r.hlen(k.pending) == total
