@@ -214,6 +214,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=80000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--in-flight", type=int, default=64)
+    ap.add_argument("--chunk-size", type=int, default=64, help="samples per chunk job (produce --chunk-size)")
     ap.add_argument("--warm", type=float, default=1.5)
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--profile-seconds", type=float, default=10.0)
@@ -232,7 +233,7 @@ def main() -> None:
         with Stack(work / "stack", sim_args=SIM, workers=0) as stack:
             subprocess.run([*produce_cmd(), f"prompts={data}", "--tokenizer", str(tok), "--max-tokens", "64",
                             "--max-context", "65536", "--out", str(work / "out"), "--redis-url", stack.redis_url,
-                            "--detach", "--quiet"], check=True, capture_output=True)
+                            "--detach", "--quiet", "--chunk-size", str(args.chunk_size)], check=True, capture_output=True)
             bases, bqs, worker = alternate(stack, work, bodies, args)
             prof = None
             if not args.no_profile:

@@ -56,6 +56,7 @@ def test_batcher_sends_calls_of_one_loop_iteration_together(r: "redis.Redis") ->
         batcher = Batcher(ledger)
         outcomes = await asyncio.gather(*(batcher.call(ledger.commit_call("ds", f"s{i}", 10, {}))
                                           for i in range(50)))
+        batcher.close()
         return list(outcomes), batcher
 
     outcomes, batcher = asyncio.run(main())
@@ -71,6 +72,7 @@ def test_batcher_caps_a_batch(r: "redis.Redis") -> None:
     async def main() -> Batcher:
         batcher = Batcher(ledger, max_batch=8)
         await asyncio.gather(*(batcher.call(ledger.commit_call("ds", f"s{i}", 1, {})) for i in range(20)))
+        batcher.close()
         return batcher
 
     batcher = asyncio.run(main())
@@ -85,11 +87,36 @@ def test_batcher_hands_a_connection_error_to_every_caller(redis_url: str) -> Non
 
     async def main() -> list[object]:
         batcher = Batcher(ledger)
-        return list(await asyncio.gather(
-            *(batcher.call(ledger.admit_call("ds", f"s{i}", "c")) for i in range(3)), return_exceptions=True))
+        try:
+            return list(await asyncio.gather(
+                *(batcher.call(ledger.admit_call("ds", f"s{i}", "c")) for i in range(3)), return_exceptions=True))
+        finally:
+            batcher.close()
     
     results = asyncio.run(main())
     assert len(results) == 3 and all(isinstance(e, redis.ConnectionError) for e in results)
+
+
+def test_batcher_sends_calls_made_while_a_batch_is_in_flight_next(r: "redis.Redis") -> None:
+    """While one batch is on its way to Redis the loop goes on; what it asks meanwhile goes in the next batch,
+    and every call is answered exactly once."""
+    ledger = Ledger(r)
+    ledger.set_budget("ds", None)
+
+    async def main() -> tuple[Batcher, list[CommitOutcome]]:
+        batcher = Batcher(ledger)
+        first = [batcher.call(ledger.commit_call("ds", f"a{i}", 1, {})) for i in range(10)]
+        await asyncio.sleep(0)  # the first batch leaves: the ledger thread has it
+        assert batcher.batches == 1
+        second = [batcher.call(ledger.commit_call("ds", f"b{i}", 1, {})) for i in range(10)]
+        outcomes = await asyncio.gather(*first, *second)
+        batcher.close()
+        return batcher, list(outcomes)
+
+    batcher, outcomes = asyncio.run(main())
+    assert all(o.committed for o in outcomes) and len(outcomes) == 20
+    assert (batcher.batches, batcher.calls) == (2, 20)
+    assert int(r.get(keys.DatasetKeys("ds").used) or 0) == 20
 
 
 def test_admissions_in_one_batch_match_one_by_one(r: "redis.Redis") -> None:

@@ -1,66 +1,86 @@
-"""Ledger calls made by many coroutines, sent in one Redis round trip per event-loop iteration.
+"""Ledger calls made by many coroutines, sent in one Redis round trip per batch, off the event loop.
 
 Why: the worker's event loop is its request thread, and the ledger's redis-py client is synchronous. Called
 one at a time, admit + commit cost ~400 µs of blocked loop per sample, most of it waiting for replies, and
-that was 60-70% of the loop's time against a fast server (docs/performance.md, figure 3). Requests that end
-in the same loop iteration, and the free slots a chunk fills at once, now share one pipeline: the round trip
-is paid once per batch instead of once per call.
+that was 60-70% of the loop's time against a fast server (docs/performance.md, figure 3).
 
-How: ``call`` queues the ledger call and returns a future; the first call of a batch schedules ``flush`` with
+How: ``call`` queues the ledger call and returns a future. The first call of a batch schedules ``_flush`` with
 ``call_soon``, so it runs after every callback that was already ready when the batch began (every response
-that arrived in the same epoll wake-up). Each script stays atomic on its own and idempotent, so batching
-changes no budget decision and a resend after a lost connection is harmless (budget/ledger.py).
+that arrived in the same epoll wake-up). The batch goes to Redis as one pipeline from a helper thread: the
+loop goes on with HTTP while Redis runs the scripts (redis-py releases the GIL while it waits on the socket).
+One batch is in flight at a time; calls made meanwhile form the next one, sent as soon as the reply is back,
+so batches grow with the load by themselves. Each script stays atomic on its own and idempotent, so batching
+changes no budget decision, and a resend after a lost connection is harmless (budget/ledger.py).
 
-Why on the loop and synchronous: two ways to also take the wait for Redis off the loop were measured and lost
-(bench/overhead.py and a micro benchmark of 64 admits + 64 commits; docs/performance.md figure 3): an
-asyncio Redis client costs ~2x the CPU per call of redis-py's synchronous client with hiredis (66-74 against
-34-35 µs a sample), and a helper thread hands the GIL back and forth with the loop. Batched, the blocked time
-is ~30 µs a sample.
+Measured against a zero-latency server (python -m bench.overhead, quiet machine, 64 in flight): one call at a
+time 1,297 samples/s; batched on the loop with the synchronous client 1,905; batched from this thread
+2,000-2,174. An asyncio Redis client was tried too: it costs about twice the CPU per call (66-74 against
+34-35 µs a sample, client side, with hiredis). Beyond speed, the thread keeps a slow Redis (an fsync, a long
+discard script) from stalling the loop: responses are still read while ledger calls wait.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import Any
 
 from budget.ledger import Call, Ledger, T
 
+Pending = list[tuple[Call[Any], "asyncio.Future[Any]"]]
+
 
 class Batcher:
-    """Lives on one event loop; ``call`` must be called from that loop."""
+    """Lives on one event loop; ``call`` must be called from that loop. ``close`` stops its thread."""
 
     def __init__(self, ledger: Ledger, max_batch: int = 256) -> None:
         self.ledger = ledger
         self.max_batch = max_batch
-        self._calls: list[tuple[Call[Any], asyncio.Future[Any]]] = []
+        self._calls: Pending = []
         self._scheduled = False
-        self.batches = 0  # flushes so far, and calls they carried: for tests and benchmarks
+        self._busy = False  # a batch is on its way to Redis
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="budgetq-ledger")
+        self.batches = 0  # batches sent so far, and calls they carried: for tests and benchmarks
         self.calls = 0
 
     def call(self, call: Call[T]) -> "asyncio.Future[T]":
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
         self._calls.append((call, fut))
-        if len(self._calls) >= self.max_batch:
-            self.flush()
-        elif not self._scheduled:
+        if not self._scheduled and not self._busy:
             self._scheduled = True
-            loop.call_soon(self.flush)
+            loop.call_soon(self._flush)
         return fut
 
-    def flush(self) -> None:
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _flush(self) -> None:
         self._scheduled = False
-        batch, self._calls = [(c, f) for c, f in self._calls if not f.cancelled()], []
+        if self._busy:
+            return
+        live = [(c, f) for c, f in self._calls if not f.cancelled()]
+        batch, self._calls = live[:self.max_batch], live[self.max_batch:]
         if not batch:
             return
+        self._busy = True
         self.batches += 1
         self.calls += len(batch)
-        try:
-            replies = self.ledger.run_many([c for c, _ in batch])
-        except Exception as exc:  # the connection failed: every call of the batch gets the error to retry
+        sent = asyncio.get_running_loop().run_in_executor(self._pool, self.ledger.run_many, [c for c, _ in batch])
+        sent.add_done_callback(lambda done: self._settle(batch, done))
+
+    def _settle(self, batch: Pending, done: "asyncio.Future[list[Any]]") -> None:
+        self._busy = False
+        if self._calls:
+            self._flush()  # what queued up meanwhile goes out before the callers wake
+        exc = done.exception()
+        if exc is not None:  # the connection failed: every call of the batch gets the error, to retry
             for _, fut in batch:
-                fut.set_exception(exc)
+                if not fut.done():
+                    fut.set_exception(exc)
             return
-        for (_, fut), reply in zip(batch, replies):
+        for (_, fut), reply in zip(batch, done.result()):
+            if fut.done():
+                continue
             if isinstance(reply, Exception):
                 fut.set_exception(reply)
             else:

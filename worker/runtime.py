@@ -76,6 +76,7 @@ class Runtime:
         try:
             self._call(self.dispatcher.drain())
             self._call(self.session.close())
+            self.dispatcher.batcher.close()
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
