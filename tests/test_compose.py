@@ -382,6 +382,26 @@ def test_worker_service(services: dict[str, dict[str, Any]]) -> None:
     assert not worker.get("container_name"), "a fixed container name would forbid --scale"
 
 
+def test_every_variable_given_to_our_commands_is_one_they_read(services: dict[str, dict[str, Any]]) -> None:
+    """A misspelled variable is not an error: a worker would fall back to its default (127.0.0.1) and retry
+    forever. So each variable the compose file sets for the worker reaches a literal in worker/ (where the
+    worker reads its environment), and each one set for produce is a click option's envvar or REDIS_URL."""
+    import click
+
+    from producer.cli import main
+    worker_source = "\n".join(p.read_text() for p in (ROOT / "worker").glob("*.py"))
+    for key in environment(services["worker"]):
+        assert f'"{key}"' in worker_source, f"worker: {key} is set in docker-compose.yml but never read"
+    produce_reads = set()
+    assert isinstance(main, click.Group)
+    for command in main.commands.values():
+        for param in command.params:
+            envvar = getattr(param, "envvar", None)
+            produce_reads |= {envvar} if isinstance(envvar, str) else set(envvar or ())
+    for key in environment(services["produce"]):
+        assert key in produce_reads, f"produce: {key} is set in docker-compose.yml but no option reads it"
+
+
 def test_worker_command_is_one_rq_accepts_and_its_classes_import() -> None:
     import rq.cli
     from rq.utils import import_attribute
