@@ -7,46 +7,38 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
+
+
+def _number(env: Mapping[str, str], name: str, parse: Callable[[str], float], *, zero_ok: bool,
+            what: str) -> float | None:
+    """The variable as a number, None when unset or empty; a bad value is an error that names the variable (a
+    worker that silently ran on a default would be worse than one that does not start)."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = parse(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected {what}") from None
+    if not (value >= 0 if zero_ok else value > 0):  # written so that NaN fails too
+        raise ValueError(f"{name}={raw!r}: must be {'0 or more' if zero_ok else 'positive'}")
+    return value
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a whole number") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r}: must be positive")
-    return value
+    value = _number(env, name, int, zero_ok=False, what="a whole number")
+    return default if value is None else int(value)
 
 
-def _float(env: Mapping[str, str], name: str, default: float | None) -> float | None:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"{name}={raw!r}: must be positive")
-    return value
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    value = _number(env, name, float, zero_ok=False, what="a number of seconds")
+    return default if value is None else value
 
 
 def _nonneg(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a number") from None
-    if not value >= 0:
-        raise ValueError(f"{name}={raw!r}: must be 0 or more")
-    return value
+    value = _number(env, name, float, zero_ok=True, what="a number")
+    return default if value is None else value
 
 
 @dataclass(frozen=True)
@@ -79,12 +71,11 @@ class WorkerConfig:
             concurrency=_int(env, "BUDGETQ_CONCURRENCY", cls.concurrency),
             max_attempts=_int(env, "BUDGETQ_MAX_ATTEMPTS", cls.max_attempts),
             retry_for=_nonneg(env, "BUDGETQ_RETRY_FOR", cls.retry_for),
-            connect_timeout=_float(env, "BUDGETQ_CONNECT_TIMEOUT", cls.connect_timeout) or cls.connect_timeout,
-            request_timeout=_float(env, "BUDGETQ_REQUEST_TIMEOUT", None),
-            min_tokens_per_second=_float(env, "BUDGETQ_MIN_TOKENS_PER_SECOND", cls.min_tokens_per_second)
-            or cls.min_tokens_per_second,
-            backoff_cap=_float(env, "BUDGETQ_BACKOFF_CAP", cls.backoff_cap) or cls.backoff_cap,
-            reserve_interval=_float(env, "BUDGETQ_RESERVE_INTERVAL", cls.reserve_interval) or cls.reserve_interval,
+            connect_timeout=_float(env, "BUDGETQ_CONNECT_TIMEOUT", cls.connect_timeout),
+            request_timeout=_number(env, "BUDGETQ_REQUEST_TIMEOUT", float, zero_ok=False, what="a number of seconds"),
+            min_tokens_per_second=_float(env, "BUDGETQ_MIN_TOKENS_PER_SECOND", cls.min_tokens_per_second),
+            backoff_cap=_float(env, "BUDGETQ_BACKOFF_CAP", cls.backoff_cap),
+            reserve_interval=_float(env, "BUDGETQ_RESERVE_INTERVAL", cls.reserve_interval),
             predict_margin=_nonneg(env, "BUDGETQ_PREDICT_MARGIN", cls.predict_margin),
         )
 

@@ -1,0 +1,36 @@
+"""The worker's environment (worker/config.py): defaults, and a bad value named instead of silently ignored."""
+from __future__ import annotations
+
+import pytest
+
+from worker.config import WorkerConfig
+
+
+def test_unset_or_empty_variables_keep_the_defaults() -> None:
+    assert WorkerConfig.from_env({}) == WorkerConfig.from_env({"BUDGETQ_CONCURRENCY": " ", "BUDGETQ_RETRY_FOR": ""})
+    assert WorkerConfig.from_env({}).request_timeout is None
+
+
+def test_values_are_read() -> None:
+    cfg = WorkerConfig.from_env({"BUDGETQ_CONCURRENCY": "8", "BUDGETQ_RETRY_FOR": "0", "BUDGETQ_REQUEST_TIMEOUT": "30",
+                                 "BUDGETQ_PREDICT_MARGIN": "0", "BUDGETQ_BACKOFF_CAP": "2.5",
+                                 "SGLANG_URL": "http://a:1/, http://b:2"})
+    assert (cfg.concurrency, cfg.retry_for, cfg.request_timeout, cfg.predict_margin, cfg.backoff_cap) == \
+        (8, 0.0, 30.0, 0.0, 2.5)
+    assert cfg.servers == ("http://a:1", "http://b:2")
+
+
+@pytest.mark.parametrize("name, raw, message", [
+    ("BUDGETQ_CONCURRENCY", "1.5", "expected a whole number"),
+    ("BUDGETQ_MAX_ATTEMPTS", "0", "must be positive"),
+    ("BUDGETQ_REQUEST_TIMEOUT", "nan", "must be positive"),
+    ("BUDGETQ_CONNECT_TIMEOUT", "-1", "must be positive"),
+    ("BUDGETQ_BACKOFF_CAP", "soon", "expected a number of seconds"),
+    ("BUDGETQ_RETRY_FOR", "-1", "must be 0 or more"),
+    ("BUDGETQ_PREDICT_MARGIN", "lots", "expected a number"),
+    ("SGLANG_URL", "sglang:30000", "not an http(s) URL"),
+])
+def test_a_bad_value_names_the_variable(name: str, raw: str, message: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        WorkerConfig.from_env({name: raw})
+    assert str(exc.value).startswith(name) and message in str(exc.value)
