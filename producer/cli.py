@@ -144,19 +144,9 @@ def _connect(redis_url: str) -> "redis.Redis":
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise RuntimeProblem(f"cannot reach Redis at {_safe_url(redis_url)}: {exc}") from None
-    log.debug("connected to Redis at %s", _safe_url(redis_url), extra={"redis": _safe_url(redis_url)})
+        raise RuntimeProblem(f"cannot reach Redis at {logs.redact(redis_url)}: {exc}") from None
+    log.debug("connected to Redis at %s", logs.redact(redis_url), extra={"redis": logs.redact(redis_url)})
     return client
-
-
-def _safe_url(url: str) -> str:
-    """The Redis URL without its password: secrets never reach a log."""
-    from urllib.parse import urlsplit, urlunsplit
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url
 
 
 @main.command("run", help="Validate, render and enqueue FILES, then stay attached until the run ends.\n\n"
@@ -388,7 +378,7 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
             else:
                 text = status_table(rows)
             if watch and not as_json:
-                click.echo("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + _safe_url(redis_url) + "\n" + text)
+                click.echo("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + logs.redact(redis_url) + "\n" + text)
             else:
                 click.echo(text)
             if not watch:
@@ -444,7 +434,7 @@ def metrics_cmd(redis_url: str, host: str, port: int, verbose: bool, log_format:
     def ready(server: MetricsServer) -> None:
         bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
         log.info("serving http://%s:%d/metrics (Redis %s); Ctrl-C stops", bound_host, bound_port,
-                 _safe_url(redis_url), extra={"url": f"http://{bound_host}:{bound_port}/metrics"})
+                 logs.redact(redis_url), extra={"url": f"http://{bound_host}:{bound_port}/metrics"})
 
     try:
         serve_metrics(client, host=host, port=port, on_ready=ready)
