@@ -129,24 +129,6 @@ def _commit_outcome(reply: Any) -> CommitOutcome:
     return CommitOutcome(bool(ok), int(used), bool(closed), bool(late))
 
 
-def _sort_replies(calls: Sequence[Call[Any]], todo: list[int], raw: list[Any], replies: list[Any],
-                  retry: bool) -> list[int]:
-    """Parse a pipeline's replies into ``replies``; return the calls that got NOSCRIPT, to send again."""
-    missing = []
-    for i, reply in zip(todo, raw):
-        if isinstance(reply, NoScriptError) and retry:
-            missing.append(i)
-        elif isinstance(reply, Exception):
-            replies[i] = reply
-        else:
-            replies[i] = calls[i].parse(reply)
-    return missing
-
-
-def _scripts(calls: Sequence[Call[Any]], which: list[int]) -> list[Script]:
-    return list({id(calls[i].script): calls[i].script for i in which}.values())
-
-
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -291,11 +273,19 @@ class Ledger:
                 for i in todo:
                     p.evalsha(calls[i].script.sha, len(calls[i].keys), *calls[i].keys, *calls[i].args)
                 raw = p.execute(raise_on_error=False)
-            todo = _sort_replies(calls, todo, raw, replies, retry=attempt == 1)
-            if not todo:
+            missing = []
+            for i, reply in zip(todo, raw):
+                if isinstance(reply, NoScriptError) and attempt == 1:
+                    missing.append(i)
+                elif isinstance(reply, Exception):
+                    replies[i] = reply
+                else:
+                    replies[i] = calls[i].parse(reply)
+            if not missing:
                 break
-            for script in _scripts(calls, todo):
+            for script in {id(calls[i].script): calls[i].script for i in missing}.values():
                 script.sha = self.r.script_load(script.script)
+            todo = missing
         return replies
 
     def length_sample(self, name: str) -> LengthSample:
