@@ -37,6 +37,7 @@ from rq import Worker as RQWorker
 import demo
 from budget.keys import QUEUE_NAME
 from demo.tokenizer import build_tokenizer
+from producer.run import pid_alive
 from sglang_sim.launch import free_port
 
 HOST: Final = "127.0.0.1"
@@ -190,7 +191,7 @@ def prepare_workdir(workdir: Path) -> None:
         raise DemoError(f"{workdir} is not empty and is not a demo work dir (it has no {MARKER}): "
                         "give an empty or new --workdir")
     if marker.exists():
-        alive = [pid for pid in _recorded_pids(marker) if _pid_alive(pid)]
+        alive = [pid for pid in _recorded_pids(marker) if pid_alive(pid)]
         if alive:
             raise DemoError(f"a demo started with --keep-running is still up in {workdir}; stop it first:\n"
                             f"  kill {' '.join(map(str, alive))}\n(or delete {marker} if those processes are "
@@ -206,16 +207,6 @@ def _recorded_pids(marker: Path) -> list[int]:
         return [int(p) for p in json.loads(marker.read_text()).get("pids", [])]
     except (ValueError, TypeError, AttributeError, OSError):
         return []
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def run_produce(argv: list[str], services: list[Service], workers: list[Service]) -> int:

@@ -49,7 +49,8 @@ MAX_RECLAIMS = 3
 STALE_CHECK_S = 5.0
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Is a process with this pid running on this host? (EPERM: it exists, owned by someone else.)"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -233,7 +234,7 @@ class Producer:
         holder = raw.decode()
         host, _, rest = holder.partition(":")
         pid = rest.partition(":")[0]
-        if host != socket.gethostname() or not pid.isdigit() or _pid_alive(int(pid)):
+        if host != socket.gethostname() or not pid.isdigit() or pid_alive(int(pid)):
             return False
         self.ledger.release_lock(key, holder)
         if self.ledger.acquire_lock(key, token, LOCK_TTL_MS):
