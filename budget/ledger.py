@@ -6,10 +6,12 @@ commit close the dataset". Workers and the producer decide what to do with the a
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
+import orjson
 import redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
@@ -43,6 +45,10 @@ class Call(Generic[T]):
     keys: list[str]
     args: list[Any]
     parse: Callable[[Any], T]
+    #: Width of one reply in a script that takes repeated groups of ARGV (COMMIT). Calls of such a script
+    #: with the same KEYS go to Redis as one EVALSHA with their ARGV joined (``run_many``); each gets back
+    #: its own ``merge`` values. 0: never merged.
+    merge: int = 0
 
 
 def default_prior_mean(max_new_tokens: int) -> float:
@@ -124,9 +130,36 @@ def _admission(reply: Any) -> Admission:
     return Admission(Admit(int(verdict)), int(reserved))
 
 
+def _admissions(reply: Any, n: int) -> list[Admission]:
+    out = [Admission(Admit(int(reply[i])), int(reply[i + 1])) for i in range(0, len(reply), 2)]
+    return out + [out[-1]] * (n - len(out))
+
+
 def _commit_outcome(reply: Any) -> CommitOutcome:
     ok, used, closed, late = reply
     return CommitOutcome(bool(ok), int(used), bool(closed), bool(late))
+
+
+class _HotKeys:
+    """A dataset's keys as plain attributes, built once: admit and commit run thousands of times a second."""
+
+    def __init__(self, k: keys.DatasetKeys) -> None:
+        for name in ("meta", "used", "done", "pending", "chunks", "results", "failed", "resv", "inflight",
+                     "lengths", "stats", "progress"):
+            setattr(self, name, getattr(k, name))
+
+    meta: str
+    used: str
+    done: str
+    pending: str
+    chunks: str
+    results: str
+    failed: str
+    resv: str
+    inflight: str
+    lengths: str
+    stats: str
+    progress: str
 
 
 def _s(value: Any) -> str:
@@ -142,6 +175,7 @@ class Ledger:
         self._start = client.register_script(scripts.START_CHUNK)
         self._finish = client.register_script(scripts.FINISH_CHUNK)
         self._refresh = client.register_script(scripts.REFRESH_CHUNK)
+        self._job_meta = client.register_script(scripts.JOB_META)
         self._admit = client.register_script(scripts.ADMIT)
         self._commit = client.register_script(scripts.COMMIT)
         self._fail = client.register_script(scripts.FAIL)
@@ -151,6 +185,11 @@ class Ledger:
         self._uncommit = client.register_script(scripts.UNCOMMIT)
         self._lock_refresh = client.register_script(scripts.LOCK_REFRESH)
         self._lock_release = client.register_script(scripts.LOCK_RELEASE)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=1024)
+    def _keys(name: str) -> "_HotKeys":
+        return _HotKeys(keys.DatasetKeys(name))
 
     # -- the producer's side -------------------------------------------------------------------------
     def set_budget(self, name: str, budget: int | None) -> str:
@@ -207,28 +246,47 @@ class Ledger:
 
     # -- the worker's side ---------------------------------------------------------------------------
     def start_chunk(self, name: str, chunk: str, lease_ms: int = LEASE_MS) -> str:
-        k = keys.DatasetKeys(name)
-        return _s(self._start(keys=[k.meta, k.chunks, k.resv, k.inflight], args=[chunk, lease_ms]))
+        return self.run(self.start_chunk_call(name, chunk, lease_ms))
+
+    def start_chunk_call(self, name: str, chunk: str, lease_ms: int = LEASE_MS) -> Call[str]:
+        k = self._keys(name)
+        return Call(self._start, [k.meta, k.chunks, k.resv, k.inflight], [chunk, lease_ms], _s)
 
     def refresh_chunk(self, name: str, chunk: str, lease_ms: int = LEASE_MS, reserved: int | None = None,
                       progress: list[int] | None = None) -> bool:
-        k = keys.DatasetKeys(name)
-        return bool(self._refresh(keys=[k.chunks, k.resv, k.progress],
-                                  args=[chunk, lease_ms, "" if reserved is None else int(reserved),
-                                        "" if progress is None else json.dumps(progress)]))
+        return self.run(self.refresh_chunk_call(name, chunk, lease_ms, reserved, progress))
+
+    def refresh_chunk_call(self, name: str, chunk: str, lease_ms: int = LEASE_MS, reserved: int | None = None,
+                           progress: list[int] | None = None) -> Call[bool]:
+        k = self._keys(name)
+        return Call(self._refresh, [k.chunks, k.resv, k.progress],
+                    [chunk, lease_ms, "" if reserved is None else int(reserved),
+                     "" if progress is None else json.dumps(progress)], bool)
 
     def finish_chunk(self, name: str, chunk: str) -> None:
-        k = keys.DatasetKeys(name)
-        self._finish(keys=[k.chunks, k.resv, k.inflight, k.progress], args=[chunk])
+        self.run(self.finish_chunk_call(name, chunk))
+
+    def finish_chunk_call(self, name: str, chunk: str) -> Call[bool]:
+        k = self._keys(name)
+        return Call(self._finish, [k.chunks, k.resv, k.inflight, k.progress], [chunk], bool)
+
+    def job_meta_call(self, job_id: str, meta: str | bytes) -> Call[bool]:
+        """Write a chunk's progress into its RQ job's meta, if the job hash still exists (budget/scripts.py)."""
+        return Call(self._job_meta, [keys.rq_job_key(job_id)], [meta], bool)
 
     def admit(self, name: str, sample: str, chunk: str, expected: int = 0, margin: float = 0.0) -> Admission:
-        return self.run(self.admit_call(name, sample, chunk, expected, margin))
+        return self.run(self.admit_call(name, [sample], chunk, expected, margin))[0]
 
-    def admit_call(self, name: str, sample: str, chunk: str, expected: int = 0,
-                   margin: float = 0.0) -> Call[Admission]:
-        k = keys.DatasetKeys(name)
+    def admit_call(self, name: str, samples: Sequence[str], chunk: str, expected: int = 0,
+                   margin: float = 0.0) -> Call[list[Admission]]:
+        """Admit ``samples`` of ``chunk`` in order, in one script run: one verdict per sample. Those after
+        the first refusal that stops the chunk (closed, revoked, full) get that refusal too."""
+        if isinstance(samples, str):
+            raise TypeError("admit_call takes a list of sample ids")
+        k = self._keys(name)
+        n = len(samples)
         return Call(self._admit, [k.meta, k.chunks, k.pending, k.done, k.used, k.resv, k.inflight],
-                    [sample, chunk, int(expected), round(margin, 1)], _admission)
+                    [chunk, int(expected), round(margin, 1), *samples], lambda reply: _admissions(reply, n))
 
     def commit(self, name: str, sample: str, completion_tokens: int, result: dict[str, Any], *,
                chunk: str = "", reserved: int = 0, finish_reason: str | None = None) -> CommitOutcome:
@@ -237,19 +295,19 @@ class Ledger:
 
     def commit_call(self, name: str, sample: str, completion_tokens: int, result: dict[str, Any], *,
                     chunk: str = "", reserved: int = 0, finish_reason: str | None = None) -> Call[CommitOutcome]:
-        k = keys.DatasetKeys(name)
-        body = json.dumps(result, ensure_ascii=False, separators=(",", ":"))
+        k = self._keys(name)
+        body = orjson.dumps(result)  # compact UTF-8, as json.dumps(ensure_ascii=False) but ~10x faster
         reason = finish_reason or str(result.get("finish_reason", "unknown"))
         return Call(self._commit,
                     [k.meta, k.used, k.done, k.pending, k.results, k.failed, k.resv, k.inflight, k.lengths, k.stats],
-                    [sample, completion_tokens, body, chunk, reserved, reason], _commit_outcome)
+                    [sample, completion_tokens, body, chunk, reserved, reason], _commit_outcome, merge=4)
 
     def fail(self, name: str, sample: str, chunk: str, reason: dict[str, Any], reserved: int = 0) -> bool:
         return self.run(self.fail_call(name, sample, chunk, reason, reserved))
 
     def fail_call(self, name: str, sample: str, chunk: str, reason: dict[str, Any],
                   reserved: int = 0) -> Call[bool]:
-        k = keys.DatasetKeys(name)
+        k = self._keys(name)
         return Call(self._fail, [k.done, k.pending, k.failed, k.resv, k.inflight],
                     [sample, chunk, json.dumps(reason, ensure_ascii=False), reserved], bool)
 
@@ -262,28 +320,50 @@ class Ledger:
 
         Returns each call's parsed reply, or the exception a call raised (a refused script does not stop the
         others; each script is atomic on its own, which is all the budget needs). A connection error raises for
-        the whole batch: a caller may resend any of them, because every budget script is idempotent. The
-        pipeline sends plain EVALSHAs, not redis-py's pipeline scripts, which ask SCRIPT EXISTS before every
+        the whole batch: a caller may resend any of them, because every budget script is idempotent.
+
+        Calls that can merge (``Call.merge``: COMMIT) and share a script and KEYS go as one EVALSHA with their
+        ARGV joined: packing, sending and running one script instead of many is most of what a batch saves. The
+        script still decides each group as if it ran alone, in order; the calls of a batch are concurrent, so
+        no caller relied on an order between them. A refused merged script is refused for each of its calls.
+
+        The pipeline sends plain EVALSHAs, not redis-py's pipeline scripts, which ask SCRIPT EXISTS before every
         execute (a second round trip); a NOSCRIPT reply (Redis restarted, or SCRIPT FLUSH) means that script did
-        not run, so it is loaded and those calls alone are sent again."""
+        not run, so it is loaded and those sends alone go again."""
+        sends: list[tuple[Call[Any], list[Any], list[int]]] = []  # (call, joined ARGV, indices of its calls)
+        merged: dict[tuple[int, tuple[str, ...]], int] = {}
+        for i, call in enumerate(calls):
+            if call.merge:
+                at = merged.setdefault((id(call.script), tuple(call.keys)), len(sends))
+                if at < len(sends):
+                    sends[at][1].extend(call.args)
+                    sends[at][2].append(i)
+                    continue
+            sends.append((call, list(call.args), [i]))
         replies: list[Any] = [None] * len(calls)
-        todo = list(range(len(calls)))
+        todo = sends
         for attempt in (1, 2):
             with self.r.pipeline(transaction=False) as p:
-                for i in todo:
-                    p.evalsha(calls[i].script.sha, len(calls[i].keys), *calls[i].keys, *calls[i].args)
+                for call, args, _ in todo:
+                    p.evalsha(call.script.sha, len(call.keys), *call.keys, *args)
                 raw = p.execute(raise_on_error=False)
             missing = []
-            for i, reply in zip(todo, raw):
+            for send, reply in zip(todo, raw):
+                call, _, members = send
                 if isinstance(reply, NoScriptError) and attempt == 1:
-                    missing.append(i)
+                    missing.append(send)
                 elif isinstance(reply, Exception):
-                    replies[i] = reply
+                    for i in members:
+                        replies[i] = reply
+                elif call.merge:
+                    w = call.merge
+                    for j, i in enumerate(members):
+                        replies[i] = calls[i].parse(reply[j * w:(j + 1) * w])
                 else:
-                    replies[i] = calls[i].parse(reply)
+                    replies[members[0]] = call.parse(reply)
             if not missing:
                 break
-            for script in {id(calls[i].script): calls[i].script for i in missing}.values():
+            for script in {id(send[0].script): send[0].script for send in missing}.values():
                 script.sha = self.r.script_load(script.script)
             todo = missing
         return replies

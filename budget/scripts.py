@@ -95,6 +95,16 @@ end
 return 1
 """
 
+JOB_META = """
+-- job_meta: copy a chunk's progress into its RQ job's meta field (rq-dashboard's job page shows it).
+-- KEYS[1] the RQ job hash
+-- ARGV[1] the meta, JSON as RQ's JSONSerializer writes it
+-- returns 1 if written, 0 if the job hash is gone (an HSET would leave a stub hash without a TTL)
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'meta', ARGV[1])
+return 1
+"""
+
 FINISH_CHUNK = """
 -- finish_chunk: a chunk's job is over; it is no longer live and reserves nothing.
 -- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] in-flight hash, KEYS[4] progress hash
@@ -108,43 +118,69 @@ return 1
 """
 
 ADMIT = _CLOSE_IF_SPENT + _RESERVED + """
--- admit: may this chunk start a request for this sample now, and what does it reserve?
+-- admit: may this chunk start requests for these samples now, and what does each reserve?
 -- KEYS[1] meta hash, KEYS[2] chunks zset, KEYS[3] pending hash, KEYS[4] done hash, KEYS[5] used counter,
 -- KEYS[6] reservations hash, KEYS[7] in-flight hash
--- ARGV[1] sample id, ARGV[2] chunk id, ARGV[3] expected completion tokens (the predict reservation),
--- ARGV[4] predict's safety margin per sqrt(request in flight), in tokens (k x the length's standard deviation)
--- returns {verdict, reserved}: verdict 1 start it; 0 dataset closed (start nothing more); -1 chunk revoked
--- (start nothing more); -2 skip this sample (already committed, or held by another chunk); -3 full (the
--- budget is reserved by requests in flight: start nothing now, the dataset is still open)
+-- ARGV[1] chunk id, ARGV[2] expected completion tokens (the predict reservation), ARGV[3] predict's safety
+-- margin per sqrt(request in flight), in tokens (k x the length's standard deviation), ARGV[4..] sample ids,
+-- decided in order, each as if admitted alone after the ones before it
+-- returns {verdict, reserved, verdict, reserved, ...}, one pair per sample, up to and including the first
+-- verdict that stops the chunk (0, -1 or -3): the samples after it were not looked at and share that verdict.
+-- verdict 1 start it; 0 dataset closed (start nothing more); -1 chunk revoked (start nothing more); -2 skip
+-- this sample (already committed, or held by another chunk); -3 full (the budget is reserved by requests in
+-- flight: start nothing now, the dataset is still open)
 -- Modes: drain reserves nothing; predict starts while used + reserved + margin < budget and reserves the
--- expected length, where margin = ARGV[4] x sqrt(requests in flight): the sum of running requests' lengths is
+-- expected length, where margin = ARGV[3] x sqrt(requests in flight): the sum of running requests' lengths is
 -- uncertain, and admitting whenever the estimate dips below the budget would lock in its low swings (a
 -- winner's curse); the margin shrinks to 0 as the dataset drains, so predict still reaches its budget.
 -- strict reserves max_new_tokens and starts only while that fits, closing when nothing can.
 if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return {0, 0} end
-if not redis.call('ZSCORE', KEYS[2], ARGV[2]) then return {-1, 0} end
-if redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then return {-2, 0} end
-if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return {-2, 0} end
+if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {-1, 0} end
 local mode = redis.call('HGET', KEYS[1], 'mode') or 'drain'
 local budget = redis.call('HGET', KEYS[1], 'budget')
-local res = 0
-if budget and budget ~= '' and mode ~= 'drain' then
+local budgeted = budget and budget ~= '' and mode ~= 'drain'
+local used, held, running, res = 0, 0, 0, 0
+if budgeted then
   budget = tonumber(budget)
-  local used = tonumber(redis.call('GET', KEYS[5]) or '0')
+  used = tonumber(redis.call('GET', KEYS[5]) or '0')
+  held = reserved(KEYS[6])
   if mode == 'strict' then
     res = tonumber(redis.call('HGET', KEYS[1], 'max_new_tokens'))
     if close_if_spent(KEYS[1], used) == 1 then return {0, 0} end
-    if used + reserved(KEYS[6]) + res > budget then return {-3, 0} end
   else
-    res = tonumber(ARGV[3])
-    local n = 0
-    for _, v in ipairs(redis.call('HVALS', KEYS[7])) do n = n + tonumber(v) end
-    if used + reserved(KEYS[6]) + tonumber(ARGV[4] or '0') * math.sqrt(n) >= budget then return {-3, 0} end
+    res = tonumber(ARGV[2])
+    for _, v in ipairs(redis.call('HVALS', KEYS[7])) do running = running + tonumber(v) end
   end
 end
-redis.call('HINCRBY', KEYS[6], ARGV[2], res)
-redis.call('HINCRBY', KEYS[7], ARGV[2], 1)
-return {1, res}
+local out, started = {}, 0
+for i = 4, #ARGV do
+  local sample = ARGV[i]
+  if redis.call('HEXISTS', KEYS[4], sample) == 1 or redis.call('HGET', KEYS[3], sample) ~= ARGV[1] then
+    out[#out + 1] = -2
+    out[#out + 1] = 0
+  else
+    if budgeted then
+      local full
+      if mode == 'strict' then full = used + held + res > budget
+      else full = used + held + tonumber(ARGV[3] or '0') * math.sqrt(running) >= budget end
+      if full then
+        out[#out + 1] = -3
+        out[#out + 1] = 0
+        break
+      end
+    end
+    held = held + res
+    running = running + 1
+    started = started + 1
+    out[#out + 1] = 1
+    out[#out + 1] = res
+  end
+end
+if started > 0 then
+  redis.call('HINCRBY', KEYS[6], ARGV[1], res * started)
+  redis.call('HINCRBY', KEYS[7], ARGV[1], started)
+end
+return out
 """
 
 # Shared by commit and fail: the request ended; give back what it reserved. A chunk no longer in the in-flight
@@ -161,36 +197,49 @@ end
 """
 
 COMMIT = _CLOSE_IF_SPENT + _SETTLE + """
--- commit: record one response exactly once, count its tokens, settle its reservation.
+-- commit: record responses exactly once each, count their tokens, settle their reservations.
 -- KEYS[1] meta hash, KEYS[2] used counter, KEYS[3] done hash, KEYS[4] pending hash, KEYS[5] results stream,
 -- KEYS[6] failed hash, KEYS[7] reservations hash, KEYS[8] in-flight hash, KEYS[9] lengths list,
 -- KEYS[10] stats hash
--- ARGV[1] sample id, ARGV[2] completion tokens, ARGV[3] result JSON, ARGV[4] chunk id, ARGV[5] tokens the
--- request reserved, ARGV[6] finish reason
--- returns {committed (1, or 0 for a duplicate that changed nothing), used after, closed now (1/0), late (1/0)}
+-- ARGV: one group of 6 per response, committed in order, each as if alone: sample id, completion tokens,
+-- result JSON, chunk id, tokens the request reserved, finish reason
+-- returns per response {committed (1, or 0 for a duplicate that changed nothing), used after, closed now
+-- (1/0), late (1/0)}, flattened
 -- A duplicate (RQ retry, a reclaimed chunk's zombie, a redis-py resend after a lost reply) hits the done
 -- guard and changes nothing, so no token is ever counted twice and no line is ever written twice.
-local late = settle(KEYS[7], KEYS[8], ARGV[4], ARGV[5])
-if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
-  return {0, tonumber(redis.call('GET', KEYS[2]) or '0'), 0, late}
-end
-local tokens = tonumber(ARGV[2])
-redis.call('HSET', KEYS[3], ARGV[1], tokens)
-local used = redis.call('INCRBY', KEYS[2], tokens)
-redis.call('HDEL', KEYS[4], ARGV[1])
-redis.call('HDEL', KEYS[6], ARGV[1])
-redis.call('XADD', KEYS[5], '*', 'id', ARGV[1], 'r', ARGV[3])
-redis.call('HINCRBY', KEYS[1], 'committed', 1)
-redis.call('LPUSH', KEYS[9], tokens)
-redis.call('LTRIM', KEYS[9], 0, 4095)
+local out = {}
 local t = redis.call('TIME')
-redis.call('HINCRBY', KEYS[10], 'finish_' .. ARGV[6], 1)
-redis.call('HINCRBY', KEYS[10], 't:' .. math.floor(tonumber(t[1]) / 10), tokens)
-if late == 1 then
-  redis.call('HINCRBY', KEYS[10], 'late', 1)
-  redis.call('HINCRBY', KEYS[10], 'late_tokens', tokens)
+local bucket = 't:' .. math.floor(tonumber(t[1]) / 10)
+for g = 0, #ARGV / 6 - 1 do
+  local sample, tokens, chunk = ARGV[g * 6 + 1], tonumber(ARGV[g * 6 + 2]), ARGV[g * 6 + 4]
+  local late = settle(KEYS[7], KEYS[8], chunk, ARGV[g * 6 + 5])
+  if redis.call('HEXISTS', KEYS[3], sample) == 1 then
+    out[#out + 1] = 0
+    out[#out + 1] = tonumber(redis.call('GET', KEYS[2]) or '0')
+    out[#out + 1] = 0
+    out[#out + 1] = late
+  else
+    redis.call('HSET', KEYS[3], sample, tokens)
+    local used = redis.call('INCRBY', KEYS[2], tokens)
+    redis.call('HDEL', KEYS[4], sample)
+    redis.call('HDEL', KEYS[6], sample)
+    redis.call('XADD', KEYS[5], '*', 'id', sample, 'r', ARGV[g * 6 + 3])
+    redis.call('HINCRBY', KEYS[1], 'committed', 1)
+    redis.call('LPUSH', KEYS[9], tokens)
+    redis.call('HINCRBY', KEYS[10], 'finish_' .. ARGV[g * 6 + 6], 1)
+    redis.call('HINCRBY', KEYS[10], bucket, tokens)
+    if late == 1 then
+      redis.call('HINCRBY', KEYS[10], 'late', 1)
+      redis.call('HINCRBY', KEYS[10], 'late_tokens', tokens)
+    end
+    out[#out + 1] = 1
+    out[#out + 1] = used
+    out[#out + 1] = close_if_spent(KEYS[1], used)
+    out[#out + 1] = late
+  end
 end
-return {1, used, close_if_spent(KEYS[1], used), late}
+redis.call('LTRIM', KEYS[9], 0, 4095)
+return out
 """
 
 FAIL = _SETTLE + """

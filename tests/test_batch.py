@@ -89,7 +89,7 @@ def test_batcher_hands_a_connection_error_to_every_caller(redis_url: str) -> Non
         batcher = Batcher(ledger)
         try:
             return list(await asyncio.gather(
-                *(batcher.call(ledger.admit_call("ds", f"s{i}", "c")) for i in range(3)), return_exceptions=True))
+                *(batcher.call(ledger.admit_call("ds", [f"s{i}"], "c")) for i in range(3)), return_exceptions=True))
         finally:
             batcher.close()
     
@@ -119,19 +119,56 @@ def test_batcher_sends_calls_made_while_a_batch_is_in_flight_next(r: "redis.Redi
     assert int(r.get(keys.DatasetKeys("ds").used) or 0) == 20
 
 
-def test_admissions_in_one_batch_match_one_by_one(r: "redis.Redis") -> None:
-    """A strict budget with room for exactly two requests: of five admissions sent together, the first two
-    start and the rest are refused, as when sent one at a time."""
+def test_admissions_in_one_call_match_one_by_one(r: "redis.Redis") -> None:
+    """A strict budget with room for exactly two requests: of five samples admitted in one call, the first two
+    start and the rest are refused, as when admitted one at a time; a committed sample is skipped without
+    stopping the ones after it."""
     from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
     ledger = Ledger(r)
-    ledger.set_budget("ds", 20)
-    ledger.set_mode("ds", "strict", 10)
-    [cid] = enqueue_chunks(r, make_queue(r), "ds", [[Item(f"s{i}", [1], False) for i in range(5)]],
-                           sampling_params={"max_new_tokens": 10}, think=None, settings=JobSettings())
-    assert ledger.start_chunk("ds", cid) == "ok"
-    verdicts = ledger.run_many([ledger.admit_call("ds", f"s{i}", cid) for i in range(5)])
-    assert [v.verdict for v in verdicts] == [Admit.START, Admit.START, Admit.FULL, Admit.FULL, Admit.FULL]
-    assert ledger.state("ds").reserved == 20
+    for name in ("one", "many"):
+        ledger.set_budget(name, 20)
+        ledger.set_mode(name, "strict", 10)
+        [cid] = enqueue_chunks(r, make_queue(r), name, [[Item(f"s{i}", [1], False) for i in range(6)]],
+                               sampling_params={"max_new_tokens": 10}, think=None, settings=JobSettings())
+        assert ledger.start_chunk(name, cid) == "ok"
+        ledger.commit(name, "s1", 0, {})  # s1 is done: skipped, not refused
+        ids = [f"s{i}" for i in range(6)]
+        if name == "one":
+            verdicts = [ledger.admit(name, sid, cid) for sid in ids]
+        else:
+            [verdicts] = ledger.run_many([ledger.admit_call(name, ids, cid)])
+        assert [v.verdict for v in verdicts] == [Admit.START, Admit.SKIP, Admit.START, Admit.FULL, Admit.FULL,
+                                                 Admit.FULL], name
+        assert [v.reserved for v in verdicts] == [10, 0, 10, 0, 0, 0]
+        assert ledger.state(name).reserved == 20
+        assert ledger.state(name).in_flight == 2
+
+
+def test_admit_call_takes_a_list(r: "redis.Redis") -> None:
+    with pytest.raises(TypeError):
+        Ledger(r).admit_call("ds", "s0", "c")
+
+
+def test_commits_of_one_dataset_go_as_one_script_run(r: "redis.Redis") -> None:
+    """Commits sharing a dataset merge into one EVALSHA (Call.merge); each caller still gets its own outcome,
+    in order, and the datasets stay apart."""
+    ledger = Ledger(r)
+    ledger.set_budget("a", 25)
+    ledger.set_budget("b", None)
+    calls = [ledger.commit_call(name, f"s{i}", 10, {"id": f"s{i}"}) for i in range(4) for name in ("a", "b")]
+    calls.append(ledger.commit_call("a", "s0", 10, {"id": "s0"}))  # a resend, merged with its original
+    before = _evalsha_calls(r)
+    outcomes = ledger.run_many(calls)
+    assert _evalsha_calls(r) - before == 2  # one per dataset
+    a, b = outcomes[0:8:2] + outcomes[8:], outcomes[1:8:2]
+    assert [(o.committed, o.used, o.closed_now) for o in a] == [
+        (True, 10, False), (True, 20, False), (True, 30, True), (True, 40, False), (False, 40, False)]
+    assert [(o.committed, o.used) for o in b] == [(True, 10), (True, 20), (True, 30), (True, 40)]
+    assert r.xlen(keys.DatasetKeys("a").results) == 4 and r.xlen(keys.DatasetKeys("b").results) == 4
+
+
+def _evalsha_calls(r: "redis.Redis") -> int:
+    return int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 @pytest.mark.parametrize("n", [1, 3])

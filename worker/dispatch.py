@@ -25,7 +25,6 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from rq.serializers import JSONSerializer
 
-from budget import keys
 from budget.ledger import LEASE_MS, REDIS_DOWN, Admission, Admit, Call, Ledger
 from budget.payload import ChunkPayload, SamplePayload
 from worker.batch import Batcher
@@ -105,6 +104,11 @@ class RunningChunk:
                 "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def _log_meta_error(chunk: str, done: "asyncio.Future[bool]") -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.debug("progress of %s not written to its job meta: %s", chunk, done.exception())
+
+
 class Dispatcher:
     """One per worker process, living on the Runtime's event loop."""
 
@@ -135,27 +139,34 @@ class Dispatcher:
         return await self._retry(what, once)
 
     async def _batched(self, what: str, call: Call[T]) -> T:
-        """``_redis`` for the per-sample calls (admit, commit, fail): sent with the others of this loop
-        iteration in one round trip (worker/batch.py)."""
-        return await self._retry(what, lambda: self.batcher.call(call))
+        """``_redis`` for the calls the loop makes all the time (admit, commit, fail, start, finish): sent
+        with the others of this loop iteration in one round trip, off the loop (worker/batch.py). The first
+        attempt is awaited directly: this runs twice per sample, and the retry machinery is only for outages."""
+        try:
+            return await self.batcher.call(call)
+        except REDIS_DOWN as exc:
+            return await self._retry(what, lambda: self.batcher.call(call), failed=exc)
 
-    async def _retry(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
+    async def _retry(self, what: str, attempt: Callable[[], Awaitable[T]],
+                     failed: BaseException | None = None) -> T:
         delay, waited = 0.2, 0.0
         while True:
-            try:
-                return await attempt()
-            except REDIS_DOWN as exc:
+            if failed is not None:
                 if waited == 0.0 or int(waited) // 30 != int(waited + delay) // 30:
-                    log.warning("%s: Redis unavailable (%s); retrying until it is back", what, exc)
+                    log.warning("%s: Redis unavailable (%s); retrying until it is back", what, failed)
                 await asyncio.sleep(delay)
                 waited += delay
                 delay = min(5.0, delay * 2)
+            try:
+                return await attempt()
+            except REDIS_DOWN as exc:
+                failed = exc
 
     # -- the RQ job's part ------------------------------------------------------------------------------
     async def dispatch(self, chunk: ChunkPayload) -> ChunkReport:
         """Start every sample of the chunk as slots free up; return once none is left to start."""
         rc = RunningChunk(chunk)
-        started = await self._redis("start", self.ledger.start_chunk, rc.dataset, rc.id)
+        started = await self._batched("start", self.ledger.start_chunk_call(rc.dataset, rc.id))
         if started != "ok":
             rc.report.status = started
             rc.report.not_started = len(chunk["samples"])
@@ -177,8 +188,8 @@ class Dispatcher:
         return rc.report
 
     async def _start_all(self, rc: RunningChunk) -> None:
-        """Admit and start the chunk's samples as slots free up. Every free slot is filled at once: the
-        admissions go out in one round trip, then the admitted requests start together."""
+        """Admit and start the chunk's samples as slots free up. Every free slot is filled at once: one
+        admission script decides them all (budget/scripts.py ADMIT), then the admitted requests start together."""
         todo = list(reversed(rc.chunk["samples"]))  # a stack: the next sample to start is last
         while todo:
             await self.slots.acquire()
@@ -197,9 +208,8 @@ class Dispatcher:
             else:
                 expected = self.budgeting.expected(rc.dataset)
                 margin = self.config.predict_margin * self.budgeting.sd(rc.dataset)
-                verdicts = list(await asyncio.gather(*(
-                    self._batched("admit", self.ledger.admit_call(rc.dataset, s["id"], rc.id, expected, margin))
-                    for s in batch)))
+                verdicts = await self._batched("admit", self.ledger.admit_call(
+                    rc.dataset, [s["id"] for s in batch], rc.id, expected, margin))
             refused: list[tuple[SamplePayload, Admit]] = []
             for sample, admission in zip(batch, verdicts):
                 if admission.verdict is Admit.START:
@@ -294,7 +304,7 @@ class Dispatcher:
             await asyncio.gather(rc.lease, return_exceptions=True)
         self.running.pop(rc.id, None)
         if not cancelled:
-            await self._redis("finish", self.ledger.finish_chunk, rc.dataset, rc.id)
+            await self._batched("finish", self.ledger.finish_chunk_call(rc.dataset, rc.id))
         self._write_meta(rc, "interrupted" if cancelled else "done")
 
     def _write_meta(self, rc: RunningChunk, state: str) -> None:
@@ -302,15 +312,12 @@ class Dispatcher:
 
         Only that one field is written, and RQ never clobbers it: on success it saves the job with
         ``include_meta=False``. The job hash must still exist: an HSET on an expired or deleted job would leave a
-        stub hash without a TTL. Best effort: the figures are for people (rq-dashboard's job page); the budget
-        and liveness never read them, so a Redis error is logged and the next write catches up."""
-        key = keys.rq_job_key(rc.id)
-        try:
-            if self.ledger.r.exists(key):
-                self.ledger.r.hset(key, "meta", JSONSerializer.dumps(rc.meta(state)))
-            rc.meta_at = time.monotonic()
-        except Exception as exc:
-            log.debug("progress of %s not written to its job meta: %s", rc.id, exc)
+        stub hash without a TTL (budget/scripts.py JOB_META). Best effort, and not awaited: it rides in the next
+        batch (worker/batch.py); the figures are for people (rq-dashboard's job page), the budget and liveness
+        never read them, so a Redis error is logged and the next write catches up."""
+        rc.meta_at = time.monotonic()
+        sent = self.batcher.call(self.ledger.job_meta_call(rc.id, JSONSerializer.dumps(rc.meta(state))))
+        sent.add_done_callback(lambda done: _log_meta_error(rc.id, done))
 
     async def _keep_lease(self, rc: RunningChunk) -> None:
         """Refresh the lease every LEASE_MS/4 and, in predict mode, grow running requests' reservations every
@@ -333,7 +340,8 @@ class Dispatcher:
                     reserved = sum(f.reserved for f in rc.flights.values())
                 elif now - last_lease < LEASE_MS / 4000:
                     continue
-                ok = self.ledger.refresh_chunk(rc.dataset, rc.id, reserved=reserved, progress=progress)
+                ok = await self.batcher.call(self.ledger.refresh_chunk_call(rc.dataset, rc.id, reserved=reserved,
+                                                                            progress=progress))
                 last_lease = now
                 if self.heartbeat is not None:
                     self.heartbeat()

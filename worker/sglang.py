@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 
 from worker.config import WorkerConfig
 
@@ -130,7 +131,10 @@ class SGLangClient:
         self.probing = {url: False for url in config.servers}
         self.changed = asyncio.Event()  # set whenever a server's health changes
         self._turn = 0
-        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._headers = {"Content-Type": "application/json"}
+        if config.api_key:
+            self._headers["Authorization"] = f"Bearer {config.api_key}"
+        self._timeouts: dict[int, aiohttp.ClientTimeout] = {}
 
     def pick_server(self) -> str:
         """Least in flight among healthy servers; ties round-robin. All down: the one that comes back first."""
@@ -192,11 +196,14 @@ class SGLangClient:
                 self.changed.set()
 
     async def _send(self, server: str, payload: dict[str, Any], max_new_tokens: int, probe: bool) -> Generation:
-        timeout = aiohttp.ClientTimeout(total=self.config.timeout_for(max_new_tokens),
-                                        sock_connect=self.config.connect_timeout)
+        timeout = self._timeouts.get(max_new_tokens)
+        if timeout is None:
+            timeout = self._timeouts[max_new_tokens] = aiohttp.ClientTimeout(
+                total=self.config.timeout_for(max_new_tokens), sock_connect=self.config.connect_timeout)
         self.in_flight[server] += 1
         try:
-            async with self.session.post(server + "/generate", json=payload, timeout=timeout,
+            # orjson: the body is mostly the prompt's token ids, which json.dumps writes ~10x slower
+            async with self.session.post(server + "/generate", data=orjson.dumps(payload), timeout=timeout,
                                          headers=self._headers) as resp:
                 raw = await resp.read()
                 status = resp.status
@@ -213,7 +220,7 @@ class SGLangClient:
         self._mark(server, status < 500 and status != 429, probe)
         if status == 200:
             try:
-                body = json.loads(raw)
+                body = orjson.loads(raw)
             except ValueError:
                 raise GenerateError("malformed response: body is not JSON", retryable=True) from None
             return parse_generation(body, max_new_tokens, server)
