@@ -4,7 +4,7 @@
 
 The simulator answers at once (``--zero-latency``) with short responses (32 tokens), so all that is measured
 is client-side work. In one command, against the same simulator process:
-1. ``produce --detach`` enqueues the prompts (chunks of 64); ONE ``rq worker -w worker.Worker`` at the default
+1. ``produce --detach`` enqueues the prompts (chunks of 256, the default); ONE ``rq worker -w worker.Worker`` at the default
    64 in flight starts on them;
 2. alternating windows (``--rounds``): baseline (bench/client.py: one aiohttp session, 64 in flight, the same
    bodies) while the worker is paused with SIGSTOP, then budgetq (samples/s = Redis ``committed`` over the
@@ -193,9 +193,9 @@ def redis_round_trips(redis_url: str, n: int = 2048, batch: int = 64) -> dict[st
                     ledger.admit(name, it.id, cid)
                 for it in items:
                     ledger.commit(name, it.id, 32, {**record, "id": it.id}, chunk=cid)
-        else:  # as the worker sends them: a chunk's admissions together, then its commits (worker/batch.py)
+        else:  # as the worker sends them: a chunk's admissions in one call, then its commits merged into one
             for cid, items in zip(cids, chunks):
-                ledger.run_many([ledger.admit_call(name, it.id, cid) for it in items])
+                ledger.run_many([ledger.admit_call(name, [it.id for it in items], cid)])
                 ledger.run_many([ledger.commit_call(name, it.id, 32, {**record, "id": it.id}, chunk=cid,
                                                     finish_reason="stop") for it in items])
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -214,7 +214,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=80000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--in-flight", type=int, default=64)
-    ap.add_argument("--chunk-size", type=int, default=64, help="samples per chunk job (produce --chunk-size)")
+    ap.add_argument("--chunk-size", type=int, default=256, help="samples per chunk job (produce's default --chunk-size)")
     ap.add_argument("--warm", type=float, default=1.5)
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--profile-seconds", type=float, default=10.0)

@@ -192,7 +192,7 @@ def _connect(redis_url: str) -> "redis.Redis":
 @opt("--throughput", type=click.FloatRange(0, min_open=True), default=None, metavar="TOK/S",
      help="With --dry-run: completion tokens per second of the deployment, for the ETA.")
 @opt("--json", "as_json", is_flag=True, envvar="BUDGETQ_PLAN_JSON", help="With --dry-run: print the plan as JSON.")
-@opt("--chunk-size", type=click.IntRange(1, 10_000), default=64, show_default=True, help="Samples per RQ job.")
+@opt("--chunk-size", type=click.IntRange(1, 10_000), default=256, show_default=True, help="Samples per RQ job.")
 @opt("--queue-depth", type=click.IntRange(1), default=16, show_default=True,
      help="Chunks kept queued per dataset while attached.")
 @opt("--new-run", is_flag=True,

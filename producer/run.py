@@ -69,7 +69,7 @@ class RunOptions:
     think: ThinkPayload | None
     modes: dict[str, str | None] = field(default_factory=dict)  # --budget-mode; None: stored, else predict
     expect_mean: float | None = None  # prior completion length for predict before results arrive
-    chunk_size: int = 64
+    chunk_size: int = 256
     queue_depth: int = 16
     margin: float = 1.25  # just-in-time: hold this many times the samples the remaining budget needs
     new_run: bool = False

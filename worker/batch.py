@@ -9,8 +9,10 @@ How: ``call`` queues the ledger call and returns a future. The first call of a b
 that arrived in the same epoll wake-up). The batch goes to Redis as one pipeline from a helper thread: the
 loop goes on with HTTP while Redis runs the scripts (redis-py releases the GIL while it waits on the socket).
 One batch is in flight at a time; calls made meanwhile form the next one, sent as soon as the reply is back,
-so batches grow with the load by themselves. Each script stays atomic on its own and idempotent, so batching
-changes no budget decision, and a resend after a lost connection is harmless (budget/ledger.py).
+so batches grow with the load by themselves. Commits of one dataset in a batch merge into one script run, and
+a chunk's free slots are admitted by one (``Ledger.run_many``, ``Call.merge``). Each script decides each sample
+as if alone and stays idempotent, so batching changes no budget decision, and a resend after a lost connection
+is harmless (budget/ledger.py).
 
 Measured against a zero-latency server (python -m bench.overhead, quiet machine, 64 in flight): one call at a
 time 1,297 samples/s; batched on the loop with the synchronous client 1,905; batched from this thread

@@ -138,8 +138,10 @@ class SGLangClient:
 
     def pick_server(self) -> str:
         """Least in flight among healthy servers; ties round-robin. All down: the one that comes back first."""
-        self._turn += 1
         servers = self.config.servers
+        if len(servers) == 1:
+            return servers[0]
+        self._turn += 1
         order = servers[self._turn % len(servers):] + servers[:self._turn % len(servers)]
         healthy = [url for url in order if self.down_until[url] == 0.0]
         if not healthy:
@@ -187,7 +189,10 @@ class SGLangClient:
                 pass
 
     async def generate(self, payload: dict[str, Any], max_new_tokens: int) -> Generation:
-        server, probe = await self._gate()
+        if any(self.down_until.values()):
+            server, probe = await self._gate()
+        else:  # every server healthy: what _gate would pick, without a coroutine per request
+            server, probe = self.pick_server(), False
         try:
             return await self._send(server, payload, max_new_tokens, probe)
         finally:
