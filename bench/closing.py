@@ -7,7 +7,8 @@
    attached ``produce``; each run ends before the next starts. Times, on Redis' clock (the closing commit
    writes ``closed_at`` from Redis ``TIME``):
    - last admission: Redis MONITOR sees the commands the budget scripts run; ``admit`` grants a start with
-     ``HINCRBY bq:ds:{n}:inflight CHUNK 1``, so the last such command of the dataset is its last start;
+     ``HINCRBY bq:ds:{n}:inflight CHUNK n`` (n > 0: the samples it started), so the last such command of
+     the dataset is its last start;
    - last arrival at the server: the simulator's ``submitted`` counter, polled every few ms once the dataset
      closed (an upper bound: a start between two polls counts at the later poll).
    Reported: median and max over the runs of (time - closed_at), per budget mode (drain, predict).
@@ -26,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (CpuMeter, RedisMonitor, Stack, fmt_cpu, produce_cmd, save_results, scratch, sim_args,
-                           sim_stats_url, write_prompts)
+from bench.harness import (CpuMeter, RedisMonitor, Stack, admits_start, fmt_cpu, produce_cmd, save_results, scratch,
+                           sim_args, sim_stats_url, write_prompts)
 
 
 class ArrivalWatch(threading.Thread):
@@ -73,7 +74,7 @@ def close_runs(args: argparse.Namespace, work: Path, tok: Path, data: Path) -> l
                 run += 1
                 key = f"bq:ds:{{{name}}}:inflight"
                 mon = RedisMonitor(stack.redis_url, grep=key, workdir=work,
-                                   keep=lambda c, key=key: c.startswith("HINCRBY " + key) and c.endswith(" 1")).start()
+                                   keep=lambda c, key=key: admits_start(c, key)).start()
                 watch = ArrivalWatch(stack, name)
                 watch.start()
                 cpu = CpuMeter(stack.pids())

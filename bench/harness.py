@@ -190,6 +190,31 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def admits_start(command: str, inflight_key: str) -> bool:
+    """Is this MONITOR line the ``admit`` script granting starts? It runs ``HINCRBY <inflight> CHUNK n`` with the
+    number of samples it started (commit and fail give back with -1)."""
+    if not command.startswith("HINCRBY " + inflight_key):
+        return False
+    n = command.rsplit(" ", 1)[-1].strip('"')
+    return n.isdigit() and int(n) > 0
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of a live process, by thread id (from /proc/PID/task)."""
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
 def rss_kb(pid: int) -> tuple[int, int]:
     """(VmRSS, VmHWM) of a live process in KiB: resident now, and the peak so far."""
     now = peak = 0

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (CpuMeter, RedisMonitor, Stack, cpu_seconds, fmt_cpu, produce_cmd, save_results, scratch,
-                           sim_stats_url, write_prompts)
+from bench.harness import (CpuMeter, RedisMonitor, Stack, admits_start, cpu_seconds, fmt_cpu, produce_cmd,
+                           save_results, scratch, sim_stats_url, write_prompts)
 
 SIM = ["--zero-latency", "--length-dist", "fixed", "--mean-tokens", "32", "--seed", "1"]
 
@@ -102,7 +102,7 @@ def latency_runs(stack: Stack, kind: str, jobs: int, size: int) -> dict[str, Any
         t_next = rows[i + 1]["t_enq"] if i + 1 < len(rows) else float("inf")
         ev = [(t, c) for t, _k, c in events if t_enq <= t < t_next]
         start = next((t for t, c in ev if c.startswith("HSET") and cid in c), None)
-        first = next((t for t, c in ev if c.startswith("HINCRBY") and cid in c and c.endswith(" 1")), None)
+        first = next((t for t, c in ev if cid in c and admits_start(c, infl)), None)
         last_commit = max((t for t, c in ev if "committed" in c), default=None)
         row["ms_to_start_chunk"] = (start - t_enq) * 1000 if start else None
         row["ms_to_first_admission"] = (first - t_enq) * 1000 if first else None
@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=20)
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--sizes", default="1,8,64,256")
-    ap.add_argument("--sweep-prompts", type=int, default=12000)
+    ap.add_argument("--sweep-prompts", type=int, default=40000)
     ap.add_argument("--window", type=float, default=6.0)
     args = ap.parse_args()
     with scratch("jobcost") as work:

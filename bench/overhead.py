@@ -1,6 +1,6 @@
 """Benchmark (3): budgetq's per-sample overhead: one worker process vs a bare aiohttp client, zero latency.
 
-    python -m bench.overhead              # ~2 minutes; results in bench/results/overhead.json
+    python -m bench.overhead              # ~3 minutes; results in bench/results/overhead.json
 
 The simulator answers at once (``--zero-latency``) with short responses (32 tokens), so all that is measured
 is client-side work. In one command, against the same simulator process:
@@ -31,7 +31,8 @@ from typing import Any
 
 import redis
 
-from bench.harness import CpuMeter, Stack, fmt_cpu, produce_cmd, save_results, scratch, write_prompts
+from bench.harness import (CpuMeter, Stack, fmt_cpu, produce_cmd, save_results, scratch, thread_cpu,
+                           write_prompts)
 
 SIM = ["--zero-latency", "--length-dist", "fixed", "--mean-tokens", "32", "--seed", "1"]
 
@@ -58,10 +59,25 @@ def budgetq_window(stack: Stack, worker: subprocess.Popen[bytes], committed: Any
     time.sleep(args.warm)
     pids = {"worker": worker.pid, "sim": stack.sims[0].pid, "redis": stack.pids()["redis"]}
     cpu = CpuMeter(pids)
+    th_a = thread_cpu(worker.pid)
     c_a, t_a = committed(), time.time()
     time.sleep(args.duration)
     c_b, t_b = committed(), time.time()
-    return {"samples_per_s": (c_b - c_a) / (t_b - t_a), "cpu": cpu.stop()}
+    th_b = thread_cpu(worker.pid)
+    n = max(1, c_b - c_a)
+    return {"samples_per_s": (c_b - c_a) / (t_b - t_a), "cpu": cpu.stop(),
+            "worker_threads_us_per_sample": _by_thread(worker.pid, th_a, th_b, n)}
+
+
+def _by_thread(pid: int, before: dict[int, float], after: dict[int, float], n: int) -> dict[str, float]:
+    """The worker's CPU per committed sample, by thread. Threads carry no OS names, so they are told apart by
+    what they do: the process's own thread is RQ's main thread; of the others, the busiest is the request
+    loop (worker/runtime.py) and the next the ledger thread (worker/batch.py); the rest idle."""
+    used = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+    main = used.pop(pid, 0.0)
+    others = sorted(used.values(), reverse=True) + [0.0, 0.0]
+    return {"main (RQ)": round(main / n * 1e6, 1), "request loop": round(others[0] / n * 1e6, 1),
+            "ledger thread": round(others[1] / n * 1e6, 1), "rest": round(sum(others[2:]) / n * 1e6, 1)}
 
 
 def alternate(stack: Stack, work: Path, bodies: Path, args: argparse.Namespace
@@ -211,7 +227,7 @@ def keys_meta(name: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=80000)
+    ap.add_argument("--prompts", type=int, default=150000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--in-flight", type=int, default=64)
     ap.add_argument("--chunk-size", type=int, default=256, help="samples per chunk job (produce's default --chunk-size)")
@@ -262,6 +278,11 @@ def main() -> None:
     print(f"| samples/s, zero-latency server, 32-token answers (median of {len(bases)} / {len(bqs)} alternating "
           f"windows) | {base:,.0f} ({b_all}) | {bq:,.0f} ({q_all}) | {res['ratio']:.3f} |")
     print(f"| CPU share (cores), first windows | {fmt_cpu(bases[0]['cpu'])} | {fmt_cpu(bqs[0]['cpu'])} | |")
+    per_thread = {k: statistics.median(q["worker_threads_us_per_sample"][k] for q in bqs)
+                  for k in bqs[0]["worker_threads_us_per_sample"]}
+    base_us = statistics.median(b["cpu"]["client"] / b["samples_per_s"] * 1e6 for b in bases)
+    print(f"| CPU µs per sample (median of windows) | client {base_us:.0f} | worker "
+          f"{sum(per_thread.values()):.0f}: " + ", ".join(f"{k} {v:.0f}" for k, v in per_thread.items()) + " | |")
     print(f"| Redis admit+commit per sample, wall (client CPU) | | one by one {rt['one_by_one']['us_per_sample']:.0f} us "
           f"({rt['one_by_one']['cpu_us_per_sample']:.0f}), pipelined x64 "
           f"{rt['pipelined']['us_per_sample']:.0f} us ({rt['pipelined']['cpu_us_per_sample']:.0f}) | |")
