@@ -4,8 +4,8 @@
 
 The simulator answers at once (``--zero-latency``) with short responses (32 tokens), so all that is measured
 is client-side work. In one command, against the same simulator process:
-1. ``produce --detach`` enqueues the prompts (chunks of 256, the default); ONE ``rq worker -w worker.Worker`` at the default
-   64 in flight starts on them;
+1. ``produce --detach`` enqueues the prompts (chunks of 256, the default); ONE ``rq worker -w worker.Worker``
+   at the default 64 in flight starts on them;
 2. alternating windows (``--rounds``): baseline (bench/client.py: one aiohttp session, 64 in flight, the same
    bodies) while the worker is paused with SIGSTOP, then budgetq (samples/s = Redis ``committed`` over the
    window) while it runs, ..., ending with a baseline. The figure is median / median: the machine is shared,
@@ -230,7 +230,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=150000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--in-flight", type=int, default=64)
-    ap.add_argument("--chunk-size", type=int, default=256, help="samples per chunk job (produce's default --chunk-size)")
+    ap.add_argument("--chunk-size", type=int, default=256,
+                    help="samples per chunk job (produce's default --chunk-size)")
     ap.add_argument("--warm", type=float, default=1.5)
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--profile-seconds", type=float, default=10.0)

@@ -33,6 +33,7 @@ documented layout, so a change of RQ's layout is a change of this module only.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 PREFIX = "bq:"
@@ -55,67 +56,68 @@ RQ_CANCELED = "rq:canceled:" + QUEUE_NAME
 
 @dataclass(frozen=True)
 class DatasetKeys:
-    """The keys of one dataset. Build it only from a validated dataset name."""
+    """The keys of one dataset. Build it only from a validated dataset name. Each key is built once per
+    instance (the ledger keeps one instance per dataset: admit and commit run thousands of times a second)."""
 
     name: str
 
-    @property
+    @functools.cached_property
     def base(self) -> str:
         return f"{PREFIX}ds:{{{self.name}}}"
 
-    @property
+    @functools.cached_property
     def meta(self) -> str:
         return self.base
 
-    @property
+    @functools.cached_property
     def used(self) -> str:
         return self.base + ":used"
 
-    @property
+    @functools.cached_property
     def done(self) -> str:
         return self.base + ":done"
 
-    @property
+    @functools.cached_property
     def pending(self) -> str:
         return self.base + ":pending"
 
-    @property
+    @functools.cached_property
     def chunks(self) -> str:
         return self.base + ":chunks"
 
-    @property
+    @functools.cached_property
     def seq(self) -> str:
         return self.base + ":seq"
 
-    @property
+    @functools.cached_property
     def results(self) -> str:
         return self.base + ":results"
 
-    @property
+    @functools.cached_property
     def failed(self) -> str:
         return self.base + ":failed"
 
-    @property
+    @functools.cached_property
     def collector(self) -> str:
         return self.base + ":collector"
 
-    @property
+    @functools.cached_property
     def resv(self) -> str:
         return self.base + ":resv"
 
-    @property
+    @functools.cached_property
     def inflight(self) -> str:
         return self.base + ":inflight"
 
-    @property
+    @functools.cached_property
     def lengths(self) -> str:
         return self.base + ":lengths"
 
-    @property
+    @functools.cached_property
     def stats(self) -> str:
         return self.base + ":stats"
 
-    @property
+    @functools.cached_property
     def progress(self) -> str:
         return self.base + ":progress"
 

@@ -125,11 +125,6 @@ class DatasetState:
         return self.used + self.reserved < self.budget
 
 
-def _admission(reply: Any) -> Admission:
-    verdict, reserved = reply
-    return Admission(Admit(int(verdict)), int(reserved))
-
-
 def _admissions(reply: Any, n: int) -> list[Admission]:
     out = [Admission(Admit(int(reply[i])), int(reply[i + 1])) for i in range(0, len(reply), 2)]
     return out + [out[-1]] * (n - len(out))
@@ -138,28 +133,6 @@ def _admissions(reply: Any, n: int) -> list[Admission]:
 def _commit_outcome(reply: Any) -> CommitOutcome:
     ok, used, closed, late = reply
     return CommitOutcome(bool(ok), int(used), bool(closed), bool(late))
-
-
-class _HotKeys:
-    """A dataset's keys as plain attributes, built once: admit and commit run thousands of times a second."""
-
-    def __init__(self, k: keys.DatasetKeys) -> None:
-        for name in ("meta", "used", "done", "pending", "chunks", "results", "failed", "resv", "inflight",
-                     "lengths", "stats", "progress"):
-            setattr(self, name, getattr(k, name))
-
-    meta: str
-    used: str
-    done: str
-    pending: str
-    chunks: str
-    results: str
-    failed: str
-    resv: str
-    inflight: str
-    lengths: str
-    stats: str
-    progress: str
 
 
 def _s(value: Any) -> str:
@@ -188,8 +161,8 @@ class Ledger:
 
     @staticmethod
     @functools.lru_cache(maxsize=1024)
-    def _keys(name: str) -> "_HotKeys":
-        return _HotKeys(keys.DatasetKeys(name))
+    def _keys(name: str) -> keys.DatasetKeys:
+        return keys.DatasetKeys(name)
 
     # -- the producer's side -------------------------------------------------------------------------
     def set_budget(self, name: str, budget: int | None) -> str:
