@@ -27,6 +27,8 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:ds:{n}:lengths``       | list   | ``commit`` script        | the last 4096 completion lengths (predict's model)|
 | ``bq:ds:{n}:stats``         | hash   | ``commit`` script        | finish reasons, late commits, tokens per 10 s     |
 | ``bq:ds:{n}:progress``      | hash   | worker (refresh_chunk)   | running chunk id -> its requests' progress (JSON) |
+| ``bq:ds:{n}:discarded``     | list   | ``discard`` script       | chunk ids out of the queue whose RQ job hashes    |
+|                             |        |                          | ``mark_discarded`` has not yet marked canceled    |
 
 RQ's own keys that our scripts touch (queue list, job hashes, canceled registry) are derived here from RQ's
 documented layout, so a change of RQ's layout is a change of this module only.
@@ -121,10 +123,15 @@ class DatasetKeys:
     def progress(self) -> str:
         return self.base + ":progress"
 
+    @functools.cached_property
+    def discarded(self) -> str:
+        return self.base + ":discarded"
+
     def all(self) -> list[str]:
         """Every key of the dataset (for ``--new-run``, which starts it over)."""
         return [self.meta, self.used, self.done, self.pending, self.chunks, self.seq, self.results,
-                self.failed, self.collector, self.resv, self.inflight, self.lengths, self.stats, self.progress]
+                self.failed, self.collector, self.resv, self.inflight, self.lengths, self.stats, self.progress,
+                self.discarded]
 
 
 def chunk_id(dataset: str, seq: int) -> str:

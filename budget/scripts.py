@@ -257,14 +257,13 @@ return 1
 
 DISCARD = """
 -- discard: remove a closed dataset's queued chunks from the shared RQ queue so no worker can take them.
--- KEYS[1] meta hash, KEYS[2] chunks zset, KEYS[3] RQ queue list, KEYS[4] RQ canceled registry zset
--- ARGV[1] RQ job key prefix, ARGV[2] reason, ARGV[3] seconds the canceled job hashes are kept (RQ never cleans
--- its canceled registry: without a TTL a discarded chunk's prompts would stay in Redis for good)
+-- KEYS[1] meta hash, KEYS[2] chunks zset, KEYS[3] RQ queue list, KEYS[4] discarded list (ids still to mark)
 -- returns the number of chunks discarded (0 when run again: safe to repeat)
 -- Queued chunks are the live ones with score +inf. Their ids leave the list in one pass (LRANGE, filter,
--- rewrite: O(queue length), not one LREM per chunk), their job hashes are marked canceled with the reason
--- in the description and they join RQ's canceled registry, where rq-dashboard shows them. Other datasets'
--- jobs keep their order. A worker that popped one a moment ago finds it gone at start_chunk.
+-- rewrite: O(queue length), not one LREM per chunk); other datasets' jobs keep their order. A worker that
+-- popped one a moment ago finds it gone at start_chunk. Marking their RQ job hashes canceled is per-job work
+-- that no worker waits on, so it is not done here: the ids go to KEYS[4] for mark_discarded, in small calls
+-- that leave Redis free for the workers' commits in between (one script over 10,000 jobs held it ~150 ms).
 if redis.call('HGET', KEYS[1], 'status') == 'open' then return 0 end
 local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '+inf', '+inf')
 if #ids == 0 then return 0 end
@@ -281,28 +280,44 @@ if #keep ~= #queue then
     redis.call('RPUSH', KEYS[3], unpack(keep, i, math.min(i + 999, #keep)))
   end
 end
+for i = 1, #ids, 1000 do
+  local j = math.min(i + 999, #ids)
+  redis.call('ZREM', KEYS[2], unpack(ids, i, j))
+  redis.call('RPUSH', KEYS[4], unpack(ids, i, j))
+end
+redis.call('HINCRBY', KEYS[1], 'discarded_chunks', #ids)
+return #ids
+"""
+
+MARK_DISCARDED = """
+-- mark_discarded: show up to ARGV[4] discarded chunks as canceled in RQ, where rq-dashboard lists them.
+-- KEYS[1] the dataset's discarded list (from discard), KEYS[2] RQ canceled registry zset
+-- ARGV[1] RQ job key prefix, ARGV[2] reason, ARGV[3] seconds the canceled job hashes are kept (RQ never cleans
+-- its canceled registry: without a TTL a discarded chunk's prompts would stay in Redis for good),
+-- ARGV[4] how many to mark in this call
+-- returns how many are left to mark (call again until 0)
+-- Each job hash gets status canceled and the reason appended to its description; a hash that is gone (the
+-- job was deleted) is skipped. Popping and marking happen in one script, so a crash never leaves an id
+-- popped and unmarked.
+local ids = redis.call('LPOP', KEYS[1], tonumber(ARGV[4]))
+if not ids then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1])
-for i = 1, #ids, 1000 do
-  redis.call('ZREM', KEYS[2], unpack(ids, i, math.min(i + 999, #ids)))
-end
-local keep_s = tonumber(ARGV[3] or '604800')
+local keep_s = tonumber(ARGV[3])
+local suffix = ' [discarded: ' .. ARGV[2] .. ']'
 local canceled = {}
 for _, id in ipairs(ids) do
   local key = ARGV[1] .. id
   local desc = redis.call('HGET', key, 'description')  -- nil: the job hash is gone, nothing to show
   if desc then
-    redis.call('HSET', key, 'status', 'canceled', 'description', desc .. ' [discarded: ' .. ARGV[2] .. ']')
+    redis.call('HSET', key, 'status', 'canceled', 'description', desc .. suffix)
     redis.call('EXPIRE', key, keep_s)
     canceled[#canceled + 1] = now
     canceled[#canceled + 1] = id
   end
 end
-for i = 1, #canceled, 1000 do
-  redis.call('ZADD', KEYS[4], unpack(canceled, i, math.min(i + 999, #canceled)))
-end
-redis.call('HINCRBY', KEYS[1], 'discarded_chunks', #ids)
-return #ids
+if #canceled > 0 then redis.call('ZADD', KEYS[2], unpack(canceled)) end
+return redis.call('LLEN', KEYS[1])
 """
 
 RECLAIM = _NOW_MS + """

@@ -374,7 +374,7 @@ class Producer:
         d.status, d.used = state.status, state.used
         self.r.hset(k.meta, mapping={"selected": len(d.prepared.samples), "todo": len(d.todo)})
         if state.status != "open":
-            if state.queued_chunks:
+            if state.queued_chunks or state.discards_to_mark:
                 self.ledger.discard(d.name, "budget reached")
         elif d.todo and state.queued_chunks < self.opt.queue_depth and state.has_room():
             self._refill(d, max_chunks=self.opt.queue_depth - state.queued_chunks,

@@ -70,14 +70,26 @@ def test_reservations_expire_after_kill9_of_a_worker(redis_url: str, r: "redis.R
 def test_lowering_then_raising_a_budget_mid_run(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                 tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     sim = sim_factory("--tokens-per-second-per-request", "200", "--mean-tokens", "200", "--seed", "9")
-    workers(sim.url, BUDGETQ_CONCURRENCY="4").start("w0")
+    worker = workers(sim.url, BUDGETQ_CONCURRENCY="4").start("w0")
     out = tmp_path / "out"
     proc = subprocess.Popen([*produce_cmd(), str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "800",
                              "--budget", "1M", "--chunk-size", "4", "--queue-depth", "2", "--out", str(out),
                              "--redis-url", redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    used_key = keys.DatasetKeys("code_instruct").used
+    k = keys.DatasetKeys("code_instruct")
+    used_key = k.used
+
+    def hold_a_running_chunk() -> bool:
+        """Freeze the worker while it runs a chunk: between the two budget calls its requests stay in flight,
+        so the attached produce cannot see the closed dataset end and exit (as it should on a real close)."""
+        worker.send_signal(signal.SIGSTOP)
+        if r.zcount(k.chunks, "-inf", "(inf") > 0:
+            return True
+        worker.send_signal(signal.SIGCONT)
+        return False
+
     try:
         wait_for(lambda: int(r.get(used_key) or 0) > 2000, 60, "some tokens used")
+        wait_for(hold_a_running_chunk, 30, "the worker frozen with a chunk running")
         low = subprocess.run([*produce_cmd(), "budget", "code_instruct", "1000", "--redis-url", redis_url],
                              capture_output=True, text=True, timeout=60)
         assert low.returncode == 0, low.stderr
@@ -87,8 +99,10 @@ def test_lowering_then_raising_a_budget_mid_run(redis_url: str, r: "redis.Redis"
         high = subprocess.run([*produce_cmd(), "budget", "code_instruct", str(closed_at + 5000), "--redis-url",
                                redis_url], capture_output=True, text=True, timeout=60)
         assert high.returncode == 0 and "open" in high.stdout
+        worker.send_signal(signal.SIGCONT)
         _, stderr = proc.communicate(timeout=120)  # the attached produce tops up again and lands on the new budget
     finally:
+        worker.send_signal(signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr

@@ -98,6 +98,45 @@ def test_discard_of_ten_thousand_chunks(r: "redis.Redis") -> None:
     assert ledger.discard("big", "budget reached") == 10_000
     assert r.llen(keys.RQ_QUEUE) == 5
     assert [x.decode() for x in r.lrange(keys.RQ_QUEUE, 0, -1)] == others
+    assert r.zcard(keys.RQ_CANCELED) == 10_000
+    assert ledger.state("big").discards_to_mark == 0
+
+
+def _evalsha_calls(r: "redis.Redis") -> int:
+    return int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_discard_marks_jobs_canceled_in_small_calls(r: "redis.Redis") -> None:
+    """The queue is emptied in one script; marking the jobs canceled is split so Redis is never held long."""
+    ledger = Ledger(r)
+    ledger.set_budget("a", 0)
+    ids = enqueue(r, "a", 5)
+    ledger.discard("a", "warm up")  # loads the scripts (a first EVALSHA fails with NOSCRIPT, then retries)
+    ids = enqueue(r, "a", 5)
+    before = _evalsha_calls(r)
+    assert ledger.discard("a", "budget reached", mark_batch=2) == 5
+    assert _evalsha_calls(r) - before == 1 + 3  # discard, then marks of 2, 2 and 1
+    for cid in ids:
+        job = Job.fetch(cid, connection=r, serializer=JSONSerializer)
+        assert job.get_status() == "canceled" and (job.description or "").endswith("[discarded: budget reached]")
+        assert 0 < r.ttl(keys.rq_job_key(cid)) <= 7 * 24 * 3600
+
+
+def test_an_interrupted_discard_is_finished_by_the_next_one(r: "redis.Redis") -> None:
+    """A discarder that dies between taking chunks out of the queue and marking them leaves the ids listed;
+    the next discard (the producer runs one whenever ``discards_to_mark`` is set) marks them."""
+    ledger = Ledger(r)
+    ledger.set_budget("a", 0)
+    ids = enqueue(r, "a", 3)
+    k = keys.DatasetKeys("a")
+    assert ledger._discard(keys=[k.meta, k.chunks, keys.RQ_QUEUE, k.discarded]) == 3  # the first step only
+    assert r.llen(keys.RQ_QUEUE) == 0
+    assert ledger.state("a").discards_to_mark == 3
+    assert Job.fetch(ids[0], connection=r, serializer=JSONSerializer).get_status() == "queued"
+    assert ledger.discard("a", "budget reached") == 0  # nothing left in the queue; the marking is finished
+    assert ledger.state("a").discards_to_mark == 0
+    registry = CanceledJobRegistry(keys.QUEUE_NAME, connection=r, serializer=JSONSerializer)
+    assert sorted(registry.get_job_ids()) == sorted(ids)
 
 
 def test_lease_expiry_is_reclaimed_and_the_zombie_is_fenced(r: "redis.Redis") -> None:

@@ -131,11 +131,11 @@ class Dispatcher:
         self.slots.release()  # wake a dispatch waiting for a slot so it can give its chunk back
 
     async def _redis(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Call the ledger, waiting out a Redis outage. Every budget script is idempotent (a resent commit hits
-        the done guard), so retrying is safe, and a response SGLang already produced is worth waiting for:
-        the alternative is throwing the GPU work away."""
+        """Call the ledger in a thread, waiting out a Redis outage: for the rare calls that take a while (a
+        discard marks thousands of jobs canceled over several round trips), so responses are still read
+        meanwhile. Every budget script is idempotent (a resent commit hits the done guard), so retrying is safe."""
         async def once() -> T:
-            return fn(*args, **kwargs)
+            return await asyncio.to_thread(fn, *args, **kwargs)
         return await self._retry(what, once)
 
     async def _batched(self, what: str, call: Call[T]) -> T:
