@@ -11,7 +11,8 @@ recovery never depended on RQ's job status (see budget/ledger.py).
 
 Flow per sample: ``admit`` (dataset open? chunk still the sample's holder? room in the budget?) ->
 ``POST /generate`` with retries -> ``commit`` (exactly-once, counted, result queued for the producer). Admits
-and commits of one loop iteration share a Redis round trip (worker/batch.py). When a
+and commits of one loop iteration share a Redis round trip (worker/batch.py). A sample holds its slot from
+admission until its request ends, not until its commit's reply: the window counts requests at SGLang. When a
 commit closes the dataset, the worker discards the dataset's queued chunks at once; requests in flight finish
 and are committed (GPU work is never thrown away), but no new request of the dataset starts.
 """
@@ -258,10 +259,18 @@ class Dispatcher:
     # -- requests ---------------------------------------------------------------------------------------
     async def _run_one(self, rc: RunningChunk, sample: SamplePayload, flight: Flight) -> None:
         sid, report = sample["id"], rc.report
+        slot_held = True
         try:
             try:
-                gen = await generate_sample(self.client, self.config, rc.dataset, sample,
-                                            rc.chunk["sampling_params"], report)
+                try:
+                    gen = await generate_sample(self.client, self.config, rc.dataset, sample,
+                                                rc.chunk["sampling_params"], report)
+                finally:
+                    # A slot is a request at SGLang: the next sample may start while this one is committed.
+                    # Held until the commit's reply, each slot spent ~1/3 of its time waiting on Redis
+                    # (python -m bench.overhead; docs/performance.md, figure 3).
+                    slot_held = False
+                    self.slots.release()
             except GenerateError as err:
                 report.errors.append(f"{sid}: {err.reason}")
                 if await self._batched("fail", self.ledger.fail_call(
@@ -287,7 +296,8 @@ class Dispatcher:
         finally:
             rc.flights.pop(sid, None)
             self.ended.set()
-            self.slots.release()
+            if slot_held:  # cancelled before the request ended
+                self.slots.release()
 
     async def _finish(self, rc: RunningChunk, cancelled: bool = False) -> None:
         """Wait for the chunk's last request, then let it go. A chunk interrupted by a crash of this code is
