@@ -90,7 +90,9 @@ class Worker(SimpleWorker):
         if func_name not in jobs.ALLOWED:
             self._refuse(job, queue, f"job function {func_name!r} is not allowed by worker.Worker")
             return
-        super().execute_job(job, queue)
+        # Redis lost while RQ finishes the job (its heartbeat, result, registries) reaches rq's work loop as an
+        # "unhandled exception, quitting": flagged, work() below waits for Redis and starts the loop again.
+        self._guard(super().execute_job, job, queue)
 
     def _refuse(self, job: Job, queue: Queue, reason: str) -> None:
         log.error("refused job %s: %s", job.id, reason)
