@@ -24,7 +24,7 @@ LEASE_MS = 20_000
 
 #: How long a discarded (canceled) chunk stays visible in rq-dashboard before its job hash expires.
 DISCARDED_TTL_S = 7 * 24 * 3600
-#: Discarded jobs marked canceled per mark_discarded call: ~10 ms of Redis time each on a busy 2-core machine.
+#: Discarded jobs marked canceled per mark_discarded call: ~25 ms of Redis time each on the 2-core bench machine.
 MARK_BATCH = 1000
 
 

@@ -259,7 +259,6 @@ class Dispatcher:
     # -- requests ---------------------------------------------------------------------------------------
     async def _run_one(self, rc: RunningChunk, sample: SamplePayload, flight: Flight) -> None:
         sid, report = sample["id"], rc.report
-        slot_held = True
         try:
             try:
                 try:
@@ -269,7 +268,6 @@ class Dispatcher:
                     # A slot is a request at SGLang: the next sample may start while this one is committed.
                     # Held until the commit's reply, each slot spent ~1/3 of its time waiting on Redis
                     # (python -m bench.overhead; docs/performance.md, figure 3).
-                    slot_held = False
                     self.slots.release()
             except GenerateError as err:
                 report.errors.append(f"{sid}: {err.reason}")
@@ -296,8 +294,6 @@ class Dispatcher:
         finally:
             rc.flights.pop(sid, None)
             self.ended.set()
-            if slot_held:  # cancelled before the request ended
-                self.slots.release()
 
     async def _finish(self, rc: RunningChunk, cancelled: bool = False) -> None:
         """Wait for the chunk's last request, then let it go. A chunk interrupted by a crash of this code is
