@@ -181,11 +181,16 @@ def scratch(name: str) -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _stat_cpu(stat_path: str) -> float:
+    """User + system CPU seconds from a /proc stat file (a process's or one of its threads')."""
+    fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a live process (from /proc), for the CPU share beside each figure."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _stat_cpu(f"/proc/{pid}/stat")
     except (OSError, IndexError, ValueError):
         return 0.0
 
@@ -208,8 +213,7 @@ def thread_cpu(pid: int) -> dict[int, float]:
         return out
     for tid in tids:
         try:
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            out[int(tid)] = _stat_cpu(f"/proc/{pid}/task/{tid}/stat")
         except (OSError, IndexError, ValueError):
             continue
     return out

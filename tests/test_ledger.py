@@ -110,7 +110,7 @@ def test_discard_marks_jobs_canceled_in_small_calls(r: "redis.Redis") -> None:
     """The queue is emptied in one script; marking the jobs canceled is split so Redis is never held long."""
     ledger = Ledger(r)
     ledger.set_budget("a", 0)
-    ids = enqueue(r, "a", 5)
+    enqueue(r, "a", 5)
     ledger.discard("a", "warm up")  # loads the scripts (a first EVALSHA fails with NOSCRIPT, then retries)
     ids = enqueue(r, "a", 5)
     before = _evalsha_calls(r)
