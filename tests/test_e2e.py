@@ -262,3 +262,21 @@ def test_sigterm_finishes_running_requests_gives_back_the_rest_then_exits(
     assert again.returncode == 0, again.stderr
     assert len(check_exact(r, tmp_path / "out", "agent_traces")) == 24
     assert sim_stats(sim.url)["completed"] == 24
+
+
+def test_sigterm_right_after_start_stops_the_worker_cleanly(r: "redis.Redis", sim_factory: Any,
+                                                            workers: Any) -> None:
+    # rq installs its signal handlers only after the worker registered itself: a SIGTERM in between (a deploy
+    # that starts and stops workers at once) used to end the process by the signal, its registration left
+    # behind. From the line that says the budgetq worker is built, any SIGTERM is a warm stop.
+    sim = sim_factory()
+    pool = workers(sim.url)
+    for i in range(5):
+        name = f"early{i}"
+        proc = pool.start(name)
+        wait_for(lambda: "budgetq worker:" in pool.log(name) or proc.poll() is not None, 60,
+                 "the worker announced itself", interval=0.001)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, pool.log(name)
+        assert "Traceback" not in pool.log(name)
+        assert not r.sismember("rq:workers", f"rq:worker:{name}")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -67,8 +69,19 @@ class Worker(SimpleWorker):
         self.config = WorkerConfig.from_env()
         self.runtime = runtime.Runtime(self.connection, self.config, heartbeat=self._job_heartbeat)
         runtime.install(self.runtime)
+        # rq installs its SIGTERM/SIGINT handlers only once the worker has registered itself: a signal in
+        # between (a deploy that starts and stops workers at once) ended the process by the signal's default
+        # action, its registration left behind. Until rq's handlers take over, a signal asks for a stop that
+        # the work loop honours before it takes any job.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._stop_before_work)
+            signal.signal(signal.SIGINT, self._stop_before_work)
         log.info("budgetq worker: %d server(s), %d requests in flight per worker, pid %d",
                  len(self.config.servers), self.config.concurrency, os.getpid())
+
+    def _stop_before_work(self, signum: Any, frame: Any) -> None:
+        self._stop_requested = True
+        self.runtime.loop.call_soon_threadsafe(self.runtime.dispatcher.stop)
 
     def _job_heartbeat(self) -> None:
         # A SimpleWorker does not heartbeat while a job runs; the chunk's lease task calls this so the worker
