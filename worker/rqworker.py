@@ -81,6 +81,9 @@ class Worker(SimpleWorker):
 
     def _stop_before_work(self, signum: Any, frame: Any) -> None:
         self._stop_requested = True
+        self._stop_dispatching()
+
+    def _stop_dispatching(self) -> None:
         self.runtime.loop.call_soon_threadsafe(self.runtime.dispatcher.stop)
 
     def _job_heartbeat(self) -> None:
@@ -91,7 +94,7 @@ class Worker(SimpleWorker):
     def request_stop(self, signum: Any, frame: Any) -> None:
         # Warm shutdown: the chunk being dispatched gives its unstarted samples back at once (the producer
         # re-enqueues them); requests already running finish and are committed before the worker exits.
-        self.runtime.loop.call_soon_threadsafe(self.runtime.dispatcher.stop)
+        self._stop_dispatching()
         super().request_stop(signum, frame)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
