@@ -40,6 +40,7 @@ from bench.harness import (RESULTS, CpuMeter, Stack, fmt_cpu, produce_cmd, save_
                            sim_stats_url, start_sim, write_prompts)
 
 SAT = 256
+SERIES_STEP = 0.5  # seconds between saved points of the running-count series
 Sample = tuple[float, int, int, float, int]  # sim uptime, running, completed, running_integral, submitted
 
 
@@ -78,7 +79,18 @@ def summarize(w: dict[str, Any], n: int) -> dict[str, Any]:
             "idle_slot_s": SAT * makespan - (ri1 - ri0), "tail_idle_slot_s": SAT * tail - (ri1 - rit),
             "tokens": end["completion_tokens_total"], "submitted": end["submitted"], "aborted": end["aborted"],
             "completed": end["completed"], "cpu": w["cpu"], "polls": len(series),
-            "running_series": [(round(u - u0, 3), r) for u, r, _, _, _ in series]}
+            "running_series": thin([(round(u - u0, 3), r) for u, r, _, _, _ in series], SERIES_STEP)}
+
+
+def thin(points: list[tuple[float, int]], step: float) -> list[tuple[float, int]]:
+    """Every poll feeds the figures; the saved series keeps one point per ``step`` s (and the last)."""
+    out: list[tuple[float, int]] = []
+    for t, r in points:
+        if not out or t - out[-1][0] >= step:
+            out.append((t, r))
+    if points and out[-1] != points[-1]:
+        out.append(points[-1])
+    return out
 
 
 def run_baseline(args: argparse.Namespace, work: Path, bodies: Path, sim: list[str], timeout: float
