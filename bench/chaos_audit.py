@@ -58,10 +58,20 @@ class Result:
                 "figures": self.figures, "checks": [c.__dict__ for c in self.checks], "note": self.note}
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
+def complete_lines(path: Path) -> list[str]:
+    """The newline-terminated lines of ``path``: a file that produce or a worker is still appending to may end
+    in half a line (no newline yet, perhaps cut inside a UTF-8 sequence); that part is left for the next read."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    end = data.rfind(b"\n")
+    return data[:end + 1].decode("utf-8", errors="replace").splitlines() if end >= 0 else []
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file that may still be growing (an unterminated last line is not read yet)."""
+    return [json.loads(line) for line in complete_lines(path) if line.strip()]
 
 
 TRACEBACK = "Traceback (most recent call last):"

@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from bench.chaos_audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
+from bench.chaos_audit import DATASET, Result, audit, log_files, read_jsonl, rounded as _r, sample_ids
 from bench.chaos_run import KEYS, ChaosStack, Ctx, Watch, wait_until
 
 #: What a lost Redis connection looks like in rq's own log lines ("found an unhandled exception, quitting",
@@ -136,10 +136,7 @@ def _lost_state(res: Result, prod: Any, rc: int, message: str) -> None:
 def _mismatches(st: ChaosStack) -> int:
     """Samples whose record on disk and whose count in Redis' done hash disagree (generated twice)."""
     path = st.workdir / "out" / DATASET / "raw_responses.jsonl"
-    on_disk = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        rec = json.loads(line)
-        on_disk[str(rec["id"])] = int(rec["completion_tokens"])
+    on_disk = {str(rec["id"]): int(rec["completion_tokens"]) for rec in read_jsonl(path)}
     raw: Any = st.client().hgetall(KEYS + ":done")
     done = {k.decode(): int(v) for k, v in raw.items()}
     return sum(1 for sid, n in on_disk.items() if sid in done and done[sid] != n)

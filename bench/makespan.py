@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.chaos_audit import read_jsonl
 from bench.efficiency import render_bodies
 from bench.harness import (RESULTS, CpuMeter, Stack, fmt_cpu, produce_cmd, save_results, scratch, sim_args,
                            sim_stats_url, start_sim, write_prompts)
@@ -137,7 +138,8 @@ def run_budgetq(args: argparse.Namespace, work: Path, tok: Path, data: Path, sim
                 produce.kill()
                 produce.wait()
             stack.kill()
-    recs = [json.loads(line) for line in (out / "prompts" / "raw_responses.jsonl").read_text().splitlines()]
+    # Whole lines only: a produce killed at the timeout may have left half of one.
+    recs = read_jsonl(out / "prompts" / "raw_responses.jsonl")
     res.update({"chunk_size": chunk, "lines": len(recs), "unique_ids": len({str(r["id"]) for r in recs}),
                 "tokens_on_disk": sum(int(r["completion_tokens"]) for r in recs)})
     return res

@@ -55,7 +55,8 @@ def main() -> None:
                 committed = int(r.hget("bq:ds:{prompts}", "committed") or 0)
                 series.append((time.time() - t0, committed, rss_now))
                 wall, cpu = time.time() - t0, cpu_seconds(worker.pid) - cpu0
-                lines = sum(1 for _ in open(work / "out" / "prompts" / "raw_responses.jsonl"))
+                # newline-terminated lines only: produce may be writing one (killed at the timeout)
+                lines = (work / "out" / "prompts" / "raw_responses.jsonl").read_bytes().count(b"\n")
             finally:
                 if produce.poll() is None:
                     produce.kill()

@@ -38,9 +38,14 @@ class Workers:
         self.procs.append(proc)
         return proc
 
-    def log(self, name: str) -> str:
+    def log(self, name: str, partial: bool = False) -> str:
+        """The worker's log so far: its complete lines only (it may be writing one right now, and a pattern
+        matched against half a line can match what the whole line will not say). ``partial``: everything,
+        for a check that nothing in the log says something (a secret)."""
         path = self.logdir / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+        if partial:
+            return path.read_text(errors="replace") if path.exists() else ""
+        return "".join(line + "\n" for line in complete_lines(path))
 
     def stop_all(self) -> None:
         for p in self.procs:
@@ -59,10 +64,23 @@ def sim_stats(url: str) -> dict[str, Any]:
         return dict(json.loads(resp.read()))
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
+def complete_lines(path: Path) -> list[str]:
+    """The lines of ``path`` that end in a newline, decoded: what a reader of a file another process is still
+    appending to may use. The last line of such a file can be half written (no trailing newline yet, perhaps cut
+    inside a UTF-8 sequence), so everything after the last newline is left for the next read. A writer that has
+    finished ends its file with a newline, so nothing of a finished file is lost."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    end = data.rfind(b"\n")
+    return data[:end + 1].decode("utf-8", errors="replace").splitlines() if end >= 0 else []
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file, which ``produce`` may still be appending to: an unterminated last line is
+    not read yet (see `complete_lines`); a torn line in a finished file shows up as a missing record."""
+    return [json.loads(line) for line in complete_lines(path) if line.strip()]
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:

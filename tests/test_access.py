@@ -96,7 +96,8 @@ def whole_run(url: str, admin: "redis.Redis", tmp_path: Path, tokenizer_dir: Pat
     assert sorted(x["id"] for x in glaive) == sorted({str(x["id"]) for x in read_jsonl(GLAIVE)})
     assert sum(x["completion_tokens"] for x in check_exact(admin, out, "code_instruct")) >= 3000
     for name in ("w0", "w1"):
-        assert "Traceback" not in pool.log(name) and "NOPERM" not in pool.log(name), pool.log(name)[-2000:]
+        assert "Traceback" not in pool.log(name, partial=True) and "NOPERM" not in pool.log(name, partial=True), \
+            pool.log(name, partial=True)[-2000:]
     return res
 
 

@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator, Mapping
 import pytest
 import redis
 
+from tests.procs import read_jsonl  # only newline-terminated lines: the stack may still be writing
 from tests.redis_server import free_port
 from tests.test_compose import (
     COMPOSE,
@@ -580,10 +581,6 @@ class Stack:
 
 
 # ------------------------------------------------------------------------------------ helpers
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
 
 def demo_file_for(stem: str, used: set[Path]) -> Path:
     """The demo dataset that fits a documented file name best (B1_glaive -> glaive_fc), else the next unused."""
