@@ -158,6 +158,7 @@ class Ledger:
         self._discard = client.register_script(scripts.DISCARD)
         self._mark_discarded = client.register_script(scripts.MARK_DISCARDED)
         self._reclaim = client.register_script(scripts.RECLAIM)
+        self._reclaim_queued = client.register_script(scripts.RECLAIM_QUEUED)
         self._reconcile = client.register_script(scripts.RECONCILE)
         self._uncommit = client.register_script(scripts.UNCOMMIT)
         self._lock_refresh = client.register_script(scripts.LOCK_REFRESH)
@@ -206,6 +207,15 @@ class Ledger:
     def reclaim(self, name: str) -> list[str]:
         k = keys.DatasetKeys(name)
         return [_s(x) for x in self._reclaim(keys=[k.chunks, k.resv, k.inflight, k.progress])]
+
+    def reclaim_queued(self, name: str, overdue: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+        """Take back the dataset's queued chunks whose RQ job is gone or ended without starting them, and those
+        of ``overdue`` a worker popped long ago and still has not started; one script, so a chunk a worker
+        starts meanwhile is never taken (budget/scripts.py RECLAIM_QUEUED). Returns (reclaimed chunk ids, ids
+        still queued whose job a worker has popped: the caller times them and passes them back as overdue)."""
+        k = keys.DatasetKeys(name)
+        stale, popped = self._reclaim_queued(keys=[k.chunks], args=[keys.RQ_JOB_PREFIX, *overdue])
+        return [_s(x) for x in stale], [_s(x) for x in popped]
 
     def discard(self, name: str, reason: str, keep_s: int = DISCARDED_TTL_S, mark_batch: int = MARK_BATCH) -> int:
         """Take a closed dataset's queued chunks out of the queue (one script: from its return no worker can

@@ -337,6 +337,36 @@ end
 return ids
 """
 
+RECLAIM_QUEUED = """
+-- reclaim_queued: take back queued chunks that no worker will ever start: their RQ job is gone or ended
+-- (failed, finished, stopped, canceled) while the chunk is still queued, or a worker popped the job (status
+-- started) and never started the chunk for as long as the caller allows (ARGV[2..], from earlier calls).
+-- KEYS[1] chunks zset
+-- ARGV[1] RQ job key prefix, ARGV[2..] chunk ids popped so long ago that they are taken back if still queued
+-- returns {reclaimed ids, ids queued whose job a worker popped and has not started (the caller times them)}
+-- One script because the decision reads two things that move: a worker may start a chunk (its score turns
+-- from +inf to a lease) and finish its job (a chunk job ends once its samples have started) between a
+-- client's ZRANGEBYSCORE, its HGETs of the job statuses and its ZREM; the chunk would be dropped while its
+-- requests run, and its samples enqueued a second time. Here a chunk is removed only while its score is +inf.
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '+inf', '+inf')
+local forced = {}
+for i = 2, #ARGV do forced[ARGV[i]] = true end
+local ended = {failed = true, finished = true, stopped = true, canceled = true}
+local stale, popped = {}, {}
+for _, id in ipairs(ids) do
+  local status = redis.call('HGET', ARGV[1] .. id, 'status')
+  if not status or ended[status] or (status == 'started' and forced[id]) then
+    stale[#stale + 1] = id
+  elseif status == 'started' then
+    popped[#popped + 1] = id
+  end
+end
+for i = 1, #stale, 1000 do
+  redis.call('ZREM', KEYS[1], unpack(stale, i, math.min(i + 999, #stale)))
+end
+return {stale, popped}
+"""
+
 RECONCILE = _CLOSE_IF_SPENT + """
 -- reconcile: make the counter agree with the responses on disk (raw_responses.jsonl is the truth for every id
 -- it holds): ids Redis does not know are added and counted (a new Redis, or a rerun after Redis lost data);

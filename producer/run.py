@@ -399,30 +399,14 @@ class Producer:
             d.todo.append(sid)
 
     def _reclaim_stale_queued(self, d: DatasetRun) -> set[str]:
-        """Queued chunks whose RQ job is gone or ended without starting the chunk."""
-        k = keys.DatasetKeys(d.name)
-        found: Any = self.r.zrangebyscore(k.chunks, "+inf", "+inf")
-        queued = [x.decode() for x in found]
-        if not queued:
-            return set()
-        with self.r.pipeline(transaction=False) as p:
-            for cid in queued:
-                p.hget(keys.rq_job_key(cid), "status")
-            statuses = p.execute()
+        """Queued chunks whose RQ job is gone or ended without starting the chunk, or that a worker popped and
+        has not started for three leases (it died between dequeue and start). The decision is one script
+        (``Ledger.reclaim_queued``): a chunk a worker starts meanwhile is not taken back."""
         now = time.monotonic()
-        stale = set()
-        for cid, status in zip(queued, statuses):
-            st = status.decode() if status else None
-            if st in (None, "failed", "finished", "stopped", "canceled"):
-                stale.add(cid)
-            elif st == "started":  # popped by a worker that has not started it: give it three leases
-                first = d.queued_seen.setdefault(cid, now)
-                if now - first > 3 * 20:
-                    stale.add(cid)
-        for cid in stale:
-            d.queued_seen.pop(cid, None)
-            self.r.zrem(k.chunks, cid)
-        return stale
+        overdue = [cid for cid, first in d.queued_seen.items() if now - first > 3 * LEASE_MS / 1000]
+        stale, popped = self.ledger.reclaim_queued(d.name, overdue)
+        d.queued_seen = {cid: d.queued_seen.get(cid, now) for cid in popped}
+        return set(stale)
 
     def _samples_needed(self, d: DatasetRun, state: DatasetState, everything: bool = False) -> int:
         """Just in time: how many more samples to hand out now. Unbudgeted (or --detach without a budget):

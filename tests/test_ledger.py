@@ -152,6 +152,39 @@ def test_lease_expiry_is_reclaimed_and_the_zombie_is_fenced(r: "redis.Redis") ->
     assert ledger.commit("ds", "ds-0-1", 4, {}).committed  # an in-flight response still counts once
 
 
+def test_reclaim_queued_never_takes_a_chunk_started_after_the_read(r: "redis.Redis") -> None:
+    """The race the reclaim script closes: the producer saw a chunk queued (+inf), a worker then started it
+    (its score became a lease) and its job finished (a chunk job ends once its samples have started). Taking
+    it back now would drop a running chunk and enqueue its samples again; the script takes only what is still
+    +inf when it runs."""
+    from rq.job import JobStatus
+    ledger = Ledger(r)
+    ledger.set_budget("ds", None)
+    running, ended, waiting, gone, popped = enqueue(r, "ds", 5)
+    k = keys.DatasetKeys("ds")
+    seen = {x.decode() for x in r.zrangebyscore(k.chunks, "+inf", "+inf")}  # what a client reads first
+    assert seen == {running, ended, waiting, gone, popped}
+    assert ledger.start_chunk("ds", running) == "ok"  # ... then a worker starts one, and its job finishes
+    jobs = {cid: Job.fetch(cid, connection=r, serializer=JSONSerializer) for cid in (running, ended, popped)}
+    jobs[running].set_status(JobStatus.FINISHED)
+    jobs[ended].set_status(JobStatus.FINISHED)  # its worker ended the job without starting the chunk
+    jobs[popped].set_status(JobStatus.STARTED)  # a worker popped it and has not started the chunk yet
+    Job.fetch(gone, connection=r, serializer=JSONSerializer).delete(remove_from_queue=False)
+    lease = r.zscore(k.chunks, running)
+    assert lease is not None and lease != float("inf")
+
+    stale, waiting_start = ledger.reclaim_queued("ds", overdue=[running])
+    assert sorted(stale) == sorted([ended, gone]) and waiting_start == [popped]
+    assert r.zscore(k.chunks, running) == lease, "a started chunk keeps its lease even when named overdue"
+    assert ledger.live_chunks("ds") == {running, waiting, popped}
+    assert ledger.refresh_chunk("ds", running) and ledger.admit("ds", "ds-0-0", running).verdict is Admit.START
+
+    stale, waiting_start = ledger.reclaim_queued("ds", overdue=[popped])  # popped three leases ago: taken back
+    assert stale == [popped] and waiting_start == []
+    assert ledger.live_chunks("ds") == {running, waiting}
+    assert ledger.start_chunk("ds", popped) == "revoked"  # its late worker does nothing with it
+
+
 def test_reconcile_and_uncommit(r: "redis.Redis") -> None:
     ledger = Ledger(r)
     ledger.set_budget("ds", 100)
