@@ -27,13 +27,19 @@ class ThinkPayload(TypedDict):
     end: str
 
 
-class ChunkPayload(TypedDict):
+class _ChunkPayloadRequired(TypedDict):
     v: int
     dataset: str
     chunk: str
     sampling_params: dict[str, Any]
     think: ThinkPayload | None
     samples: list[SamplePayload]
+
+
+class ChunkPayload(_ChunkPayloadRequired, total=False):
+    #: The run's reasoning parser (worker/reasoning.py PARSERS). Missing in a chunk queued before parsers
+    #: existed: the worker then splits on the ``think`` markers alone, as it did then.
+    reasoning_parser: str
 
 
 def request_id(dataset: str, sample_id: str, attempt: int) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 from budget.payload import ChunkPayload, SamplePayload, request_id
 from worker.config import WorkerConfig
-from worker.reasoning import split_reasoning
+from worker.reasoning import parse_turn, split_reasoning
 from worker.sglang import Generation, GenerateError, SGLangClient
 
 log = logging.getLogger("budgetq.worker")
@@ -88,12 +88,21 @@ async def generate_sample(client: SGLangClient, config: WorkerConfig, dataset: s
 
 
 def result_record(dataset: str, sample: SamplePayload, gen: Generation, chunk: ChunkPayload) -> dict[str, Any]:
-    think = chunk["think"]
-    split = split_reasoning(gen.text, start=think["start"] if think else None, end=think["end"] if think else None,
-                            opens_think=sample["opens_think"], finish_reason=gen.finish_reason)
-    return {
-        "id": sample["id"], "dataset": dataset, "response": gen.text, "reasoning": split.reasoning,
-        "content": split.content, "reasoning_truncated": split.reasoning_truncated,
-        "prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-        "finish_reason": gen.finish_reason, "sampling_params": chunk["sampling_params"],
-    }
+    parser = chunk.get("reasoning_parser")
+    record: dict[str, Any] = {"id": sample["id"], "dataset": dataset, "response": gen.text}
+    if parser is not None:
+        turn = parse_turn(parser, gen.text, opens_think=sample["opens_think"], finish_reason=gen.finish_reason,
+                          call_id_seed=f"{dataset}\0{sample['id']}")
+        record.update(reasoning=turn.reasoning, content=turn.content, reasoning_truncated=turn.reasoning_truncated,
+                      reasoning_unclosed=turn.reasoning_unclosed, tool_calls=turn.tool_calls,
+                      tool_call_errors=turn.tool_call_errors, reasoning_parser=parser)
+    else:  # a chunk queued before parsers existed: the think-marker split it was queued for
+        think = chunk["think"]
+        split = split_reasoning(gen.text, start=think["start"] if think else None,
+                                end=think["end"] if think else None, opens_think=sample["opens_think"],
+                                finish_reason=gen.finish_reason)
+        record.update(reasoning=split.reasoning, content=split.content,
+                      reasoning_truncated=split.reasoning_truncated)
+    record.update(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
+                  finish_reason=gen.finish_reason, sampling_params=chunk["sampling_params"])
+    return record
