@@ -444,6 +444,62 @@ def metrics_cmd(redis_url: str, host: str, port: int, verbose: bool, log_format:
         return
 
 
+@main.command("dashboard", help="Serve rq-dashboard (0.9.0, its own pages) at http://HOST:PORT/, reading every "
+              "job with RQ's JSON serializer, so the Workers page also works while workers run chunks; deletes "
+              "disabled. Binds 127.0.0.1 unless --host says otherwise; another address needs basic auth.\n\n"
+              "\b\nExample:\n  RQ_DASHBOARD_USERNAME=ops RQ_DASHBOARD_PASSWORD=... produce dashboard --port 9181")
+@redis_url_option
+@opt("--host", envvar="BUDGETQ_DASHBOARD_HOST", default="127.0.0.1", show_default=True,
+     help="Address to listen on; another than loopback requires --username and --password.")
+@opt("--port", type=click.IntRange(0, 65535), envvar="BUDGETQ_DASHBOARD_PORT", default=9181, show_default=True,
+     help="TCP port to listen on (0: any free one, printed at start).")
+@opt("--username", envvar="RQ_DASHBOARD_USERNAME", default=None,
+     help="Basic auth user name (with --password; rq-dashboard's own variable).")
+@opt("--password", envvar="RQ_DASHBOARD_PASSWORD", default=None,
+     help="Basic auth password: set it in the environment, not on the command line.")
+@opt("--url-prefix", envvar="BUDGETQ_DASHBOARD_URL_PREFIX", default="",
+     help="URL prefix, behind a reverse proxy (e.g. /rq).")
+@opt("--poll-interval", type=click.IntRange(250), envvar="BUDGETQ_DASHBOARD_POLL_INTERVAL", default=None,
+     metavar="MS", help="How often the pages refresh, in milliseconds. Default: rq-dashboard's (2500).")
+@log_options
+def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, password: str | None,
+                  url_prefix: str, poll_interval: int | None, verbose: bool, log_format: str) -> None:
+    import ipaddress
+
+    from producer.dashboard import DashboardError, make_app, serve
+    _setup_logging(log_format, verbose)
+    # werkzeug logs every request at INFO on stderr; as rq-dashboard's own CLI, only with --verbose.
+    logging.getLogger("werkzeug").setLevel(logging.INFO if verbose else logging.WARNING)
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if bool(username) != bool(password):
+        raise InputProblem("give both --username and --password (RQ_DASHBOARD_USERNAME, RQ_DASHBOARD_PASSWORD), "
+                           "or neither")
+    if not loopback and not (username and password):
+        raise InputProblem(f"--host {host} exposes the dashboard beyond this machine: set RQ_DASHBOARD_USERNAME "
+                           "and RQ_DASHBOARD_PASSWORD (basic auth)")
+    _connect(redis_url).close()  # a wrong URL is an exit 1 now, not a 500 on every page
+    try:
+        app = make_app(redis_url, username=username or None, password=password or None,
+                       url_prefix=url_prefix.rstrip("/"), poll_interval_ms=poll_interval)
+    except DashboardError as exc:
+        raise RuntimeProblem(str(exc)) from None
+
+    def ready(bound_host: str, bound_port: int) -> None:
+        url = f"http://{bound_host}:{bound_port}{url_prefix.rstrip('/')}/"
+        log.info("serving rq-dashboard at %s (Redis %s, JSON serializer, %s); Ctrl-C stops", url,
+                 logs.redact(redis_url), "basic auth" if username else "no auth", extra={"url": url})
+
+    try:
+        serve(app, host, port, on_ready=ready)
+    except OSError as exc:
+        raise RuntimeProblem(f"cannot listen on {host}:{port}: {exc}") from None
+    except KeyboardInterrupt:
+        return
+
+
 @main.command("export", help="Write the collected results of datasets NAMES as training conversations (ShareGPT or "
               "OpenAI messages) with the regenerated assistant turn, plus OUT/<dataset>/manifest.json.\n\n"
               "\b\nExample:\n  produce export B1_glaive --out out/ --format sharegpt --dest train/b1.jsonl")

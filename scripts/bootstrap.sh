@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
 # Install what budgetq needs on a fresh machine: redis-server (Debian package, when missing) and the
-# project with its test extra. Safe to run again: it skips what is already there.
+# project with its test extra; with BUDGETQ_TEST_DEPS=1 (`make test`) also chromium, which only the dashboard's
+# browser test needs. Safe to run again: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
+# apt_install COMMAND PACKAGE: install the Debian package when COMMAND is missing.
+apt_install() {
+  command -v "$1" >/dev/null 2>&1 && return 0
   if command -v apt-get >/dev/null 2>&1; then
-    echo "bootstrap: installing redis-server with apt-get" >&2
+    echo "bootstrap: installing $2 with apt-get" >&2
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$2" >/dev/null
   else
-    echo "bootstrap: redis-server is missing and apt-get is not available; install Redis >= 6.2" >&2
+    echo "bootstrap: $1 is missing and apt-get is not available; install $2" >&2
     exit 1
   fi
+}
+
+apt_install redis-server redis-server
+if [ "${BUDGETQ_TEST_DEPS:-0}" = "1" ]; then
+  apt_install chromium chromium
 fi
 
 PY="${PYTHON:-python3}"

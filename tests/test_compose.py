@@ -296,23 +296,25 @@ def test_dashboard_requires_basic_auth_and_uses_the_json_serializer(services: di
         with pytest.raises(MissingVariable):
             interpolate(env[var], {})
     args = resolved_argv(dash["command"])
-    assert args[0] == "rq-dashboard"
-    assert "--json" in args
+    assert args[:2] == ["produce", "dashboard"], "budgetq's dashboard: JSON on every page, the Workers page too"
     assert "--username" not in args and "--password" not in args, "credentials stay out of the command line"
     assert args[args.index("--redis-url") + 1] == "redis://redis:6379/0"
     assert args[args.index("--port") + 1] == "9181"
+    assert args[args.index("--host") + 1] == "0.0.0.0"  # inside the container; published on loopback only
     assert dash["ports"] == ["127.0.0.1:9181:9181"]
     assert depends_on(dash)["redis"]["condition"] == "service_healthy"
 
 
-def test_dashboard_flags_work_with_the_real_rq_dashboard(services: dict[str, dict[str, Any]], redis_url: str,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run rq-dashboard's own entry point with the compose command (Flask's server stubbed out) and check
-    what it built: basic auth from RQ_DASHBOARD_* variables, JSON serializer, deletes disabled."""
-    cli = pytest.importorskip("rq_dashboard.cli")
-    web = pytest.importorskip("rq_dashboard.web")
-    import flask
+def test_dashboard_command_works_with_the_real_rq_dashboard(services: dict[str, dict[str, Any]], redis_url: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the compose command through produce's own CLI (the server loop stubbed out) and check what it built:
+    rq-dashboard's app, basic auth from the RQ_DASHBOARD_* variables, JSON serializer, deletes disabled."""
+    pytest.importorskip("rq_dashboard")
+    from click.testing import CliRunner
+
+    import producer.dashboard
     import redis as redis_lib
+    from producer.cli import main
     from rq import Queue
     from rq.serializers import JSONSerializer
 
@@ -320,19 +322,15 @@ def test_dashboard_flags_work_with_the_real_rq_dashboard(services: dict[str, dic
     args[args.index("--redis-url") + 1] = redis_url  # this session's own server instead of `redis`
     started: dict[str, Any] = {}
 
-    def fake_run(app: flask.Flask, host: str | None = None, port: int | None = None, **kw: Any) -> None:
+    def fake_serve(app: Any, host: str, port: int, on_ready: Any = None) -> None:
         started.update(app=app, host=host, port=port)
 
-    monkeypatch.setattr(flask.Flask, "run", fake_run)
-    monkeypatch.setattr(web.config, "serializer", web.config.serializer)  # restored after the test
-    monkeypatch.setattr(sys, "argv", args)
-    for key, value in DUMMY_AUTH.items():
-        monkeypatch.setenv(key, value)
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    assert exit_info.value.code in (0, None)
+    monkeypatch.setattr(producer.dashboard, "serve", fake_serve)
+    result = CliRunner().invoke(main, args[1:], env=DUMMY_AUTH, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
     assert (started["host"], started["port"]) == ("0.0.0.0", 9181)
-    assert web.config.serializer is JSONSerializer
+    refused = CliRunner().invoke(main, args[1:], env={k: "" for k in DUMMY_AUTH})
+    assert refused.exit_code == 2 and "RQ_DASHBOARD_USERNAME" in refused.output, "0.0.0.0 without auth"
 
     conn = redis_lib.Redis.from_url(redis_url)
     job = Queue("budgetq", connection=conn, serializer=JSONSerializer).enqueue("worker.jobs.example", {"a": 1})
@@ -346,17 +344,10 @@ def test_dashboard_flags_work_with_the_real_rq_dashboard(services: dict[str, dic
     queues = json.loads(client.get("/0/data/queues.json", headers=good).data)["queues"]
     assert {q["name"]: q["count"] for q in queues} == {"budgetq": 1}
     assert client.get(f"/0/data/job/{job.id}.json", headers=good).status_code == 200
+    assert client.get(f"/0/view/job/{job.id}", headers=good).status_code == 200
     assert json.loads(client.post(f"/job/{job.id}/delete", headers=good).data) == {"status": "DISABLED"}
     assert conn.exists(f"rq:job:{job.id}")
     conn.close()
-
-
-def test_rq_dashboard_reads_its_options_from_rq_dashboard_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    cli = pytest.importorskip("rq_dashboard.cli")
-    seen: dict[str, Any] = {}
-    monkeypatch.setattr(cli.run, "main", lambda *a, **kw: seen.update(kw))
-    cli.main()
-    assert seen.get("auto_envvar_prefix") == "RQ_DASHBOARD"  # so RQ_DASHBOARD_USERNAME fills --username
 
 
 # ----------------------------------------------------------------------------------------- workers

@@ -1,31 +1,37 @@
-"""rq-dashboard shows budgetq's jobs as an operator needs them: per dataset, queued, and discarded with a reason.
+"""rq-dashboard shows budgetq's jobs as an operator needs them: per dataset, queued, and discarded with a reason,
+and every page (the Workers page too) works while workers run chunks.
 
-rq-dashboard runs as a real process (``python -m rq_dashboard``, its console entry point ``rq_dashboard.cli:main``)
-with the compose file's ``dashboard`` command (JSON serializer, deletes disabled) and basic auth from the
-``RQ_DASHBOARD_*`` variables, as the container runs it; only the bind address and port are this test's. (In one
-process rq-dashboard's CLI can build its app only once: its blueprint is module state, which is why
-tests/test_compose.py stubs ``Flask.run`` in-process while this module starts a server of its own.) The Redis
-holds real chunk jobs (producer.enqueue.enqueue_chunks) of two datasets, one closed and discarded by the
-ledger's scripts, and the assertions read the JSON endpoints the dashboard's pages poll.
+The dashboard runs as a real process with the compose file's ``dashboard`` command (``produce dashboard``:
+rq-dashboard 0.9.0's app with RQ's JSON serializer everywhere, deletes disabled) and basic auth from the
+``RQ_DASHBOARD_*`` variables, as the container runs it; only the bind address and port are this test's. The
+Redis holds real chunk jobs (producer.enqueue.enqueue_chunks) of two datasets, one closed and discarded by the
+ledger's scripts, and the assertions read the JSON endpoints the dashboard's pages poll. With real ``rq worker``
+processes busy on chunks (the simulator answering slowly), headless Chromium (Debian's ``chromium``) loads the
+Queues, Jobs and Workers pages, through basic auth, and each must show its content.
 """
 from __future__ import annotations
 
 import base64
+import html
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import redis
 
 from budget.ledger import Ledger
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from tests.procs import wait_for
 from tests.redis_server import RedisServer, free_port
 from worker.chunk import CLOSE_REASON
 
@@ -44,22 +50,23 @@ def compose_dashboard_argv(redis_url: str, port: int) -> list[str]:
     yaml = pytest.importorskip("yaml")
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     args = [str(a) for a in compose["services"]["dashboard"]["command"]]
-    assert args[0] == "rq-dashboard"
-    for flag, value in (("--redis-url", redis_url), ("--bind", "127.0.0.1"), ("--port", str(port))):
+    assert args[:2] == ["produce", "dashboard"]
+    for flag, value in (("--redis-url", redis_url), ("--host", "127.0.0.1"), ("--port", str(port))):
         args[args.index(flag) + 1] = value
     assert not any("$" in a for a in args), args
     return args
 
 
 class Dashboard:
-    """An rq-dashboard process on a free loopback port; `request` talks to it over HTTP."""
+    """A `produce dashboard` process on a free loopback port; `request` talks to it over HTTP."""
 
     def __init__(self, redis_url: str, logdir: Path) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "rq_dashboard", *compose_dashboard_argv(redis_url, self.port)[1:]]
+        argv = [sys.executable, "-m", "producer.cli", *compose_dashboard_argv(redis_url, self.port)[1:]]
         with open(logdir / "rq-dashboard.log", "wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **AUTH})
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                         env={**os.environ, **AUTH, "PYTHONPATH": str(ROOT)})
         deadline = time.monotonic() + 20
         while self.request("GET", "/")[0] != 401:  # up, and refusing the unauthenticated
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -178,3 +185,123 @@ def test_pages_render_and_deletes_stay_disabled(dashboard: Dashboard, two_datase
         status, body = dashboard.request("POST", path, GOOD)
         assert (status, json.loads(body)) == (200, {"status": "DISABLED"}), path
     assert r.exists(f"rq:job:{job}") and r.llen("rq:queue:budgetq") == 3
+
+
+# ------------------------------------------------------------------ a real browser while workers are busy
+
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync")
+#: Set to a directory to keep the browser's screenshots of the three pages (docs/img/ holds such ones).
+SCREENSHOTS_ENV = "BUDGETQ_DASHBOARD_SCREENSHOTS"
+BUSY = OPEN
+
+
+def chromium() -> str:
+    """Debian's chromium (scripts/bootstrap.sh installs it for the tests): required in CI, else skipped."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed: BUDGETQ_TEST_DEPS=1 scripts/bootstrap.sh installs it")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    return found
+
+
+def browse(dash: Dashboard, path: str, *, screenshot: Path | None = None) -> str:
+    """The page's DOM after its scripts ran (rq-dashboard fills its tables from JSON by XHR), as Chromium in a
+    fresh profile renders it, logged in through the URL's basic auth credentials. The virtual time budget lets
+    the page's first poll finish; the caller retries until the content it awaits is there."""
+    user, password = AUTH["RQ_DASHBOARD_USERNAME"], AUTH["RQ_DASHBOARD_PASSWORD"]
+    url = f"http://{user}:{password}@127.0.0.1:{dash.port}{path}"
+    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+        argv = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=4000"]
+        if screenshot is not None:
+            subprocess.run([*argv, f"--screenshot={screenshot}", "--window-size=1280,520", url],
+                           capture_output=True, timeout=120, check=True)
+        done = subprocess.run([*argv, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def page_text(dom: str) -> str:
+    body = dom[dom.find("<body"):]
+    body = re.sub(r"<(script|style)\b.*?</\1>", " ", body, flags=re.S)
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", body)))
+
+
+def await_page(dash: Dashboard, path: str, wanted: list[str], timeout: float = 90.0,
+               screenshot: Path | None = None) -> str:
+    """Load `path` in the browser until its text holds every string of `wanted` (bounded by `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = page_text(browse(dash, path))
+        missing = [w for w in wanted if w not in text]
+        if not missing:
+            if screenshot is not None:
+                browse(dash, path, screenshot=screenshot)
+            return text
+        assert "Internal Server Error" not in text, text[:2000]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path}: {missing} not shown after {timeout}s; the page says: {text[:2000]}")
+
+
+def busy_workers(r: "redis.Redis", names: list[str]) -> dict[str, str]:
+    """{worker name: the chunk job it is running} for the workers of `names` that run one now."""
+    from rq import Worker
+    from rq.serializers import JSONSerializer
+    out = {}
+    for w in Worker.all(connection=r, serializer=JSONSerializer):
+        job_id = w.get_current_job_id()
+        if w.name in names and job_id:
+            out[w.name] = job_id
+    return out
+
+
+def test_every_page_works_in_a_browser_while_workers_are_busy(
+        dashboard: Dashboard, r: "redis.Redis", sim_factory: Callable[..., Any],
+        workers: Callable[..., Any]) -> None:
+    chromium()  # skipped (or failed, in CI) before anything starts
+    # Two requests at a time per worker, six samples a chunk, 2 tokens/s: each worker stays on its chunk (a
+    # started job, its current job) for minutes, far longer than the test.
+    sim = sim_factory("--tokens-per-second-per-request", "2", "--mean-tokens", "1000", "--length-dist", "fixed")
+    Ledger(r).set_budget(BUSY, None)
+    chunks = [[Item(f"{BUSY}-{c}-{i}", [1, 2, 3, 4], False) for i in range(6)] for c in range(4)]
+    ids = enqueue_chunks(r, make_queue(r), BUSY, chunks, sampling_params={"max_new_tokens": 400}, think=None,
+                         settings=JobSettings())
+    pool = workers(sim.url, BUDGETQ_CONCURRENCY="2")
+    names = ["gpu0-1", "gpu0-2"]
+    procs = [pool.start(n) for n in names]
+    try:
+        wait_for(lambda: len(busy_workers(r, names)) == 2, 60, "both workers running a chunk")
+        current = busy_workers(r, names)
+        assert set(current.values()) == set(ids[:2])
+
+        # The JSON the pages poll: all 200, the Workers list with each worker's current chunk.
+        listed = {w["name"]: w for w in data(dashboard, "/0/data/workers.json")["workers"]}
+        assert set(listed) == set(names)
+        for name, job_id in current.items():
+            assert listed[name]["state"] == "busy" and listed[name]["current_job"]["job_id"] == job_id
+        queues = {q["name"]: q for q in data(dashboard, "/0/data/queues.json")["queues"]}
+        assert queues["budgetq"]["started_job_registry_count"] == 2 and queues["budgetq"]["count"] == 2
+        started = data(dashboard, "/0/data/jobs/budgetq/started/8/asc/1.json")["jobs"]
+        assert sorted(j["id"] for j in started) == sorted(current.values())
+
+        shots = Path(os.environ[SCREENSHOTS_ENV]) if os.environ.get(SCREENSHOTS_ENV) else None
+        if shots is not None:
+            shots.mkdir(parents=True, exist_ok=True)
+        described = [f"{BUSY}: 6 samples ({BUSY}-{c}-0 .. {BUSY}-{c}-5)" for c in range(4)]
+        queues_page = await_page(dashboard, "/", ["budgetq", "Started"],
+                                 screenshot=shots / "dashboard-busy-queues.png" if shots else None)
+        assert re.search(r"budgetq 2 0 0 2 0 0 0\b", queues_page), queues_page  # queued .. canceled
+        await_page(dashboard, "/0/view/jobs/budgetq/started/8/asc/1",
+                   [dict(zip(ids, described))[job_id] for job_id in current.values()],
+                   screenshot=shots / "dashboard-busy-jobs.png" if shots else None)
+        await_page(dashboard, "/0/view/jobs/budgetq/queued/8/asc/1", described[2:])
+        workers_page = await_page(dashboard, "/0/view/workers", [*names, *current.values()],
+                                  screenshot=shots / "dashboard-busy-workers.png" if shots else None)
+        assert "Loading" not in workers_page
+        for name, job_id in current.items():  # each worker's row names its own chunk
+            assert re.search(rf"{name} worker\.jobs\.run_chunk\(.*?'chunk': '{job_id}'", workers_page), workers_page
+    finally:
+        for proc in procs:  # their requests would take minutes to finish: a warm stop would wait for them
+            proc.kill()
+            proc.wait(10)

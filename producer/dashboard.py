@@ -1,0 +1,153 @@
+"""``produce dashboard``: rq-dashboard 0.9.0's own web app, reading every job with RQ's JSON serializer.
+
+Why not ``rq-dashboard --json``: that flag sets ``rq_dashboard.web.config.serializer``, which the queue and job
+views pass on, but three code paths of 0.9.0 build RQ objects without it and so unpickle budgetq's JSON jobs:
+
+- ``Worker.all(connection=...)`` (the Workers page and ``workers.json``): a worker's ``get_current_job`` then
+  fetches the job with pickle, so ``workers.json`` answers 500 whenever a worker runs a chunk;
+- ``Job.fetch(job_id, connection=...)`` (the job page) and ``requeue_job(job_id, connection=...)``;
+- ``Queue.all(connection=...)`` (the queue list; harmless today, since it only counts, but the same mistake).
+
+So this module keeps rq-dashboard's blueprint, templates, routes and basic auth as they are, and only replaces
+those four names in ``rq_dashboard.web``'s namespace (module globals that its views look up at each request)
+with subclasses whose ``serializer`` defaults to JSON. An explicit serializer still wins. rq-dashboard is pinned
+to 0.9.0 beside rq 3 (docs/operations.md); `install_json_serializer` checks that the names it replaces are still
+there, so a newer rq-dashboard that renames them fails at start, not on a page.
+
+Basic auth is the app's own (`make_app`), not rq-dashboard's blueprint hook, so that several apps can be built
+in one process (tests do).
+"""
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flask import Flask
+
+log = logging.getLogger("budgetq.dashboard")
+
+#: The rq-dashboard release whose code paths this module was read against.
+RQ_DASHBOARD_VERSION = "0.9.0"
+_PATCHED = ("Worker", "Queue", "Job", "requeue_job")
+
+
+class DashboardError(Exception):
+    """rq-dashboard is missing or not the release this module knows; the message says what to install."""
+
+
+def install_json_serializer() -> None:
+    """Make every RQ object rq-dashboard's views build read jobs with RQ's JSONSerializer (idempotent)."""
+    try:
+        from rq_dashboard import web
+        from rq_dashboard.version import VERSION
+    except ImportError as exc:
+        raise DashboardError(f"rq-dashboard is not installed ({exc}): pip install "
+                             f"'rq-dashboard=={RQ_DASHBOARD_VERSION}' six") from None
+    from rq import Queue, Worker, requeue_job
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    missing = [name for name in _PATCHED if not hasattr(web, name)]
+    if missing or not hasattr(web, "config"):
+        raise DashboardError(f"rq-dashboard {VERSION} is not laid out like {RQ_DASHBOARD_VERSION} "
+                             f"(no {', '.join(missing) or 'config'} in rq_dashboard.web): install "
+                             f"rq-dashboard=={RQ_DASHBOARD_VERSION}")
+    if VERSION != RQ_DASHBOARD_VERSION:
+        log.warning("rq-dashboard %s: budgetq was checked against %s", VERSION, RQ_DASHBOARD_VERSION)
+    if getattr(web, "_budgetq_json", False):
+        return
+
+    class JSONJob(Job):
+        """A job fetched with JSON unless told otherwise (the job page, a worker's current job)."""
+
+        @classmethod
+        def fetch(cls, id: str, connection: Any = None, serializer: Any = None) -> Job:
+            return super().fetch(id, connection=connection, serializer=serializer or JSONSerializer)
+
+    class JSONQueue(Queue):
+        """Queues listed with JSON and JSONJob (the Queues page)."""
+
+        @classmethod
+        def all(cls, connection: Any = None, job_class: Any = None, serializer: Any = None,
+                death_penalty_class: Any = None) -> list[Queue]:
+            return super().all(connection=connection, job_class=job_class or JSONJob,
+                               serializer=serializer or JSONSerializer, death_penalty_class=death_penalty_class)
+
+    class JSONWorker(Worker):
+        """Workers listed with JSON and JSONJob, so `get_current_job` reads a busy worker's chunk job."""
+
+        @classmethod
+        def all(cls, connection: Any = None, job_class: Any = None, queue_class: Any = None, queue: Any = None,
+                serializer: Any = None) -> list[Any]:
+            return super().all(connection=connection, job_class=job_class or JSONJob,
+                               queue_class=queue_class or JSONQueue, queue=queue,
+                               serializer=serializer or JSONSerializer)
+
+    web.config.serializer = JSONSerializer  # what --json sets: the queue and job views pass it on
+    web.Job = JSONJob
+    web.Queue = JSONQueue
+    web.Worker = JSONWorker
+    web.requeue_job = functools.partial(requeue_job, serializer=JSONSerializer)
+    web._budgetq_json = True
+
+
+def make_app(redis_url: str, *, username: str | None, password: str | None, url_prefix: str = "",
+             disable_delete: bool = True, poll_interval_ms: int | None = None) -> "Flask":
+    """rq-dashboard's Flask app (its own factory and blueprint) on ``redis_url``, JSON throughout.
+
+    Basic auth is on when ``username`` and ``password`` are given. It guards the whole app (pages, JSON,
+    static files) with a constant-time comparison, and it is the app's, not the blueprint's: rq-dashboard's own
+    `add_basic_auth` adds a hook to its module-level blueprint, which Flask refuses once the blueprint has been
+    registered, so that would allow one app per process."""
+    if bool(username) != bool(password):
+        raise DashboardError("give both the dashboard user name and password (RQ_DASHBOARD_USERNAME and "
+                             "RQ_DASHBOARD_PASSWORD), or neither")
+    install_json_serializer()
+    from rq_dashboard.cli import make_flask_app
+    from rq_dashboard.web import setup_rq_connection
+
+    app: Flask = make_flask_app(None, None, None, url_prefix)
+    app.config["RQ_DASHBOARD_REDIS_URL"] = redis_url
+    app.config["RQ_DASHBOARD_DISABLE_DELETE"] = disable_delete
+    app.config["DEPRECATED_OPTIONS"] = []
+    if poll_interval_ms:
+        app.config["RQ_DASHBOARD_POLL_INTERVAL"] = poll_interval_ms
+    if username and password:
+        _require_basic_auth(app, username, password)
+    setup_rq_connection(app)
+    return app
+
+
+def _require_basic_auth(app: "Flask", username: str, password: str) -> None:
+    from flask import Response, request
+
+    want_user, want_password = username.encode(), password.encode()
+
+    @app.before_request
+    def basic_auth() -> Response | None:
+        auth = request.authorization
+        user = (auth.username or "").encode() if auth is not None else b""
+        given = (auth.password or "").encode() if auth is not None else b""
+        # Both compared every time, so the answer's timing tells nothing about which one was wrong.
+        ok = hmac.compare_digest(user, want_user) & hmac.compare_digest(given, want_password)
+        if auth is not None and auth.type == "basic" and ok:
+            return None
+        return Response("Please log in", 401, {"WWW-Authenticate": 'Basic realm="budgetq rq-dashboard"'})
+
+
+def serve(app: "Flask", host: str, port: int, on_ready: Any = None) -> None:
+    """Serve ``app`` until interrupted, with werkzeug's threaded server (as rq-dashboard's CLI does: Flask's
+    ``app.run``), so a slow page never holds up the others. ``on_ready(host, port)`` is called once bound."""
+    from werkzeug.serving import make_server
+
+    server = make_server(host, port, app, threaded=True)
+    if on_ready is not None:
+        bound_host, bound_port = server.server_address[:2]
+        on_ready(str(bound_host), int(bound_port))
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
