@@ -29,8 +29,17 @@ PY="${PYTHON:-python3}"
 # Reinstall unless this very checkout is the one installed (an editable install of another clone would
 # otherwise be what the tests import).
 here="$(pwd -P)"
-if ! "$PY" -c "import sys, budget, pytest, hypothesis, pytest_timeout; sys.exit(not budget.__file__.startswith('$here/'))" \
+if ! "$PY" -c "import sys, budget, pytest, hypothesis, pytest_timeout, msgspec, sglang_router; sys.exit(not budget.__file__.startswith('$here/'))" \
      >/dev/null 2>&1 || ! command -v produce >/dev/null 2>&1 || ! command -v rq >/dev/null 2>&1; then
   echo "bootstrap: pip install -e '.[test]'" >&2
   "$PY" -m pip install -q -e '.[test]'
+fi
+
+# SGLang's own request schema for the contract test (tests/sglang_schema.py), never a runtime dependency:
+# the wheel without its dependencies (torch, CUDA kernels...); the test extra brings msgspec, all it needs.
+SGLANG_SCHEMA_VERSION=0.5.23
+if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$SGLANG_SCHEMA_VERSION')" \
+     >/dev/null 2>&1; then
+  echo "bootstrap: pip install --no-deps sglang==$SGLANG_SCHEMA_VERSION (schema only, for the tests)" >&2
+  "$PY" -m pip install -q --no-deps "sglang==$SGLANG_SCHEMA_VERSION"
 fi

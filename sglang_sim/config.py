@@ -65,6 +65,9 @@ class SimConfig:
     # How often (wall seconds) in-flight requests are checked for a vanished client, as a backstop to
     # aiohttp's handler cancellation (SGLang itself checks about every 4 s).
     disconnect_check_interval: float = 1.0
+    # Wall seconds after start during which /health answers 503, as SGLang does until its warm-up request
+    # has run (ServerStatus.Starting); /generate is served meanwhile, as there.
+    warmup_seconds: float = 0.0
     # Fault injection (see faults.py and docs/simulator.md); all off by default.
     fault_seed: int | None = None  # None = seed
     error_rates: tuple[tuple[int, float], ...] = ()  # (status, fraction of /generate requests)
@@ -114,6 +117,8 @@ def validate(cfg: SimConfig) -> list[str]:
         problems.append("prefix_cache_page must be >= 1 and prefix_cache_pages >= 0")
     if cfg.disconnect_check_interval <= 0:
         problems.append("disconnect_check_interval must be > 0")
+    if cfg.warmup_seconds < 0:
+        problems.append("warmup_seconds must be >= 0")
     if cfg.eos_id < 0 or cfg.eos_id in (THINK_OPEN_ID, THINK_CLOSE_ID) or (
         WORD_ID_BASE <= cfg.eos_id < WORD_ID_BASE + LEXICON_SIZE
     ):
@@ -140,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY' (like SGLang)")
     p.add_argument("--eos-id", type=int, default=d.eos_id, help="token id ending a stopped output (default %(default)s)")
     p.add_argument("--context-length", type=int, default=d.context_length,
-                   help="context window: a prompt plus max_new_tokens reaching it is refused with 400 (default %(default)s)")
+                   help="context window: a prompt reaching it, or a prompt plus max_new_tokens over it, is refused with 400 (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="RNG seed for lengths and words (default %(default)s)")
     p.add_argument("--length-dist", choices=LENGTH_DISTS, default=d.length_dist,
                    help="distribution of the natural output length (default %(default)s)")
@@ -169,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix cache capacity in pages, 0 = no cache (default %(default)s)")
     p.add_argument("--disconnect-check-interval", type=float, default=d.disconnect_check_interval,
                    help="seconds between sweeps for vanished clients (default %(default)s)")
+    p.add_argument("--warmup-seconds", type=float, default=d.warmup_seconds,
+                   help="/health answers 503 for this long after start, like SGLang before its warm-up (default %(default)s)")
     add_fault_options(p)
     return p
 

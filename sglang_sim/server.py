@@ -53,6 +53,7 @@ class SimState:
     lexicon: Lexicon
     faults: FaultState
     inflight: dict[str, InFlight] = field(default_factory=dict)
+    ready_at: float = 0.0  # time.monotonic() from which /health answers 200 (cfg.warmup_seconds after start)
 
     def cut_inflight(self, mode: OutageMode) -> None:
         """An outage began: end every in-flight request now (each handler answers per `mode`)."""
@@ -100,8 +101,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     keyed = spec.sampling_seed is not None or spec.greedy
     rng = request_rng(st.cfg, seq, input_digest(spec.raw_prompt) if keyed else "", spec.sampling_seed, spec.greedy)
     plan = plan_output(st.cfg, rng, spec.min_new_tokens)
-    # SGLang checks the length limit before EOS, so an EOS drawn exactly at max_new_tokens is a length finish.
-    stops = not spec.ignore_eos and plan.natural_len < spec.max_new_tokens
+    # SGLang (schedule_batch.update_finish_state) checks EOS before the length limit, so an EOS drawn on the
+    # last allowed token is a stop.
+    stops = not spec.ignore_eos and plan.natural_len <= spec.max_new_tokens
     target = plan.natural_len if stops else spec.max_new_tokens
     aborts = fault is not None and fault.kind == "abort"
     if fault is not None and aborts:
@@ -153,18 +155,22 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health and /health_generate: healthy once listening, except during an outage."""
-    faults = request.app[STATE].faults
+    """GET /health and /health_generate: 503 while warming up (SGLang's ServerStatus.Starting, until its warm-up
+    request has run) and during an outage, else 200."""
+    st = request.app[STATE]
+    if time.monotonic() < st.ready_at:
+        return web.Response(status=503)
+    faults = st.faults
     return faults.outage_reply(request, generate=False) if faults.in_outage else web.Response(status=200)
 
 
 async def get_model_info(request: web.Request) -> web.Response:
-    """GET /get_model_info."""
+    """GET /model_info and its deprecated alias /get_model_info (SGLang serves both; the router asks the first)."""
     return web.json_response({"model_path": MODEL_PATH, "tokenizer_path": None, "is_generation": True})
 
 
 async def get_server_info(request: web.Request) -> web.Response:
-    """GET /get_server_info."""
+    """GET /server_info and its deprecated alias /get_server_info."""
     st = request.app[STATE]
     return web.json_response(server_info(st.cfg, st.engine.stats()))
 
@@ -215,6 +221,7 @@ async def _disconnect_sweeper(app: web.Application) -> AsyncIterator[None]:
             st.faults.sweep_disconnected()
 
     task = asyncio.create_task(sweep())
+    st.ready_at = time.monotonic() + st.cfg.warmup_seconds
     st.faults.start()
     yield
     task.cancel()
@@ -242,8 +249,9 @@ def make_app(cfg: SimConfig) -> web.Application:
     app.router.add_post("/abort_request", abort_request)
     for path in ("/health", "/health_generate"):
         app.router.add_get(path, health)
-    app.router.add_get("/get_model_info", get_model_info)
-    app.router.add_get("/get_server_info", get_server_info)
+    for prefix in ("/", "/get_"):
+        app.router.add_get(prefix + "model_info", get_model_info)
+        app.router.add_get(prefix + "server_info", get_server_info)
     app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/flush_cache", flush_cache)
     app.router.add_get("/sim/stats", sim_stats)

@@ -22,6 +22,14 @@ _FLOAT_KEYS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_p
 _BOOL_KEYS = ("ignore_eos", "skip_special_tokens", "no_stop_trim")
 _LIST_KEYS = ("stop", "stop_token_ids")
 KNOWN_SAMPLING_KEYS = frozenset(_INT_KEYS + _FLOAT_KEYS + _BOOL_KEYS + _LIST_KEYS)
+# Every key of SGLang 0.5.23's SamplingParams (sglang/api/v1/api_types.py), in its order: the ones above are
+# checked and used, the others accepted and ignored; any other key is refused with SGLang's own message.
+SGLANG_SAMPLING_KEYS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
+    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+)
 
 
 class ApiError(Exception):
@@ -97,11 +105,12 @@ def _check_types(body: Mapping[str, Any]) -> None:
 
 def _check_sampling(sp: Mapping[str, Any]) -> dict[str, Any]:
     """Types, then unknown keys, then SamplingParams.verify()'s ranges; returns the values with defaults."""
-    unknown = sorted(set(sp) - KNOWN_SAMPLING_KEYS)
-    if unknown:
-        raise contract_error(f"SamplingParams got an unexpected keyword argument {unknown[0]!r}")
+    unknown = [k for k in sp if k not in SGLANG_SAMPLING_KEYS]
+    if unknown:  # serde's text, as api_types.decode_SamplingParams words it
+        listed = ", ".join(f"`{k}`" for k in SGLANG_SAMPLING_KEYS)
+        raise contract_error(f"unknown field `{unknown[0]}`, expected one of {listed}")
     for k, v in sp.items():
-        if v is None:
+        if v is None or k not in KNOWN_SAMPLING_KEYS:
             continue
         ok = (
             (k in _INT_KEYS and _is_int(v))
@@ -180,21 +189,27 @@ def parse_generate(body: object, cfg: SimConfig) -> GenerateSpec:
     if n_in >= ctx:
         raise value_error(f"The input ({n_in} tokens) is longer than the model's context length ({ctx} tokens).")
     max_new = sampling["max_new_tokens"]
+    # The scheduler (init_req_max_new_tokens) then caps every request at max_req_len - prompt - 1, with
+    # max_req_len = context - 1: a null max_new_tokens ("until the context is full") and one that just fits
+    # end with `length` two tokens short of the context.
+    cap = max(0, ctx - n_in - 2)
     if max_new is None:
-        max_new = ctx - n_in - 1  # null means "until the context is full"
-    elif max_new + n_in >= ctx:
+        max_new = cap
+    elif max_new + n_in > ctx:  # tokenizer_manager._validate_one_request: strictly more than the context
         raise value_error(
             f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
             f"You requested a total of {max_new + n_in} tokens: {n_in} tokens from the input messages and "
             f"{max_new} tokens for the completion. Please reduce the number of tokens in the input messages "
             "or the completion to fit within the limit."
         )
+    else:
+        max_new = min(max_new, cap)
     return GenerateSpec(
         prompt=prompt,
         raw_prompt=ids_list if ids_list is not None else (text or ""),
         rid=body.get("rid"),
         max_new_tokens=max_new,
-        min_new_tokens=sampling["min_new_tokens"],
+        min_new_tokens=min(sampling["min_new_tokens"], max_new),  # the scheduler restores this after its cap
         ignore_eos=sampling["ignore_eos"],
         sampling_seed=sampling["sampling_seed"],
         greedy=sampling["greedy"],

@@ -69,7 +69,7 @@ def check_invariants(out: dict[str, Any], max_new: int, eos: int = 2) -> str:
     if finish["type"] == "stop":
         assert finish == {"type": "stop", "matched": eos}
         assert ids[-1] == eos and eos not in ids[:-1]
-        assert len(ids) < max_new
+        assert len(ids) <= max_new  # an EOS on the last allowed token is a stop (SGLang checks EOS first)
         # one pseudo-word (or marker) per token; the EOS has no text
         assert len(text.split()) == len(ids) - 1
     else:
@@ -194,7 +194,8 @@ def type_err(body: Any) -> bool:
         ({"input_ids": ["a"]}, type_err),
         ([1, 2], type_err),
         ({"input_ids": [1] * 40000}, value_err("longer than the model's context length")),
-        ({"input_ids": [1] * 32000, "sampling_params": {"max_new_tokens": 768}}, value_err("context length")),
+        ({"input_ids": [1] * 32768}, value_err("longer than the model's context length")),
+        ({"input_ids": [1] * 32000, "sampling_params": {"max_new_tokens": 769}}, value_err("context length")),
         ({"text": "a", "stream": True}, value_err("stream not supported by sglang-sim")),
     ],
 )
@@ -455,8 +456,11 @@ def test_info_endpoints() -> None:
             for path in ("/health", "/health_generate"):
                 async with client.get(path) as r:
                     assert r.status == 200
-            async with client.get("/get_model_info") as r:
-                assert await r.json() == {"model_path": "sglang-sim", "tokenizer_path": None, "is_generation": True}
+            for path in ("/model_info", "/get_model_info"):  # SGLang serves both; its router asks the first
+                async with client.get(path) as r:
+                    assert await r.json() == {"model_path": "sglang-sim", "tokenizer_path": None, "is_generation": True}
+            async with client.get("/server_info") as r:
+                assert (await r.json())["version"] == "0.5.23-sim"
             async with client.get("/get_server_info") as r:
                 info = await r.json()
             assert info["version"] == "0.5.23-sim" and info["port"] == sim.port
@@ -465,6 +469,53 @@ def test_info_endpoints() -> None:
                 stats = await r.json()
             assert stats["completed"] == 1 and stats["running"] == 0 and stats["queued"] == 0
             assert {"aborted", "completion_tokens_total", "running_integral", "uptime", "mean_running"} <= set(stats)
+
+    run(go())
+
+
+def test_eos_on_the_last_allowed_token_is_a_stop() -> None:
+    """schedule_batch.update_finish_state checks EOS before the length limit."""
+    async def go() -> None:
+        async with sim_and_client(FAST.replace(length_dist="fixed", mean_tokens=10)) as (_, client):
+            status, out = await post(client, "/generate", gen_body(max_new_tokens=10))
+            assert status == 200 and check_invariants(out, 10) == "stop" and len(out["output_ids"]) == 10
+            status, out = await post(client, "/generate", gen_body(max_new_tokens=9))
+            assert status == 200 and check_invariants(out, 9) == "length"
+
+    run(go())
+
+
+def test_context_limit_is_strict_and_the_scheduler_caps() -> None:
+    """Refused only when prompt + max_new_tokens > context (a prompt alone: >=); what just fits, or null, is capped
+    at context - prompt - 2 by SGLang's scheduler and ends with `length`."""
+    cfg = FAST.replace(context_length=100, length_dist="fixed", mean_tokens=1000)
+
+    async def go() -> None:
+        async with sim_and_client(cfg) as (_, client):
+            status, out = await post(client, "/generate", gen_body(60, max_new_tokens=41))
+            assert status == 400 and "maximum context length of 100 tokens" in out["error"]["message"]
+            status, out = await post(client, "/generate", gen_body(100))
+            assert status == 400 and "longer than the model's context length (100 tokens)" in out["error"]["message"]
+            for max_new in (40, None):
+                status, out = await post(client, "/generate", gen_body(60, max_new_tokens=max_new))
+                assert status == 200 and check_invariants(out, 38) == "length"
+            status, out = await post(client, "/generate", gen_body(60, max_new_tokens=30))
+            assert status == 200 and check_invariants(out, 30) == "length"
+
+    run(go())
+
+
+def test_health_is_503_while_warming_up() -> None:
+    """SGLang answers /health 503 until its warm-up request has run; /generate is served meanwhile."""
+    async def go() -> None:
+        async with sim_and_client(FAST.replace(warmup_seconds=30)) as (sim, client):
+            async with client.get("/health") as r:
+                assert r.status == 503
+            status, _ = await post(client, "/generate", gen_body(max_new_tokens=5))
+            assert status == 200
+            sim.app[STATE].ready_at = 0.0  # warm-up over
+            async with client.get("/health_generate") as r:
+                assert r.status == 200
 
     run(go())
 
