@@ -18,6 +18,13 @@ Freshness: readers ignore entries older than MAX_AGE_S (two missed refreshes: th
 server is down), a worker's write prunes them, and the hash expires MAX_AGE_S after the last write, so once every
 worker has stopped it disappears by itself.
 
+Behind SGLang's router (SGLang Model Gateway, ``sglang-router``) ``/get_server_info`` answers the router's own
+statistics (``{"router_manager": true, "routers_count": 1, "workers_count": 2}``): no version, no model. That answer
+is never recorded as a server's: `discover` asks the router for its servers (``GET /workers``) and each of them
+for its own ``/get_server_info``; those entries carry ``via`` (the router's URL). When the router lists none that
+answer, the one entry kept is the router's URL with ``router: true`` and nothing else: version and model unknown,
+and the manifest says so (``server_unknown``).
+
 This module is shared by the producer and the workers, so it uses the standard library's HTTP client only.
 """
 from __future__ import annotations
@@ -27,6 +34,7 @@ import http.client
 import json
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Final, Mapping, Sequence
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -41,8 +49,12 @@ SERVER_INFO_KEYS: Final = (
     "kv_cache_dtype", "context_length", "tp_size", "dp_size", "pp_size", "ep_size", "random_seed",
     "speculative_algorithm", "reasoning_parser", "tool_call_parser",
 )
-#: Each entry's own fields besides SERVER_INFO_KEYS.
-ENTRY_KEYS: Final = ("url", "host", "fetched")
+#: Each entry's own fields besides SERVER_INFO_KEYS: ``via`` (the router it was found behind) and ``router``
+#: (true: this URL is a router whose servers could not be asked) only when they apply.
+ENTRY_KEYS: Final = ("url", "host", "fetched", "via", "router")
+#: What SGLang's router (sglang-router 0.3.x) times a request out after unless started with
+#: --request-timeout-secs; it does not report its setting anywhere.
+ROUTER_DEFAULT_TIMEOUT_S: Final = 1800.0
 REFRESH_S: Final = 3600.0
 MAX_AGE_S: Final = 2 * 3600 + 600
 FETCH_TIMEOUT_S: Final = 10.0
@@ -77,7 +89,62 @@ def fetch(url: str, *, api_key: str | None = None, timeout: float = FETCH_TIMEOU
     """GET ``url``/get_server_info and return its SERVER_INFO_KEYS (`pick`). Sends ``Authorization: Bearer
     api_key`` when given (SGLang's ``--api-key``), else basic auth from the URL's user and password if it has
     them. Proxies from the environment are not used (the workers' requests do not use them either).
-    Raises ServerInfoError."""
+    Raises ServerInfoError, also when ``url`` is SGLang's router (use `discover` for URLs that may be one)."""
+    body = _get_json(url, "/get_server_info", api_key=api_key, timeout=timeout)
+    if is_router(body):
+        raise ServerInfoError(f"{public_url(url)}/get_server_info: an SGLang router's statistics, not a server's")
+    return pick(body)
+
+
+def is_router(body: Mapping[str, Any]) -> bool:
+    """Whether a /get_server_info answer is SGLang's router's (its own counts, no version or model)."""
+    return "version" not in body and "model_path" not in body and (
+        "router_manager" in body or "workers_count" in body)
+
+
+@dataclass(frozen=True)
+class Found:
+    """One server found at (or behind) a configured URL, with what it said of itself."""
+
+    url: str  # public URL of the server (or of the router, when ``router``)
+    info: dict[str, Any]  # its SERVER_INFO_KEYS; empty when ``router``
+    via: str | None = None  # the router it was found behind
+    router: bool = False  # a router whose servers could not be asked: version and model unknown
+
+    def entry(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.via:
+            extra["via"] = self.via
+        if self.router:
+            extra["router"] = True
+        return {"url": self.url, **extra, **self.info}
+
+
+def discover(url: str, *, api_key: str | None = None, timeout: float = FETCH_TIMEOUT_S) -> list[Found]:
+    """The server at ``url``; or, when ``url`` is SGLang's router, each server it lists (``GET /workers``) that
+    answers its own /get_server_info; or, when none does, the router itself marked ``router`` (nothing about
+    version or model). Raises ServerInfoError when ``url`` itself cannot be asked."""
+    body = _get_json(url, "/get_server_info", api_key=api_key, timeout=timeout)
+    if not is_router(body):
+        return [Found(public_url(url), pick(body))]
+    via = public_url(url)
+    try:
+        listed = _get_json(url, "/workers", api_key=api_key, timeout=timeout)
+    except ServerInfoError:
+        listed = {}
+    workers = listed.get("workers")
+    urls = [w["url"] for w in workers if isinstance(w, dict) and isinstance(w.get("url"), str)] \
+        if isinstance(workers, list) else []
+    found = []
+    for server in urls:
+        try:
+            found.append(Found(public_url(server), fetch(server, api_key=api_key, timeout=timeout), via=via))
+        except ServerInfoError:
+            continue  # not reachable from here (the router's view of the network), or down: not a fact
+    return found or [Found(via, {}, router=True)]
+
+
+def _get_json(url: str, path: str, *, api_key: str | None, timeout: float) -> dict[str, Any]:
     parts = urlsplit(url.strip())
     base = public_url(url)
     headers = {"Accept": "application/json"}
@@ -86,7 +153,7 @@ def fetch(url: str, *, api_key: str | None = None, timeout: float = FETCH_TIMEOU
     elif parts.username or parts.password:
         pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
         headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
-    where = f"{base}/get_server_info"
+    where = f"{base}{path}"
     try:
         request = urllib.request.Request(where, headers=headers)
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -104,7 +171,7 @@ def fetch(url: str, *, api_key: str | None = None, timeout: float = FETCH_TIMEOU
         raise ServerInfoError(f"{where}: the answer is not JSON") from None
     if not isinstance(body, dict):
         raise ServerInfoError(f"{where}: the answer is not a JSON object")
-    return pick(body)
+    return body
 
 
 def field(url: str, host: str) -> str:
@@ -144,15 +211,22 @@ def clean(entry: Mapping[str, Any]) -> dict[str, Any]:
     for k in ("host", "fetched"):
         if isinstance(entry.get(k), str):
             out[k] = entry[k]
+    if isinstance(entry.get("via"), str):
+        out["via"] = public_url(entry["via"])
+    if entry.get("router") is True:
+        out["router"] = True
+        return out  # a router's own answer is never a server's
     out.update(pick(entry))
     return out
 
 
-def store(r: "redis.Redis", url: str, host: str, info: Mapping[str, Any]) -> dict[str, Any]:
-    """Record what server ``url``, as used by a worker on ``host``, said; prune entries too old to trust.
+def store(r: "redis.Redis", url: str, host: str, info: Mapping[str, Any], *, via: str | None = None,
+          router: bool = False) -> dict[str, Any]:
+    """Record what server ``url``, as used by a worker on ``host`` (through router ``via``), said; or, with
+    ``router``, that ``url`` is a router whose servers could not be asked. Prunes entries too old to trust.
     Returns the stored entry."""
     now = _redis_now(r)
-    entry = clean({"url": url, "host": host, "fetched": utc_iso(now), **pick(info)})
+    entry = clean({**Found(url, pick(info), via=via, router=router).entry(), "host": host, "fetched": utc_iso(now)})
     pipe = r.pipeline(transaction=True)
     pipe.hset(keys.SERVER_INFO, field(url, host), json.dumps(entry, sort_keys=True))
     pipe.expire(keys.SERVER_INFO, MAX_AGE_S)
@@ -183,6 +257,17 @@ def load(r: "redis.Redis", max_age: float = MAX_AGE_S) -> list[dict[str, Any]]:
         if entry is not None and _fresh(entry, now, max_age):
             out.append(clean(entry))
     return sorted(out, key=lambda e: (e.get("url", ""), e.get("host", "")))
+
+
+def unknown(entries: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why the manifest cannot name the version and model: some configured URL is a router whose servers could
+    not be asked. None when every entry is a server's."""
+    routers = sorted({str(e.get("url")) for e in entries if e.get("router") is True})
+    if not routers:
+        return None
+    return (f"SGLang version and model unknown: {', '.join(routers)} "
+            f"{'is an SGLang router' if len(routers) == 1 else 'are SGLang routers'} whose servers could not be "
+            "asked (GET /workers listed none that answered /get_server_info)")
 
 
 def common(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -333,7 +333,8 @@ def _describe_servers(servers: list[dict[str, Any]] | None) -> str:
         return ""
     from budget import serverinfo
     same = serverinfo.common(servers)
-    what = ", ".join(f"{k} {same[k]}" for k in ("version", "model_path") if k in same) or "servers differ"
+    what = ", ".join(f"{k} {same[k]}" for k in ("version", "model_path") if k in same) or (
+        "unknown behind a router" if serverinfo.unknown(servers) else "servers differ")
     return f" (SGLang: {what}; {len(servers)} server{'s' if len(servers) != 1 else ''})"
 
 
@@ -588,11 +589,12 @@ def _fetch_servers(server_url: str) -> list[dict[str, Any]]:
     out = []
     for url in urls:
         try:
-            info = serverinfo.fetch(url, api_key=api_key)
+            found = serverinfo.discover(url, api_key=api_key)  # a router: the servers it lists
         except serverinfo.ServerInfoError as exc:
             raise RuntimeProblem(f"--server-url: {exc}") from None
-        out.append(serverinfo.clean({"url": url, "fetched": serverinfo.utc_iso(time.time()), **info}))
-        log.debug("SGLang server %s: %s", out[-1]["url"], info, extra={"server": out[-1]["url"]})
+        for server in found:
+            out.append(serverinfo.clean({**server.entry(), "fetched": serverinfo.utc_iso(time.time())}))
+            log.debug("SGLang server %s: %s", out[-1]["url"], server.info, extra={"server": out[-1]["url"]})
     return out
 
 

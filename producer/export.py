@@ -463,11 +463,14 @@ def _write_manifest(dataset_dir: Path, settings: Mapping[str, Any], stats: _Stat
     if servers is not None:
         entries = [serverinfo.clean(e) for e in servers]
         manifest["server"] = serverinfo.common(entries)
+        unknown = serverinfo.unknown(entries)
+        if unknown:
+            manifest["server_unknown"] = unknown
         manifest["servers"] = entries
     elif server_info is not None:
         manifest["server"] = serverinfo.pick(server_info)
     else:
-        for key in ("server", "servers"):
+        for key in ("server", "server_unknown", "servers"):
             if previous.get(key) is not None:
                 manifest[key] = previous[key]
     kept_extra = dict(extra) if extra is not None else previous.get("extra")

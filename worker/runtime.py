@@ -41,7 +41,12 @@ class Runtime:
         self.dispatcher: Dispatcher = self._call(self._make(heartbeat))
         self._closed = False
         # Best effort, on a thread of its own: the servers' version and model for the manifests (bq:server_info).
-        self.server_info = ServerInfoReporter(connection, config).start()
+        client = self.dispatcher.client
+
+        def on_router(url: str) -> None:  # from the reporter's thread to the request loop
+            self.loop.call_soon_threadsafe(client.note_router, url)
+
+        self.server_info = ServerInfoReporter(connection, config, on_router=on_router).start()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)

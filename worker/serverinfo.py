@@ -4,6 +4,8 @@ Best effort and out of the way: a daemon thread of its own (not the request loop
 each configured server's ``/get_server_info`` once at start and again every REFRESH_S, with the worker's
 ``SGLANG_API_KEY`` as a bearer token, and stores only budget.serverinfo.SERVER_INFO_KEYS in ``bq:server_info``.
 A server that does not answer yet (a model still loading) is asked again with backoff (5 s doubling to 5 min).
+A configured URL that is SGLang's router is not recorded as a server: the servers it lists are (budget.serverinfo
+`discover`), and the request client is told, so that it can warn about the router's request timeout.
 Nothing here can block, slow or fail the worker: every error is logged and retried later, and the thread
 dies with the process.
 """
@@ -13,6 +15,7 @@ import logging
 import socket
 import threading
 import time
+from typing import Callable
 
 import redis
 
@@ -27,7 +30,8 @@ MAX_RETRY_S = 300.0
 
 class ServerInfoReporter:
     def __init__(self, connection: "redis.Redis", config: WorkerConfig, *, host: str | None = None,
-                 refresh_s: float = serverinfo.REFRESH_S, first_retry_s: float = FIRST_RETRY_S) -> None:
+                 refresh_s: float = serverinfo.REFRESH_S, first_retry_s: float = FIRST_RETRY_S,
+                 on_router: Callable[[str], None] | None = None) -> None:
         # Its own client on the worker's pool: a connection is never shared between threads.
         self.r = redis.Redis(connection_pool=connection.connection_pool)
         self.servers = config.servers
@@ -38,6 +42,8 @@ class ServerInfoReporter:
         self.first_retry_s = first_retry_s
         self.reported = 0  # successful stores, for tests and logs
         self._last: dict[str, dict[str, object]] = {}
+        self.routers: set[str] = set()  # configured URLs that turned out to be SGLang's router
+        self.on_router = on_router  # told once per such URL (from this thread)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="budgetq-server-info", daemon=True)
 
@@ -73,13 +79,25 @@ class ServerInfoReporter:
             self._stop.wait(max(0.0, min(due.values()) - time.monotonic()))
 
     def _report(self, url: str) -> None:
-        info = serverinfo.fetch(url, api_key=self.api_key, timeout=self.timeout)
-        entry = serverinfo.store(self.r, url, self.host, info)
-        self.reported += 1
-        changed = self._last.get(url) != info
-        self._last[url] = info
-        log.log(logging.INFO if changed else logging.DEBUG,
-                "SGLang server %s: version %s, model %s", entry["url"], entry.get("version", "?"),
-                entry.get("model_path", "?"),
-                extra={"server": entry["url"], "version": entry.get("version"),
-                       "model_path": entry.get("model_path")})
+        found = serverinfo.discover(url, api_key=self.api_key, timeout=self.timeout)
+        for server in found:
+            entry = serverinfo.store(self.r, server.url, self.host, server.info, via=server.via, router=server.router)
+            self.reported += 1
+            changed = self._last.get(server.url) != entry | {"fetched": None}
+            self._last[server.url] = entry | {"fetched": None}
+            if server.router:
+                log.log(logging.WARNING if changed else logging.DEBUG,
+                        "SGLANG_URL %s is SGLang's router and lists no server that answers /get_server_info: the "
+                        "manifests will say the SGLang version and model are unknown", entry["url"],
+                        extra={"server": entry["url"]})
+                continue
+            log.log(logging.INFO if changed else logging.DEBUG,
+                    "SGLang server %s%s: version %s, model %s", entry["url"],
+                    f" (behind the router {server.via})" if server.via else "", entry.get("version", "?"),
+                    entry.get("model_path", "?"),
+                    extra={"server": entry["url"], "version": entry.get("version"),
+                           "model_path": entry.get("model_path"), "via": server.via})
+        if (found[0].via or found[0].router) and url not in self.routers:
+            self.routers.add(url)
+            if self.on_router is not None:
+                self.on_router(url)

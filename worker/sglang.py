@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,10 @@ from typing import Any
 import aiohttp
 import orjson
 
+from budget.serverinfo import ROUTER_DEFAULT_TIMEOUT_S
 from worker.config import WorkerConfig
+
+log = logging.getLogger("budgetq.worker")
 
 DUPLICATE_RID = "Duplicate request ID"
 
@@ -135,6 +139,28 @@ class SGLangClient:
         if config.api_key:
             self._headers["Authorization"] = f"Bearer {config.api_key}"
         self._timeouts: dict[int, aiohttp.ClientTimeout] = {}
+        self.routers: set[str] = set()  # SGLANG_URLs found to be SGLang's router (worker/serverinfo.py says so)
+        self._router_warned = False
+
+    def note_router(self, url: str) -> None:
+        """``url`` is SGLang's router (called on the request loop). It times a request out after its
+        --request-timeout-secs, which it reports nowhere: warn once if its default is shorter than our deadline."""
+        self.routers.add(url)
+        self._check_router_timeout()
+
+    def _check_router_timeout(self) -> None:
+        if self._router_warned or not self.routers or not self._timeouts:
+            return
+        max_new, worst = max(((n, t.total or 0.0) for n, t in self._timeouts.items()), key=lambda x: x[1])
+        if worst <= ROUTER_DEFAULT_TIMEOUT_S:
+            return
+        self._router_warned = True
+        log.warning("%s is SGLang's router; it does not report its --request-timeout-secs, whose default of %.0f s "
+                    "is shorter than this worker's deadline of %.0f s for max_new_tokens=%d: start it with "
+                    "--request-timeout-secs %.0f or more (and --retry-max-retries 1, since budgetq retries itself), "
+                    "or a slow long answer is cut and generated again (docs/deployment.md)",
+                    ", ".join(sorted(self.routers)), ROUTER_DEFAULT_TIMEOUT_S, worst, max_new, worst + 60,
+                    extra={"routers": sorted(self.routers), "deadline_s": worst})
 
     def pick_server(self) -> str:
         """Least in flight among healthy servers; ties round-robin. All down: the one that comes back first."""
@@ -205,6 +231,7 @@ class SGLangClient:
         if timeout is None:
             timeout = self._timeouts[max_new_tokens] = aiohttp.ClientTimeout(
                 total=self.config.timeout_for(max_new_tokens), sock_connect=self.config.connect_timeout)
+            self._check_router_timeout()
         self.in_flight[server] += 1
         try:
             # orjson: the body is mostly the prompt's token ids, which json.dumps writes ~10x slower

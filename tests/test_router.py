@@ -1,0 +1,99 @@
+"""Through SGLang's real router (SGLang Model Gateway, sglang-router 0.3.2's `smg`) in front of two simulators.
+
+Real parts end to end: produce (CLI) -> Redis -> rq workers -> `smg launch` on a free loopback port (bench/smg.py,
+started with the settings docs/deployment.md recommends) -> two sglang-sim processes. Its readiness is awaited by
+polling its /readiness (another process); the simulators' /sim/stats say what the GPUs did.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from bench.smg import Router
+from budget import keys
+from tests.procs import produce_cmd, read_jsonl, sim_stats, wait_for
+from tests.test_e2e import CODE, GLAIVE, check_exact, produce
+
+pytestmark = pytest.mark.timeout(300)
+
+ROUTER_WARNING = "is SGLang's router; it does not report its --request-timeout-secs"
+
+
+def test_a_budgeted_run_through_the_router_is_exactly_once(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
+                                                           tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    sims = [sim_factory("--time-scale", "20", "--mean-tokens", "300", "--seed", str(i)) for i in (1, 2)]
+    with Router([s.url for s in sims], tmp_path / "smg", policy="cache_aware") as router:
+        # A deadline above the router's default 1,800 s (120 + 1024 / 0.5 s): the worker must say so, once.
+        pool = workers(router.url, BUDGETQ_CONCURRENCY="8", BUDGETQ_MIN_TOKENS_PER_SECOND="0.5")
+        for i in range(2):
+            pool.start(f"w{i}")
+        out = tmp_path / "out"
+        budget = 15_000
+        res = produce([str(GLAIVE), str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "1024",
+                       "--budget", f"code_instruct={budget}", "--chunk-size", "8", "--queue-depth", "4",
+                       "--out", str(out)], redis_url)
+        assert res.returncode == 0, res.stderr
+        code = check_exact(r, out, "code_instruct")
+        assert budget <= sum(x["completion_tokens"] for x in code) and len(code) < 150
+        glaive = check_exact(r, out, "glaive_fc")
+        assert sorted(x["id"] for x in glaive) == sorted({str(x["id"]) for x in read_jsonl(GLAIVE)})
+        # Every answer a GPU produced is in a file, once; the router spread them over both.
+        stats = [sim_stats(s.url) for s in sims]
+        assert sum(s["completed"] for s in stats) == len(code) + len(glaive)
+        assert all(s["completed"] > 0 and s["aborted"] == 0 for s in stats)
+
+        # The manifest names the servers behind the router, never the router's own statistics as a server.
+        manifest = json.loads((out / "glaive_fc" / "manifest.json").read_text())
+        assert manifest["server"]["version"] == "0.5.23-sim" and manifest["server"]["model_path"] == "sglang-sim"
+        assert sorted(e["url"] for e in manifest["servers"]) == sorted(s.url for s in sims)  # one host: one each
+        assert {e["via"] for e in manifest["servers"]} == {router.url}
+        assert "server_unknown" not in manifest
+        for name in ("w0", "w1"):
+            wait_for(lambda: ROUTER_WARNING in pool.log(name), 30, f"{name}'s router timeout warning")
+            assert pool.log(name).count(ROUTER_WARNING) == 1
+            assert "--request-timeout-secs 2228 or more" in pool.log(name)
+
+
+def test_a_backend_killed_mid_run_loses_nothing(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
+                                               tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    # ~0.3 s a request at 1x: enough in flight on each server when one dies.
+    sims = [sim_factory("--time-scale", "1", "--mean-tokens", "300", "--seed", str(i)) for i in (1, 2)]
+    victim, survivor = sims
+    with Router([s.url for s in sims], tmp_path / "smg", policy="round_robin") as router:
+        pool = workers(router.url, BUDGETQ_CONCURRENCY="8")
+        for i in range(2):
+            pool.start(f"w{i}")
+        out = tmp_path / "out"
+        n = 120
+        proc = subprocess.Popen([*produce_cmd(), str(GLAIVE), "--tokenizer", str(tokenizer_dir), "--max-tokens",
+                                 "1024", "--chunk-size", "8", "--out", str(out), "--redis-url", redis_url],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            done = keys.DatasetKeys("glaive_fc").done
+            wait_for(lambda: r.hlen(done) >= 30 and sim_stats(victim.url)["running"] > 0, 120,
+                     "30 samples committed and requests running on the victim")
+            before = sim_stats(victim.url)
+            assert victim.proc is not None
+            victim.proc.send_signal(signal.SIGKILL)
+            victim.proc.wait(10)
+            stdout, stderr = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, stderr
+        recs = check_exact(r, out, "glaive_fc")
+        assert len(recs) == n and not (out / "glaive_fc" / "failed.jsonl").exists()
+        after = sim_stats(survivor.url)
+        assert after["aborted"] == 0
+        # Each sample was generated to the end exactly once: what the victim had finished (at least what it had
+        # when it was killed, at most that plus what it was running) plus what the survivor finished. So what was
+        # in flight on the victim was redone once on the survivor, and nothing twice.
+        in_flight = before["running"] + before["queued"]
+        assert n - before["completed"] - in_flight <= after["completed"] <= n - before["completed"]
+        assert in_flight > 0
