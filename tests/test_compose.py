@@ -237,10 +237,10 @@ def test_compose_spec_file_without_version_key_and_with_both_ways_to_start(compo
 
 
 def test_services_and_profiles(services: dict[str, dict[str, Any]]) -> None:
-    assert set(services) == {"redis", "dashboard", "sglang", "sim", "worker", "produce"}
+    assert set(services) == {"redis", "dashboard", "sglang", "router", "sim", "worker", "produce"}
     profiles = {name: s.get("profiles") for name, s in services.items()}
-    assert profiles == {"redis": None, "dashboard": None, "worker": None,
-                        "sglang": ["gpu"], "sim": ["sim"], "produce": ["tools"]}
+    assert profiles == {"redis": None, "dashboard": None, "worker": None, "sglang": ["gpu"], "router": ["router"],
+                        "sim": ["sim"], "produce": ["tools"]}
     for name in OUR_IMAGE_SERVICES:
         assert services[name]["image"] == services["worker"]["image"], name
         assert services[name]["build"]["context"] == ".", name
@@ -256,7 +256,7 @@ def test_every_published_port_binds_loopback_only(services: dict[str, dict[str, 
             published += 1
             assert host_ip(port) == "127.0.0.1", f"{name}: {port!r} must be published on 127.0.0.1 only"
     assert published >= 1  # the dashboard
-    for name in ("redis", "sglang", "sim", "worker", "produce"):
+    for name in ("redis", "sglang", "router", "sim", "worker", "produce"):
         assert not services[name].get("ports"), f"{name} is reached over the compose network, not published"
 
 
@@ -446,6 +446,35 @@ def test_sglang_api_key_is_passed_only_when_set(services: dict[str, dict[str, An
     assert run({"MODEL": "m", "SGLANG_API_KEY": "k3y"}) == base + ["[--api-key]", "[k3y]"]
     assert run({"MODEL": "m", "SGLANG_API_KEY": "a b*"}) == base + ["[--api-key]", "[a b*]"]
     assert run({"MODEL": "m", "SGLANG_EXTRA_ARGS": "--tp 2"}) == base + ["[--tp]", "[2]"]
+
+
+def test_router_service_runs_sglangs_router_with_budgetqs_settings(services: dict[str, dict[str, Any]]) -> None:
+    """The optional router (profile router): its command, as the shell gets it from compose, parses with the real
+    sglang-router 0.3.2's own argument parser, with the settings docs/deployment.md asks for."""
+    from sglang_router.launch_router import parse_router_args
+
+    sh = shutil.which("sh")
+    if sh is None:
+        pytest.skip("no POSIX shell")
+    router = services["router"]
+    script = interpolate(argv(router["command"])[2], {})
+    launcher = "exec python3 -m sglang_router.launch_router"
+    assert script.startswith(launcher)
+    probe = "set --" + script[len(launcher):] + '\nfor a in "$@"; do printf "%s\\n" "$a"; done'
+    env = {k: interpolate(v, {"ROUTER_WORKER_URLS": "http://sglang-a:30000 http://sglang-b:30000"})
+           for k, v in environment(router).items()}
+    env["ROUTER_WORKER_URLS"] = "http://sglang-a:30000 http://sglang-b:30000"
+    args = subprocess.run([sh, "-c", probe], env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True,
+                          check=True).stdout.splitlines()
+    parsed = parse_router_args(args)
+    assert parsed.worker_urls == ["http://sglang-a:30000", "http://sglang-b:30000"]
+    assert parsed.policy == "cache_aware" and parsed.port == 30000
+    assert parsed.request_timeout_secs == 3600 > 120 + 16384 / 5  # the workers' deadline for a 16K answer
+    assert parsed.disable_retries
+    assert parsed.prometheus_host == "127.0.0.1"
+    assert router["volumes"] == services["sglang"]["volumes"]  # the tokenizers at the servers' model_path
+    assert "/readiness" in " ".join(argv(router["healthcheck"]["test"]))
+    assert depends_on(services["worker"])["router"] == {"condition": "service_healthy", "required": False}
 
 
 def test_sim_service_runs_our_simulator(services: dict[str, dict[str, Any]]) -> None:

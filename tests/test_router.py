@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +98,27 @@ def test_a_backend_killed_mid_run_loses_nothing(redis_url: str, r: "redis.Redis"
         in_flight = before["running"] + before["queued"]
         assert n - before["completed"] - in_flight <= after["completed"] <= n - before["completed"]
         assert in_flight > 0
+
+
+def test_a_router_whose_servers_cannot_be_asked_leaves_version_and_model_unknown(tmp_path: Path,
+                                                                                sim_factory: Any) -> None:
+    from budget import serverinfo
+    from producer.export import write_manifest
+    sim = sim_factory("--time-scale", "50")
+    with Router([sim.url], tmp_path / "smg", policy="round_robin") as router:
+        with urllib.request.urlopen(router.url + "/get_server_info", timeout=5) as resp:
+            own = json.loads(resp.read())
+        assert serverinfo.is_router(own), own  # its statistics, no version, no model
+        with pytest.raises(serverinfo.ServerInfoError, match="router"):
+            serverinfo.fetch(router.url)
+        [found] = serverinfo.discover(router.url)
+        assert (found.url, found.via, found.info["version"]) == (sim.url, router.url, "0.5.23-sim")
+        sim.stop()  # still listed by the router, but no longer answering
+        [found] = serverinfo.discover(router.url, timeout=3)
+    assert found.router and found.url == router.url and found.info == {}
+    dataset = tmp_path / "out" / "ds"
+    dataset.mkdir(parents=True)
+    (dataset / "run.json").write_text("{}")
+    manifest = json.loads(write_manifest(dataset, servers=[found.entry()]).read_text())
+    assert manifest["server"] == {} and manifest["servers"] == [{"url": router.url, "router": True}]
+    assert "SGLang version and model unknown" in manifest["server_unknown"]
