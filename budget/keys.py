@@ -11,8 +11,7 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:epoch``                | string | producer                 | this Redis' lifetime id (lost state detection)    |
 | ``bq:server_info``          | hash   | worker (serverinfo)      | "host url" -> JSON: SGLang's /get_server_info,    |
 |                             |        |                          | SERVER_INFO_KEYS only; expires with the workers   |
-| ``bq:ds:{n}``               | hash   | producer, scripts        | budget, status (open/closed), run fingerprint,    |
-|                             |        |                          | request settings, counters (committed, ...)       |
+| ``bq:ds:{n}``               | hash   | producer, scripts        | the dataset's record: META_FIELDS below           |
 | ``bq:ds:{n}:used``          | string | ``commit`` script        | completion tokens committed: THE budget counter   |
 | ``bq:ds:{n}:done``          | hash   | ``commit`` script        | sample id -> completion tokens; exactly-once guard|
 | ``bq:ds:{n}:pending``       | hash   | producer, scripts        | sample id -> chunk id that holds it               |
@@ -30,6 +29,34 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:ds:{n}:discarded``     | list   | ``discard`` script       | chunk ids out of the queue whose RQ job hashes    |
 |                             |        |                          | ``mark_discarded`` has not yet marked canceled    |
 
+The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default, so a Redis of an older run works):
+
+| field              | written by                              | what                                                 |
+| ------------------ | --------------------------------------- | ---------------------------------------------------- |
+| ``name``           | producer (RunState.register)            | the dataset name                                     |
+| ``settings``       | producer (RunState.register)            | JSON of the run's fingerprinted settings (tokenizer, |
+|                    |                                         | template, sampling): a rerun with others is refused  |
+| ``queue``          | producer (RunState.register)            | the RQ queue its chunks go to                        |
+| ``created_at``     | producer (RunState.register, HSETNX)    | unix time of the first ``produce`` of this run       |
+| ``budget``         | ``set_budget`` script                   | completion tokens allowed; '' = unlimited            |
+| ``status``         | ``set_budget``, ``commit``, ``admit``   | open / closed; unset: never set up                   |
+|                    | (strict), ``uncommit`` (reopens),       |                                                      |
+|                    | ``close`` (--new-run)                   |                                                      |
+| ``closed_at``      | ``commit``/``admit``/``reconcile``      | Redis TIME (``s.us``) when it last closed            |
+|                    | (close_if_spent), ``close``             |                                                      |
+| ``mode``           | producer (Ledger.set_mode)              | drain / predict / strict; unset: drain               |
+| ``max_new_tokens`` | producer (Ledger.set_mode)              | the request cap: strict's reservation and closing    |
+| ``prior_mean``     | producer (Ledger.set_prior)             | predict's expected length before results arrive      |
+| ``committed``      | ``commit`` script (HINCRBY)             | responses committed (not reset by uncommit)          |
+| ``discarded_chunks``| ``discard`` script (HINCRBY)           | queued chunks taken out of the queue after closing   |
+| ``selected``       | producer (RunState.set_progress)        | samples the attached produce selected (for status)   |
+| ``todo``           | producer (RunState.set_progress)        | of those, not yet handed to a chunk (status shows    |
+|                    |                                         | them as discarded once the dataset closed)           |
+
+Who may send commands on these keys: budget/ alone (ledger.py and its scripts, runstate.py, serverinfo.py).
+producer/, worker/ and demo/ call those and never name a key; tests/test_key_ownership.py enforces it. RQ's keys
+are RQ's: read or written through RQ's API, or by our scripts where a decision needs them (below).
+
 RQ's own keys that our scripts touch (queue list, job hashes, canceled registry) are derived here from RQ's
 documented layout, so a change of RQ's layout is a change of this module only.
 """
@@ -46,6 +73,11 @@ EPOCH = PREFIX + "epoch"
 #: What each worker's SGLang servers say about themselves (budget/serverinfo.py): field ``"<worker host> <url>"``,
 #: value JSON of SERVER_INFO_KEYS plus when it was fetched. Never an API key: only the listed keys are kept.
 SERVER_INFO = PREFIX + "server_info"
+
+#: Every field of a dataset's hash (``DatasetKeys.meta``), documented in the table above and in
+#: docs/architecture.md; tests check that a run writes no other.
+META_FIELDS = ("name", "settings", "queue", "created_at", "budget", "status", "closed_at", "mode", "max_new_tokens",
+               "prior_mean", "committed", "discarded_chunks", "selected", "todo")
 
 #: The one RQ queue that every dataset shares; workers listen on it (``worker.settings.QUEUES``).
 QUEUE_NAME = "budgetq"

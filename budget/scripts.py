@@ -62,6 +62,20 @@ redis.call('HSET', KEYS[1], 'status', status)
 return {status, used}
 """
 
+CLOSE = """
+-- close: close a dataset whatever its budget says (--new-run closes the old run before it discards and forgets
+-- it), recording when, as a commit that reaches the budget does.
+-- KEYS[1] meta hash
+-- returns 1 if it was open, 0 if it was already closed (or never set up)
+if redis.call('HGET', KEYS[1], 'status') ~= 'open' then
+  if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'status', 'closed') end
+  return 0
+end
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'status', 'closed', 'closed_at', t[1] .. '.' .. string.format('%06d', t[2]))
+return 1
+"""
+
 START_CHUNK = _NOW_MS + """
 -- start_chunk: a worker begins a chunk job; take its lease if the chunk is still live and the dataset open.
 -- KEYS[1] meta hash, KEYS[2] chunks zset, KEYS[3] reservations hash, KEYS[4] in-flight hash

@@ -397,8 +397,8 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
 @click.argument("amount")
 @redis_url_option
 def budget_cmd(name: str, amount: str, redis_url: str) -> None:
-    from budget import keys
     from budget.ledger import Ledger
+    from budget.runstate import RunState
     from producer.reader import valid_name
     if not valid_name(name):
         raise InputProblem(f"invalid dataset name {name!r}")
@@ -407,7 +407,7 @@ def budget_cmd(name: str, amount: str, redis_url: str) -> None:
     except ValueError as exc:
         raise InputProblem(str(exc)) from None
     client = _connect(redis_url)
-    if not client.exists(keys.DatasetKeys(name).meta):
+    if not RunState(client).exists(name):
         raise InputProblem(f"no dataset {name!r} in this Redis")
     ledger = Ledger(client)
     status = ledger.set_budget(name, value)

@@ -30,6 +30,7 @@ from rq.job import Job
 
 from budget import keys
 from budget.payload import JOB_FUNCTION, VERSION, ThinkPayload
+from budget.runstate import RunState
 
 #: Chunks per MULTI/EXEC when a whole dataset is enqueued (``--detach``, the first fill): 64 chunks of 64
 #: prompts are ~2 MB on the wire, so a batch costs little memory and the round trips stay few.
@@ -119,11 +120,10 @@ def enqueue_chunks(client: "redis.Redis", queue: Queue, dataset: str, chunks: Se
     the next chunks are serialized and the jobs built here."""
     if not chunks:
         return []
-    k = keys.DatasetKeys(dataset)
-    last = int(client.incrby(k.seq, len(chunks)))
-    ids = [keys.chunk_id(dataset, seq) for seq in range(last - len(chunks) + 1, last + 1)]
+    store = RunState(client)
+    ids = store.next_chunk_ids(dataset, len(chunks))
     jobs = []
-    pending: dict[Any, Any] = {}
+    pending: dict[str, str] = {}
     for cid, items in zip(ids, chunks):
         samples = [{"id": it.id, "input_ids": wire_ids(it.input_ids), "opens_think": it.opens_think}
                    for it in items]
@@ -142,9 +142,7 @@ def enqueue_chunks(client: "redis.Redis", queue: Queue, dataset: str, chunks: Se
             pending[it.id] = cid
     with client.pipeline(transaction=True) as pipe:
         pipe.multi()  # explicit: RQ's enqueue_job puts a pipeline in MULTI mode itself unless it already is
-        pipe.sadd(keys.DATASETS, dataset)
-        pipe.zadd(k.chunks, {cid: float("inf") for cid in ids})
-        pipe.hset(k.pending, mapping=pending)
+        store.hold(pipe, dataset, ids, pending)
         for job in jobs:
             queue.enqueue_job(job, pipeline=pipe)
         pipe.execute()

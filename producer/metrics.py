@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 import redis
+from rq import Queue
 
 from budget import keys
 from producer.status import DatasetStatus, all_status
@@ -94,7 +95,7 @@ def render_metrics(client: "redis.Redis") -> str:
     lines: list[str] = []
     try:
         rows = all_status(client)
-        queue_length = int(client.llen(keys.RQ_QUEUE))
+        queue_length = int(Queue(keys.QUEUE_NAME, connection=client).count)  # RQ's key, through RQ
     except redis.RedisError:
         _family(lines, "budgetq_redis_up", REDIS_UP_HELP, [("", 0)])
         return "\n".join(lines) + "\n"

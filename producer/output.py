@@ -12,9 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import redis
-
-from budget import keys
+from budget.runstate import RESULTS_BATCH, RunState
 
 RESULTS = "raw_responses.jsonl"
 FAILED = "failed.jsonl"
@@ -22,10 +20,6 @@ RUN = "run.json"
 
 FIELD_ORDER = ("id", "dataset", "messages", "response", "reasoning", "content", "reasoning_truncated",
                "prompt_tokens", "completion_tokens", "finish_reason", "sampling_params")
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class ResultsFile:
@@ -86,15 +80,14 @@ class ResultsFile:
         self._fh.close()
 
 
-def collect(client: "redis.Redis", dataset: str, out: ResultsFile,
-            messages_for: Callable[[str], Any], batch: int = 1000) -> list[dict[str, Any]]:
+def collect(store: RunState, dataset: str, out: ResultsFile,
+            messages_for: Callable[[str], Any], batch: int = RESULTS_BATCH) -> list[dict[str, Any]]:
     """Move every committed result of ``dataset`` from its Redis stream into ``out``. Returns the records newly
     written. Ids read from the stream that were already on disk (a retry after a Redis error between the
     fsync and the XDEL) are not returned: callers treat ``out.tokens`` as the set of samples done."""
-    stream = keys.DatasetKeys(dataset).results
     written: list[dict[str, Any]] = []
     while True:
-        entries: Any = client.xrange(stream, "-", "+", count=batch)
+        entries = store.read_results(dataset, batch)
         if not entries:
             return written
         records = []
@@ -105,21 +98,7 @@ def collect(client: "redis.Redis", dataset: str, out: ResultsFile,
         new_ids = {r["id"] for r in records if r["id"] not in out.tokens}
         out.append(records)
         written.extend(r for r in records if r["id"] in new_ids)
-        client.xdel(stream, *[e[0] for e in entries])  # only after the fsync in append()
-
-
-def stream_ids(client: "redis.Redis", dataset: str) -> set[str]:
-    """Sample ids committed but not yet collected."""
-    stream = keys.DatasetKeys(dataset).results
-    ids: set[str] = set()
-    start = "-"
-    while True:
-        entries: Any = client.xrange(stream, start, "+", count=5000)
-        for entry_id, fields in entries:
-            ids.add(_s(fields.get(b"id", fields.get("id"))))
-        if len(entries) < 5000:
-            return ids
-        start = "(" + _s(entries[-1][0])
+        store.drop_results(dataset, [e[0] for e in entries])  # only after the fsync in append()
 
 
 def write_failed(path: Path, failures: dict[str, dict[str, Any]]) -> None:

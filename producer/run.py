@@ -29,12 +29,12 @@ from typing import Any, Callable, Iterator
 
 import redis
 
-from budget import keys
 from budget.ledger import LEASE_MS, REDIS_DOWN, DatasetState, Ledger, default_prior_mean
 from budget.payload import ThinkPayload
 from producer.errors import ProduceError
 from producer.enqueue import BATCH_CHUNKS, COMPRESS_THREADS, Item, JobSettings, enqueue_chunks, make_queue
-from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, stream_ids, write_failed
+from budget.runstate import RunState
+from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, write_failed
 from producer.prepare import Prepared, settings_diff
 from producer.progress import progress_bar
 
@@ -123,6 +123,7 @@ class Producer:
                  echo: Callable[[str], None] = print) -> None:
         self.r = client
         self.ledger = Ledger(client)
+        self.store = RunState(client)
         self.queue = make_queue(client)
         self.datasets = datasets
         self.opt = options
@@ -148,9 +149,7 @@ class Producer:
                         f"dataset {prepared.name}: this run's settings differ from the stored run ({diff}). "
                         "Use the same options to resume, or --new-run to start the dataset over "
                         "(its old output is kept aside).", 2)
-        self.r.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
-        raw: Any = self.r.get(keys.EPOCH)
-        self.epoch = raw.decode()
+        self.epoch = self.store.claim_epoch()
         try:
             for prepared in self.datasets:
                 self.runs.append(self._attach_one(prepared))
@@ -159,33 +158,28 @@ class Producer:
             raise
 
     def _attach_one(self, p: Prepared) -> DatasetRun:
-        k = keys.DatasetKeys(p.name)
         out_dir = self.opt.out_dir / p.name
         stored = self._stored_settings(p.name, out_dir)
         token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
-        if not self._take_lock(k.collector, token):
-            raise ProduceError(f"dataset {p.name}: another produce is attached to it (it holds {k.collector}); "
-                               "stop that one, or wait up to 30 s after it died", 1)
-        if self.opt.new_run and (stored is not None or self.r.exists(k.meta)):
+        if not self._take_lock(p.name, token):
+            raise ProduceError(f"dataset {p.name}: another produce is attached to it (it holds "
+                               f"{self.ledger.collector_key(p.name)}); stop that one, or wait up to 30 s after it "
+                               "died", 1)
+        if self.opt.new_run and (stored is not None or self.store.exists(p.name)):
             self._start_over(p.name, out_dir)
-        meta: dict[Any, Any] = {"name": p.name, "settings": json.dumps(self.opt.settings, sort_keys=True),
-                "queue": keys.QUEUE_NAME}
-        self.r.hset(k.meta, mapping=meta)
-        self.r.hsetnx(k.meta, "created_at", str(time.time()))
-        self.r.sadd(keys.DATASETS, p.name)
+        self.store.register(p.name, json.dumps(self.opt.settings, sort_keys=True), created_at=time.time())
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / RUN).write_text(json.dumps(self.opt.settings, indent=2, sort_keys=True) + "\n")
 
         explicit = self.opt.budgets.get(p.name)
-        stored_budget = self.r.hget(k.meta, "budget")
+        stored_budget = self.store.field(p.name, "budget")
         if explicit is not None:
             budget: int | None = explicit
-        elif stored_budget not in (None, b""):
-            budget = int(stored_budget)  # type: ignore[arg-type]
+        elif stored_budget:
+            budget = int(stored_budget)
         else:
             budget = None
-        stored_mode: Any = self.r.hget(k.meta, "mode")
-        mode = self.opt.modes.get(p.name) or (stored_mode.decode() if stored_mode else "predict")
+        mode = self.opt.modes.get(p.name) or self.store.field(p.name, "mode") or "predict"
         self.ledger.set_mode(p.name, mode, int(self.opt.sampling_params["max_new_tokens"]))
         self.ledger.set_budget(p.name, budget)
 
@@ -201,7 +195,7 @@ class Producer:
             self.echo(f"{p.name}: counted {added} responses ({tokens} tokens) found in {out.path}")
         # Order matters: done first, then the stream. A commit landing in between is in both.
         done = self.ledger.done_ids(p.name)
-        in_stream = stream_ids(self.r, p.name)
+        in_stream = self.store.result_ids(p.name)
         orphans = [sid for sid in done if sid not in out.tokens and sid not in in_stream]
         if orphans:
             removed, t = self.ledger.uncommit(p.name, orphans)
@@ -209,7 +203,7 @@ class Producer:
                       "Redis; they are uncounted and will be generated again")
             for sid in orphans:
                 done.pop(sid, None)
-        self.r.delete(k.failed)  # a rerun retries what failed before
+        self.store.clear_failed(p.name)  # a rerun retries what failed before
 
         live = self.ledger.live_chunks(p.name)
         chunk_samples: dict[str, list[str]] = {}
@@ -223,27 +217,27 @@ class Producer:
         return DatasetRun(prepared=p, out=out, lock_token=token, todo=todo, chunk_samples=chunk_samples,
                           done=done_ids, budget=budget)
 
-    def _take_lock(self, key: str, token: str) -> bool:
-        """The collector lock; a lock left by a dead produce on this host is taken over at once instead of
-        making the user wait for its TTL after a crash or kill -9."""
-        if self.ledger.acquire_lock(key, token, LOCK_TTL_MS):
+    def _take_lock(self, name: str, token: str) -> bool:
+        """The dataset's collector lock; a lock left by a dead produce on this host is taken over at once
+        instead of making the user wait for its TTL after a crash or kill -9."""
+        if self.ledger.take_collector(name, token, LOCK_TTL_MS):
             return True
-        raw: Any = self.r.get(key)
-        if raw is None:
-            return self.ledger.acquire_lock(key, token, LOCK_TTL_MS)
-        holder = raw.decode()
+        holder = self.ledger.collector_holder(name)
+        if holder is None:
+            return self.ledger.take_collector(name, token, LOCK_TTL_MS)
         host, _, rest = holder.partition(":")
         pid = rest.partition(":")[0]
         if host != socket.gethostname() or not pid.isdigit() or pid_alive(int(pid)):
             return False
-        self.ledger.release_lock(key, holder)
-        if self.ledger.acquire_lock(key, token, LOCK_TTL_MS):
-            self.echo(f"took over {key} from produce pid {pid}, which is no longer running")
+        self.ledger.release_collector(name, holder)
+        if self.ledger.take_collector(name, token, LOCK_TTL_MS):
+            self.echo(f"took over {self.ledger.collector_key(name)} from produce pid {pid}, which is no longer "
+                      "running")
             return True
         return False
 
     def _stored_settings(self, name: str, out_dir: Path) -> dict[str, Any] | None:
-        raw = self.r.hget(keys.DatasetKeys(name).meta, "settings")
+        raw = self.store.field(name, "settings")
         if raw:
             return dict(json.loads(raw))
         run_file = out_dir / RUN
@@ -253,10 +247,9 @@ class Producer:
 
     def _start_over(self, name: str, out_dir: Path) -> None:
         """--new-run: close and forget the dataset's stored run; keep its files aside, never delete them."""
-        k = keys.DatasetKeys(name)
-        self.r.hset(k.meta, "status", "closed")
+        self.ledger.close(name)
         self.ledger.discard(name, "replaced by --new-run")
-        self.r.delete(*[key for key in k.all() if key != k.collector])
+        self.store.forget(name)
         if out_dir.exists() and any(out_dir.iterdir()):
             aside = out_dir.parent / f"{name}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
             out_dir.rename(aside)
@@ -312,10 +305,8 @@ class Producer:
         self._grace_until = time.monotonic() + LEASE_MS / 1000 + 5
 
     def _wait(self) -> None:
-        streams: Any = {keys.DatasetKeys(d.name).results: "$" for d in self.runs if not d.finished}
-        if streams:
-            # Wake up as soon as a result arrives, or after poll_s to look after leases and the queue.
-            self.r.xread(streams, block=int(self.opt.poll_s * 1000), count=1)
+        # Wake up as soon as a result arrives, or after poll_s to look after leases and the queue.
+        self.store.wait_for_results([d.name for d in self.runs if not d.finished], int(self.opt.poll_s * 1000))
 
     def step(self) -> bool:
         self._check_epoch()
@@ -335,17 +326,16 @@ class Producer:
         return all(d.finished for d in self.runs)
 
     def _check_epoch(self) -> None:
-        raw: Any = self.r.get(keys.EPOCH)
-        if raw is None or raw.decode() != self.epoch:
+        now = self.store.epoch()
+        if now != self.epoch:
             raise ProduceError("Redis lost this run's state (it restarted empty or from another snapshot: "
-                               f"{keys.EPOCH} is {'gone' if raw is None else 'different'}). Nothing on disk is "
+                               f"{self.store.EPOCH_KEY} is {'gone' if now is None else 'different'}). Nothing on disk is "
                                "lost: run the same produce command again to rebuild the counters from the output "
                                "files.", 1)
 
     def _step_one(self, d: DatasetRun, check_stale: bool) -> None:
-        k = keys.DatasetKeys(d.name)
-        if not self.ledger.refresh_lock(k.collector, d.lock_token, LOCK_TTL_MS) \
-                and not self.ledger.acquire_lock(k.collector, d.lock_token, LOCK_TTL_MS):
+        if not self.ledger.refresh_collector(d.name, d.lock_token, LOCK_TTL_MS) \
+                and not self.ledger.take_collector(d.name, d.lock_token, LOCK_TTL_MS):
             raise ProduceError(f"dataset {d.name}: lost the collector lock (another produce took over after this "
                                "one stalled for 30 s)", 1)
         reclaimed: set[str] = set()
@@ -357,7 +347,7 @@ class Producer:
             self.echo(f"{d.name}: chunk {cid} lost its worker; its unfinished samples go back in the queue")
         live = self.ledger.live_chunks(d.name)
         messages = d.prepared.messages_by_id
-        for rec in collect(self.r, d.name, d.out, lambda sid: messages.get(sid)):
+        for rec in collect(self.store, d.name, d.out, lambda sid: messages.get(sid)):
             d.rate.append((time.monotonic(), int(rec["completion_tokens"])))
         # What is on disk is done, including results a failed collect wrote before Redis could drop them.
         d.done.update(d.out.tokens.keys() - d.done)
@@ -372,7 +362,7 @@ class Producer:
                                f"{d.out.total_tokens}: Redis went back to an older state. Nothing on disk is lost: "
                                "run the same produce command again to recount from the output files.", 1)
         d.status, d.used = state.status, state.used
-        self.r.hset(k.meta, mapping={"selected": len(d.prepared.samples), "todo": len(d.todo)})
+        self.store.set_progress(d.name, selected=len(d.prepared.samples), todo=len(d.todo))
         if state.status != "open":
             if state.queued_chunks or state.discards_to_mark:
                 self.ledger.discard(d.name, "budget reached")
@@ -380,7 +370,7 @@ class Producer:
             self._refill(d, max_chunks=self.opt.queue_depth - state.queued_chunks,
                          max_samples=self._samples_needed(d, state))
         if (state.status != "open" or not d.todo) and not d.chunk_samples and not live \
-                and self.r.xlen(k.results) == 0:
+                and self.store.unwritten(d.name) == 0:
             d.failed = self.ledger.failed(d.name)
             write_failed(self.opt.out_dir / d.name / FAILED, d.failed)
             d.finished = True
@@ -421,7 +411,7 @@ class Producer:
         return max(0, needed - held) if not everything else max(0, needed)
 
     def _prior_mean(self, name: str) -> float:
-        raw = self.r.hget(keys.DatasetKeys(name).meta, "prior_mean")
+        raw = self.store.field(name, "prior_mean")
         if raw:
             return float(raw)
         return default_prior_mean(int(self.opt.sampling_params["max_new_tokens"]))
@@ -509,7 +499,7 @@ class Producer:
     def release(self) -> None:
         for d in self.runs:
             try:
-                self.ledger.release_lock(keys.DatasetKeys(d.name).collector, d.lock_token)
+                self.ledger.release_collector(d.name, d.lock_token)
             except redis.RedisError:
                 pass  # it expires by itself
             d.out.close()

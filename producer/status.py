@@ -7,7 +7,7 @@ from typing import Any
 
 import redis
 
-from budget import keys
+from budget.runstate import RunState
 from budget.ledger import DatasetState, Ledger
 
 RATE_WINDOW_S = 60  # tokens/s over the last minute of 10-second buckets
@@ -73,8 +73,7 @@ def dataset_status(state: DatasetState, now: float | None = None) -> DatasetStat
 def all_status(client: "redis.Redis", names: list[str] | None = None) -> list[DatasetStatus]:
     ledger = Ledger(client)
     if not names:
-        raw: Any = client.smembers(keys.DATASETS)
-        names = sorted(x.decode() for x in raw)
+        names = RunState(client).datasets()
     return [dataset_status(ledger.state(n)) for n in names]
 
 

@@ -79,6 +79,9 @@ class SimConfig:
     abort_rate: float = 0.0
     outages: tuple[tuple[float, float], ...] = ()  # (start, duration), wall seconds since start
     outage_mode: OutageMode = "503"
+    # Poison samples: every /generate whose rid starts with one of these hangs (as --hang-rate's hang), every
+    # attempt, so a test can kill the worker that runs it each time (docs/simulator.md).
+    hang_rid_prefixes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         problems = validate(self)
@@ -127,6 +130,8 @@ def validate(cfg: SimConfig) -> list[str]:
             f"{WORD_ID_BASE + LEXICON_SIZE - 1}, {THINK_OPEN_ID}, {THINK_CLOSE_ID})"
         )
     problems += FaultSettings.from_config(cfg).problems()
+    if any(not prefix for prefix in cfg.hang_rid_prefixes):
+        problems.append("hang_rid_prefixes must not be empty strings")
     if any(start < 0 or duration <= 0 for start, duration in cfg.outages):
         problems.append("outages need START >= 0 and DURATION > 0")
     return problems
@@ -199,6 +204,9 @@ def add_fault_options(p: argparse.ArgumentParser) -> None:
                    help="run, then end with finish_reason abort (HTTP 200) part-way")
     g.add_argument("--outage", dest="outages", metavar="START:DURATION", type=parse_outage, action="append",
                    help="wall seconds after start: /generate and /health fail for DURATION (repeatable)")
+    g.add_argument("--hang-rid-prefix", dest="hang_rid_prefixes", metavar="PREFIX", action="append",
+                   help="never answer a /generate whose rid starts with PREFIX, on every attempt: a poison sample "
+                        "(repeatable; budget.payload.request_id's first 28 characters name a sample)")
     g.add_argument("--outage-mode", choices=OUTAGE_MODES, default="503",
                    help="503: answer 503 at once; refuse: close the listening socket (default %(default)s)")
 
@@ -214,6 +222,7 @@ def from_argv(argv: Sequence[str] | None = None) -> SimConfig:
     # Repeatable options arrive as lists (None when absent); the last --error-rate for a status wins.
     values["error_rates"] = tuple(dict(ns.error_rates or ()).items())
     values["outages"] = tuple(ns.outages or ())
+    values["hang_rid_prefixes"] = tuple(ns.hang_rid_prefixes or ())
     kinds = [k for group in ns.malformed_kinds or () for k in group]
     values["malformed_kinds"] = tuple(dict.fromkeys(kinds)) or MALFORMED_KINDS
     try:

@@ -94,6 +94,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except ApiError as e:
         return _error(e)
     rid = spec.rid if spec.rid is not None else uuid.uuid4().hex
+    if st.cfg.hang_rid_prefixes and rid.startswith(st.cfg.hang_rid_prefixes):
+        return await faults.hang(request)  # a poison sample: no answer, whichever attempt
     if rid in st.inflight:
         return _error(value_error(f"Duplicate request ID detected: {rid}"))
     engine = st.engine

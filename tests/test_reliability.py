@@ -176,3 +176,53 @@ def test_api_key_is_sent_but_never_stored_or_logged(redis_url: str, r: "redis.Re
     assert secret not in res.stdout + res.stderr
     assert secret not in pool.log("w0", partial=True)
     assert os.environ.get("SGLANG_API_KEY") != secret
+
+
+@pytest.mark.timeout(420)
+def test_a_sample_whose_worker_dies_three_times_is_failed(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
+                                                          tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    """The failure table's "a chunk's worker dies 3 times": a poison sample (the simulator never answers its
+    rid, every attempt) whose worker is killed -9 each time it runs it. The producer reclaims the chunk by
+    lease each time and counts the deaths per sample (producer/run.py MAX_RECLAIMS); the third fails it, into
+    failed.jsonl. The first death comes while other samples are in flight on that worker: they go back to the
+    queue once and complete. The second and third come once everything else is done, so only the poison
+    sample is unfinished in its chunk and only it reaches three deaths."""
+    from budget.payload import request_id
+    from producer.run import MAX_RECLAIMS
+    selected = [str(x["id"]) for x in read_jsonl(GLAIVE)][:24]
+    poison = selected[2]
+    sim = sim_factory("--tokens-per-second-per-request", "200", "--mean-tokens", "200", "--seed", "13",
+                      "--hang-rid-prefix", request_id("glaive_fc", poison, 0)[:28])
+    pool = workers(sim.url, BUDGETQ_CONCURRENCY="4")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*produce_cmd(), str(GLAIVE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "1000",
+                             "--max-samples", "24", "--chunk-size", "4", "--queue-depth", "2", "--out", str(out),
+                             "--redis-url", redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = keys.DatasetKeys("glaive_fc").done
+
+    def poison_running(runs: int) -> bool:
+        stats = sim_stats(sim.url)
+        return bool(stats["hangs"] == runs and stats["hanging"] == 1)
+
+    try:
+        for death in range(1, MAX_RECLAIMS + 1):
+            worker = pool.start(f"w{death}")
+            wait_for(lambda: poison_running(death), 120, f"the poison sample's run {death} on w{death}")
+            if death > 1:  # only the poison sample left unfinished on this worker
+                wait_for(lambda: r.hlen(done) == len(selected) - 1 and sim_stats(sim.url)["running"] == 0, 120,
+                         "every other sample committed")
+            worker.kill()  # kill -9, while it waits on the poison sample
+            worker.wait(10)
+        _, stderr = proc.communicate(timeout=150)  # the third reclaim fails it; nothing is left to run
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    assert stderr.count("lost its worker; its unfinished samples go back") >= MAX_RECLAIMS, stderr
+    failed = read_jsonl(out / "glaive_fc" / "failed.jsonl")
+    assert [(f["id"], f["reason"]) for f in failed] == [(poison, f"its chunk lost its worker {MAX_RECLAIMS} times")]
+    recs = check_exact(r, out, "glaive_fc")
+    assert sorted(x["id"] for x in recs) == sorted(set(selected) - {poison})  # the rest, each exactly once
+    assert sim_stats(sim.url)["hangs"] == MAX_RECLAIMS
+    assert r.hlen(keys.DatasetKeys("glaive_fc").failed) == 1

@@ -403,6 +403,34 @@ def test_sim_faults_get_post_and_validation() -> None:
     run(go())
 
 
+def test_a_poison_rid_hangs_on_every_attempt_and_other_rids_are_answered() -> None:
+    from budget.payload import request_id
+    poison = request_id("ds", "bad", 0)[:28]
+    assert request_id("ds", "bad", 7).startswith(poison) and not request_id("ds", "good", 0).startswith(poison)
+
+    async def go() -> None:
+        async with sim_and_client(FAST.replace(hang_rid_prefixes=(poison,))) as (sim, client):
+            async with aiohttp.ClientSession(base_url=sim.url) as leaving:
+                bodies = [{**gen_body(), "rid": request_id("ds", "bad", attempt)} for attempt in (0, 1)]
+                waiting = [asyncio.create_task(post(leaving, "/generate", body)) for body in bodies]
+                await until(lambda: len(sim.faults.hanging) == 2)
+                status, _ = await post(client, "/generate", {**gen_body(), "rid": request_id("ds", "good", 0)})
+                assert status == 200
+                for task in waiting:
+                    task.cancel()  # the worker dies
+                for task in waiting:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+            await until(lambda: not sim.faults.hanging)
+            s = await stats(client)
+        assert s["hangs"] == 2 and s["hanging"] == 0 and sim.engine.stats().completed == 1
+
+    run(go())
+    assert from_argv(["--hang-rid-prefix", "ab", "--hang-rid-prefix", "cd"]).hang_rid_prefixes == ("ab", "cd")
+    with pytest.raises(SystemExit):
+        from_argv(["--hang-rid-prefix", ""])
+
+
 def test_cli_fault_options() -> None:
     cfg = from_argv([
         "--error-rate", "503=0.1", "--error-rate", "429=0.05", "--error-rate", "503=0.2", "--retry-after", "3",
