@@ -161,8 +161,6 @@ class Ledger:
         self._reclaim_queued = client.register_script(scripts.RECLAIM_QUEUED)
         self._reconcile = client.register_script(scripts.RECONCILE)
         self._uncommit = client.register_script(scripts.UNCOMMIT)
-        self._lock_refresh = client.register_script(scripts.LOCK_REFRESH)
-        self._lock_release = client.register_script(scripts.LOCK_RELEASE)
         self._close = client.register_script(scripts.CLOSE)
 
     @staticmethod
@@ -233,25 +231,6 @@ class Ledger:
     def close(self, name: str) -> bool:
         """Close the dataset whatever its budget (--new-run starts it over). Returns True if it was open."""
         return bool(self._close(keys=[keys.DatasetKeys(name).meta]))
-
-    # The collector lock (``bq:ds:{n}:collector``): the one ``produce`` collecting a dataset.
-    @staticmethod
-    def collector_key(name: str) -> str:
-        """The lock's key, for messages that tell an operator what to look at."""
-        return keys.DatasetKeys(name).collector
-
-    def take_collector(self, name: str, token: str, ttl_ms: int) -> bool:
-        return bool(self.r.set(keys.DatasetKeys(name).collector, token, nx=True, px=ttl_ms))
-
-    def refresh_collector(self, name: str, token: str, ttl_ms: int) -> bool:
-        return bool(self._lock_refresh(keys=[keys.DatasetKeys(name).collector], args=[token, ttl_ms]))
-
-    def release_collector(self, name: str, token: str) -> None:
-        self._lock_release(keys=[keys.DatasetKeys(name).collector], args=[token])
-
-    def collector_holder(self, name: str) -> str | None:
-        raw = self.r.get(keys.DatasetKeys(name).collector)
-        return None if raw is None else _s(raw)
 
     # -- the worker's side ---------------------------------------------------------------------------
     def start_chunk(self, name: str, chunk: str, lease_ms: int = LEASE_MS) -> str:

@@ -31,9 +31,9 @@ import redis
 
 from budget.ledger import LEASE_MS, REDIS_DOWN, DatasetState, Ledger, default_prior_mean
 from budget.payload import ThinkPayload
+from budget.runstate import RunState
 from producer.errors import ProduceError
 from producer.enqueue import BATCH_CHUNKS, COMPRESS_THREADS, Item, JobSettings, enqueue_chunks, make_queue
-from budget.runstate import RunState
 from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, write_failed
 from producer.prepare import Prepared, settings_diff
 from producer.progress import progress_bar
@@ -163,7 +163,7 @@ class Producer:
         token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
         if not self._take_lock(p.name, token):
             raise ProduceError(f"dataset {p.name}: another produce is attached to it (it holds "
-                               f"{self.ledger.collector_key(p.name)}); stop that one, or wait up to 30 s after it "
+                               f"{self.store.collector_key(p.name)}); stop that one, or wait up to 30 s after it "
                                "died", 1)
         if self.opt.new_run and (stored is not None or self.store.exists(p.name)):
             self._start_over(p.name, out_dir)
@@ -220,18 +220,18 @@ class Producer:
     def _take_lock(self, name: str, token: str) -> bool:
         """The dataset's collector lock; a lock left by a dead produce on this host is taken over at once
         instead of making the user wait for its TTL after a crash or kill -9."""
-        if self.ledger.take_collector(name, token, LOCK_TTL_MS):
+        if self.store.take_collector(name, token, LOCK_TTL_MS):
             return True
-        holder = self.ledger.collector_holder(name)
+        holder = self.store.collector_holder(name)
         if holder is None:
-            return self.ledger.take_collector(name, token, LOCK_TTL_MS)
+            return self.store.take_collector(name, token, LOCK_TTL_MS)
         host, _, rest = holder.partition(":")
         pid = rest.partition(":")[0]
         if host != socket.gethostname() or not pid.isdigit() or pid_alive(int(pid)):
             return False
-        self.ledger.release_collector(name, holder)
-        if self.ledger.take_collector(name, token, LOCK_TTL_MS):
-            self.echo(f"took over {self.ledger.collector_key(name)} from produce pid {pid}, which is no longer "
+        self.store.release_collector(name, holder)
+        if self.store.take_collector(name, token, LOCK_TTL_MS):
+            self.echo(f"took over {self.store.collector_key(name)} from produce pid {pid}, which is no longer "
                       "running")
             return True
         return False
@@ -334,8 +334,8 @@ class Producer:
                                "files.", 1)
 
     def _step_one(self, d: DatasetRun, check_stale: bool) -> None:
-        if not self.ledger.refresh_collector(d.name, d.lock_token, LOCK_TTL_MS) \
-                and not self.ledger.take_collector(d.name, d.lock_token, LOCK_TTL_MS):
+        if not self.store.refresh_collector(d.name, d.lock_token, LOCK_TTL_MS) \
+                and not self.store.take_collector(d.name, d.lock_token, LOCK_TTL_MS):
             raise ProduceError(f"dataset {d.name}: lost the collector lock (another produce took over after this "
                                "one stalled for 30 s)", 1)
         reclaimed: set[str] = set()
@@ -499,7 +499,7 @@ class Producer:
     def release(self) -> None:
         for d in self.runs:
             try:
-                self.ledger.release_collector(d.name, d.lock_token)
+                self.store.release_collector(d.name, d.lock_token)
             except redis.RedisError:
                 pass  # it expires by itself
             d.out.close()
