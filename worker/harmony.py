@@ -125,7 +125,9 @@ def parse_harmony(text: str, *, finish_reason: str, seed: str) -> HarmonyTurn:
     """Split a gpt-oss completion into reasoning, answer and tool calls."""
     if "<|channel|>" not in text and "<|start|>" not in text:
         return _text_fallback(text)
-    messages, loose = _messages(text)
+    # The prompt ended with "<|start|>assistant": put it back, so a recipient the model wrote before its first
+    # <|channel|> (" to=functions.NAME<|channel|>commentary json<|message|>...") stays in that message's header.
+    messages, loose = _messages(text if text.startswith("<|start|>") else "<|start|>assistant" + text)
     reasoning: list[str] = []
     content: list[str] = [part.strip() for part in loose]
     turn = HarmonyTurn("", "")

@@ -8,8 +8,9 @@ Each family writes calls its own way (formats read from sglang 0.5.23, ``sglang/
   ``<tool_call>NAME\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>...</tool_call>``;
 - ``kimi_k2`` (``kimik2_detector.py``): ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
   <|tool_call_argument_begin|>{json}<|tool_call_end|>...<|tool_calls_section_end|>``;
-- ``deepseek`` (``deepseekv3_detector.py``): ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
-  <｜tool▁call▁end｜>`` inside ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>``.
+- ``deepseek`` (``deepseekv3_detector.py``, ``deepseekv31_detector.py``): inside
+  ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>``, V3/R1 write ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json
+  \\n{...}\\n```<｜tool▁call▁end｜>`` and V3.1 ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``.
 
 (gpt-oss calls are harmony ``commentary`` messages: worker/harmony.py parses them with the channels.)
 
@@ -49,7 +50,8 @@ _KIMI_CALL = re.compile(
     r"<\|tool_call_end\|>", re.DOTALL)
 _KIMI_ID = re.compile(r"^(?:functions\.)?(?P<name>[\w.\-]+):(?P<index>\d+)$")
 _DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
-_DS_DETAIL = re.compile(r"^(.*?)<｜tool▁sep｜>(.*?)\n```json\n(.*)\n```$", re.DOTALL)
+_DS_DETAIL = re.compile(r"^function<｜tool▁sep｜>(.*?)\n```json\n(.*)\n```$", re.DOTALL)  # V3 / R1
+_DS31_DETAIL = re.compile(r"^(.*?)<｜tool▁sep｜>(.*)$", re.DOTALL)  # V3.1: NAME<｜tool▁sep｜>{json}
 _NAME = re.compile(r"^[A-Za-z_][\w.\-]*$")
 
 
@@ -132,7 +134,7 @@ def _glm(text: str, seed: str) -> ToolCallResult:
         body = match.group(1)
         name, _, args = _glm_split(body)
         name = name.strip()
-        leftover = _GLM_ARG.sub("", args).strip()
+        leftover = re.sub(r"(?:\\n|\s)+", "", _GLM_ARG.sub("", args))
         if not _NAME.match(name) or leftover:
             result.errors += 1
             continue
@@ -192,15 +194,16 @@ def _deepseek(text: str, seed: str) -> ToolCallResult:
     result = ToolCallResult(text)
     spans: list[tuple[int, int]] = []
     for match in _DS_CALL.finditer(text):
-        detail = _DS_DETAIL.match(match.group(1))
+        detail = _DS_DETAIL.match(match.group(1)) or _DS31_DETAIL.match(match.group(1))
+        name = detail.group(1).strip() if detail else ""
         try:
-            arguments = json.loads(detail.group(3)) if detail else None
+            arguments = json.loads(detail.group(2)) if detail else None
         except ValueError:
             arguments = None
-        if detail is None or not _NAME.match(detail.group(2).strip()) or not isinstance(arguments, dict):
+        if not _NAME.match(name) or not isinstance(arguments, dict):
             result.errors += 1
             continue
-        result.calls.append(_call(detail.group(2).strip(), arguments, call_id(seed, len(result.calls))))
+        result.calls.append(_call(name, arguments, call_id(seed, len(result.calls))))
         spans.append(match.span())
     result.errors += text.count("<｜tool▁call▁begin｜>") - len(_DS_CALL.findall(text))
     content = _remove(text, spans)
