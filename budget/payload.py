@@ -7,9 +7,14 @@ sampling parameters and the thinking markers of the chat template.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, TypedDict
+from typing import Any, Final, TypedDict
 
 VERSION = 1
+
+#: The reasoning parsers a chunk may name (worker/reasoning.py parses with them; producer/parsers.py chooses one),
+#: spelled as SGLang spells them: the word a user passes to ``sglang.launch_server --reasoning-parser``.
+REASONING_PARSERS: Final[tuple[str, ...]] = (
+    "qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi", "kimi_k2", "gpt-oss", "none")
 
 #: The job function, named by dotted string so the producer never imports worker code; the worker class
 #: runs nothing else.

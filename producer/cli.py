@@ -18,6 +18,7 @@ import click
 import redis
 
 from budget import logs
+from budget.payload import REASONING_PARSERS
 from producer.amount import parse_amount, parse_budget_option
 from producer.errors import ProduceError
 
@@ -177,6 +178,9 @@ def _connect(redis_url: str) -> "redis.Redis":
 @opt("--seed", type=int, default=None, help="Sampling seed, sent to SGLang as sampling_seed.")
 @opt("--chat-template-kwargs", default=None, metavar="JSON",
      help='Extra chat template arguments, e.g. \'{"enable_thinking": true}\'.')
+@opt("--reasoning-parser", type=click.Choice(("auto", *REASONING_PARSERS)), default="auto", show_default=True,
+     help="How workers split responses into reasoning, answer and tool calls: SGLang's parser name (what the "
+          "server is launched with); auto detects it from the tokenizer and refuses when that is ambiguous.")
 @opt("--skip-invalid", is_flag=True, help="Skip and report bad lines instead of refusing the file.")
 @opt("--messages-field", default="messages", show_default=True, help="Field holding OpenAI-style messages.")
 @opt("--prompt-field", default="prompt", show_default=True, help="Field holding a single user prompt.")
@@ -222,7 +226,7 @@ def run_cmd(**options: Any) -> None:
 def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes: tuple[str, ...],
          max_tokens: int, max_context: int | None, max_samples: int | None, out_dir: Path, redis_url: str,
          temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-         chat_template_kwargs: str | None, skip_invalid: bool, messages_field: str, prompt_field: str,
+         chat_template_kwargs: str | None, reasoning_parser: str, skip_invalid: bool, messages_field: str, prompt_field: str,
          conversations_field: str, id_field: str, system_prompt: str | None, expect_mean: float | None, dry_run: bool,
          pilot: int | None, throughput: float | None, as_json: bool, chunk_size: int, queue_depth: int,
          new_run: bool, detach: bool, job_timeout: int, allow_eviction: bool, require_aof: bool,
@@ -263,7 +267,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
                                                                                    top_k, seed),
                          chat_template_kwargs=kwargs, skip_invalid=skip_invalid, echo=echo, mapping=mapping,
                          show_progress=show_progress,
-                         warn=_warn)
+                         warn=_warn, reasoning_parser=reasoning_parser)
     log.debug("read, validated and rendered %d dataset(s) in %.1f s", len(inputs.prepared),
               time.monotonic() - started)
     names = {p.name for p in inputs.prepared}
@@ -284,6 +288,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     think = inputs.renderer.think
     options = RunOptions(out_dir=out_dir, budgets=per_dataset, sampling_params=inputs.sampling_params,
                          settings=inputs.settings, think={"start": think.start, "end": think.end} if think else None,
+                         reasoning_parser=inputs.reasoning_parser, parser_explicit=inputs.parser_explicit,
                          modes={n: named_modes.get(n, default_mode) for n in names}, expect_mean=expect_mean,
                          chunk_size=chunk_size, queue_depth=queue_depth, new_run=new_run,
                          job=JobSettings(job_timeout=job_timeout), show_progress=show_progress)
@@ -293,6 +298,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     from producer.preflight import check_redis
     client = _connect(redis_url)
     check_redis(client, allow_eviction=allow_eviction, require_aof=require_aof, warn=_warn)
+    _check_server_parsers(client, inputs.reasoning_parser)
     producer = Producer(client, inputs.prepared, options, echo=echo)
     try:
         producer.attach()
@@ -302,6 +308,18 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     if not detach:
         _write_run_manifests(client, out_dir, [s.name for s in summaries])
     click.echo(summary_table(summaries, detached=detach))
+
+
+def _check_server_parsers(client: "redis.Redis", parser: str) -> None:
+    """Warn when a worker recorded a server launched with another --reasoning-parser (bq:server_info)."""
+    from budget import serverinfo
+    from producer.parsers import mismatches
+    try:
+        servers = serverinfo.load(client)
+    except redis.RedisError:
+        return  # best effort: the run itself reports Redis trouble
+    for message in mismatches(parser, servers):
+        _warn(message)
 
 
 def _write_run_manifests(client: "redis.Redis", out_dir: Path, names: list[str]) -> None:

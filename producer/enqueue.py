@@ -112,11 +112,13 @@ def wire_ids(ids: TokenIds) -> Any:
 
 def enqueue_chunks(client: "redis.Redis", queue: Queue, dataset: str, chunks: Sequence[Sequence[Item]], *,
                    sampling_params: dict[str, Any], think: ThinkPayload | None,
-                   settings: JobSettings, compress: Executor | None = None) -> list[str]:
+                   settings: JobSettings, compress: Executor | None = None,
+                   reasoning_parser: str | None = None) -> list[str]:
     """Enqueue ``chunks`` (lists of samples) for ``dataset`` in one MULTI/EXEC; returns their chunk ids in order.
 
     The payload is ``budget.payload.ChunkPayload`` on the wire; ``input_ids`` arrays are written as JSON arrays
-    without becoming lists first. With ``compress`` (a thread pool), each chunk's data is compressed there while
+    without becoming lists first. ``reasoning_parser`` (None: left out, the think-marker split) names the parser
+    the workers split the responses with. With ``compress`` (a thread pool), each chunk's data is compressed there while
     the next chunks are serialized and the jobs built here."""
     if not chunks:
         return []
@@ -127,8 +129,10 @@ def enqueue_chunks(client: "redis.Redis", queue: Queue, dataset: str, chunks: Se
     for cid, items in zip(ids, chunks):
         samples = [{"id": it.id, "input_ids": wire_ids(it.input_ids), "opens_think": it.opens_think}
                    for it in items]
-        payload = {"v": VERSION, "dataset": dataset, "chunk": cid, "sampling_params": sampling_params,
-                   "think": think, "samples": samples}
+        payload: dict[str, Any] = {"v": VERSION, "dataset": dataset, "chunk": cid,
+                                   "sampling_params": sampling_params, "think": think, "samples": samples}
+        if reasoning_parser is not None:  # left out for a resumed old run: its workers split on `think`
+            payload["reasoning_parser"] = reasoning_parser
         first, final = items[0].id, items[-1].id
         job = queue.create_job(
             JOB_FUNCTION, args=(payload,), job_id=cid, timeout=settings.job_timeout,

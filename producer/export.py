@@ -173,7 +173,10 @@ def template_hash(tokenizer: Any) -> str:
 
 
 def _is_truncated(rec: Mapping[str, Any]) -> bool:
-    return rec["finish_reason"] == "length" or bool(rec.get("reasoning_truncated"))
+    """Cut off, or a thinking block that never closed (``reasoning_unclosed``, written by parsers): such a turn
+    has no answer, and exported as a complete turn it would teach the model to stop in mid-thought."""
+    return (rec["finish_reason"] == "length" or bool(rec.get("reasoning_truncated"))
+            or bool(rec.get("reasoning_unclosed")))
 
 
 def _assistant_turn(reasoning: str | None, content: str, mode: str, think: tuple[str, str]) -> dict[str, Any]:
@@ -212,13 +215,13 @@ def _sharegpt_turn(message: Mapping[str, Any]) -> dict[str, Any]:
 def _export_record(rec: Mapping[str, Any], options: ExportOptions, think: tuple[str, str]) -> dict[str, Any]:
     reasoning = None if options.reasoning == "drop" else rec.get("reasoning")
     turn = _assistant_turn(reasoning, rec["content"], options.reasoning, think)
+    if rec.get("tool_calls"):  # parsed by the run's reasoning parser (worker/toolcalls.py)
+        turn["tool_calls"] = rec["tool_calls"]
     out: dict[str, Any] = {"id": rec["id"]}
     if options.format == "openai-messages":
         out["messages"] = [*rec["messages"], turn]
     else:
-        gpt = {"from": "gpt", "value": turn["content"]}
-        if "reasoning_content" in turn:
-            gpt["reasoning_content"] = turn["reasoning_content"]
+        gpt = _sharegpt_turn(turn)  # calls appended to the text, reasoning_content kept, as for prompt turns
         out["conversations"] = [*(_sharegpt_turn(m) for m in rec["messages"]), gpt]
     if _is_truncated(rec):
         out["truncated"] = True
@@ -399,6 +402,9 @@ class _Stats:
     samples: int = 0
     truncated: int = 0
     reasoning_truncated: int = 0
+    reasoning_unclosed: int = 0
+    tool_calls: int = 0
+    tool_call_errors: int = 0  # calls that did not parse: their text stayed in the content
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reasons: Counter[str] = field(default_factory=Counter)
@@ -408,6 +414,9 @@ class _Stats:
         self.samples += 1
         self.truncated += _is_truncated(rec)
         self.reasoning_truncated += bool(rec.get("reasoning_truncated"))
+        self.reasoning_unclosed += bool(rec.get("reasoning_unclosed"))
+        self.tool_calls += len(rec.get("tool_calls") or [])
+        self.tool_call_errors += int(rec.get("tool_call_errors") or 0)
         self.prompt_tokens += rec["prompt_tokens"]
         self.completion_tokens += rec["completion_tokens"]
         self.finish_reasons[rec["finish_reason"]] += 1
@@ -453,11 +462,15 @@ def _write_manifest(dataset_dir: Path, settings: Mapping[str, Any], stats: _Stat
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
         "budgetq_version": _budgetq_version(),
         "counts": {"samples": stats.samples, "failed": failed, "truncated": stats.truncated,
-                   "reasoning_truncated": stats.reasoning_truncated},
+                   "reasoning_truncated": stats.reasoning_truncated,
+                   "reasoning_unclosed": stats.reasoning_unclosed, "tool_calls": stats.tool_calls,
+                   "tool_call_errors": stats.tool_call_errors},
         "tokens": {"prompt": stats.prompt_tokens, "completion": stats.completion_tokens},
         "finish_reasons": dict(sorted(stats.finish_reasons.items())),
         "completion_length": stats.completion_length(),
         "sampling_params": settings.get("sampling_params"),
+        # null: a run stored before parsers, split on the think markers only
+        "reasoning_parser": settings.get("reasoning_parser"),
         "settings": dict(settings),
     }
     if servers is not None:

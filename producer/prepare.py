@@ -92,17 +92,40 @@ def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_contex
 
 
 def run_settings(renderer: Renderer, sampling_params: dict[str, Any],
-                 chat_template_kwargs: dict[str, Any], system_prompt: str | None = None) -> dict[str, Any]:
+                 chat_template_kwargs: dict[str, Any], system_prompt: str | None = None,
+                 reasoning_parser: str | None = None) -> dict[str, Any]:
     """What must not change between a run and its resume: a response made under other settings would mix
-    two distributions in one training set."""
+    two distributions in one training set (and two parsers, two splits of the same text, in one file).
+
+    ``reasoning_parser`` None leaves the key out: a run stored before parsers existed has none, and such a run
+    resumes with the think-marker split it started with (producer/run.py ``settings_for``)."""
     think = renderer.think
-    return {
+    settings = {
         "tokenizer": renderer.fingerprint(),
         "chat_template_kwargs": chat_template_kwargs,
         "sampling_params": sampling_params,
         "think": [think.start, think.end] if think else None,
         "system_prompt": system_prompt,
     }
+    if reasoning_parser is not None:
+        settings["reasoning_parser"] = reasoning_parser
+    return settings
+
+
+def resolve_parser(choice: str, tokenizer: Any, renderer: Renderer) -> str:
+    """``--reasoning-parser``: the name given, or for ``auto`` the one the tokenizer and template point to.
+    Raises ProduceError (exit 2) naming the candidates when detection is ambiguous."""
+    from producer.parsers import AUTO, AmbiguousParser, detect, evidence
+    if choice != AUTO:
+        return choice
+    try:  # does the generation prompt open <think>? (qwen3 vs qwen3-thinking)
+        opens = renderer.render([{"role": "user", "content": "Hi"}]).opens_think
+    except RenderError:
+        opens = False
+    try:
+        return detect(evidence(tokenizer, opens))
+    except AmbiguousParser as exc:
+        raise input_error(str(exc)) from None
 
 
 def settings_fingerprint(settings: dict[str, Any]) -> str:
@@ -138,12 +161,15 @@ class Inputs:
     sampling_params: dict[str, Any]
     settings: dict[str, Any]
     chat_template_kwargs: dict[str, Any]
+    reasoning_parser: str = "none"
+    parser_explicit: bool = False  # given by --reasoning-parser, not detected
 
 
 def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_context: int | None,
                 max_samples: int | None, sampling_params: dict[str, Any], chat_template_kwargs: dict[str, Any],
                 skip_invalid: bool, echo: Callable[[str], None], warn: Callable[[str], None],
-                mapping: FieldMapping | None = None, show_progress: bool = False) -> Inputs:
+                mapping: FieldMapping | None = None, show_progress: bool = False,
+                reasoning_parser: str = "auto") -> Inputs:
     """Read, validate and render every file. Raises ProduceError (exit 2) on any input problem."""
     from producer.reader import InputError, read_all
     from producer.render import default_max_context, load_tokenizer
@@ -165,6 +191,12 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
         renderer = Renderer(tok, chat_template_kwargs=chat_template_kwargs)
     except RenderError as exc:
         raise input_error(str(exc)) from None
+    from producer.parsers import AUTO, PARSER_MARKERS
+    parser = resolve_parser(reasoning_parser, tok, renderer)
+    markers = PARSER_MARKERS[parser]
+    if markers is not None and markers != renderer.think:  # Kimi's ◁think▷: opens_think must look for those
+        renderer = Renderer(tok, chat_template_kwargs=chat_template_kwargs, opens_markers=markers)
+    echo(f"reasoning parser: {parser}" + (" (detected from the tokenizer)" if reasoning_parser == AUTO else ""))
     if max_context is None:
         max_context = default_max_context(tok)
         if max_context is None:
@@ -184,5 +216,6 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
         echo(f"{p.name}: {len(p.samples)} samples ready ({p.prompt_tokens} prompt tokens), "
              f"{len(p.invalid)} invalid, {len(p.duplicates)} duplicate ids, {len(p.over_context)} over context")
     settings = run_settings(renderer, sampling_params, chat_template_kwargs,
-                            mapping.system_prompt if mapping else None)
-    return Inputs(prepared, renderer, sampling_params, settings, chat_template_kwargs)
+                            mapping.system_prompt if mapping else None, parser)
+    return Inputs(prepared, renderer, sampling_params, settings, chat_template_kwargs, parser,
+                  reasoning_parser != AUTO)

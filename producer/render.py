@@ -190,6 +190,7 @@ class Renderer:
         *,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         think: ThinkMarkers | None | Literal["auto"] = "auto",
+        opens_markers: ThinkMarkers | None = None,
     ) -> None:
         kwargs = dict(chat_template_kwargs or {})
         reserved = sorted(_RESERVED_KWARGS.intersection(kwargs))
@@ -209,6 +210,9 @@ class Renderer:
         self._kwargs: dict[str, Any] = json.loads(self._kwargs_json)
         self._tokenizer = tokenizer
         self._think = detect_think_markers(tokenizer) if isinstance(think, str) else think
+        # The markers `opens_think` looks for when the run's reasoning parser uses others than `think` (Kimi's
+        # ◁think▷). Not in the fingerprint: the run's settings name the parser, which names the markers.
+        self._open_markers = opens_markers or self._think
         eos = [tokenizer.eos_token_id] if isinstance(tokenizer.eos_token_id, int) else []
         self._eos_ids = list(dict.fromkeys(eos + _generation_config_eos(tokenizer)))
         self._fingerprint: str | None = None
@@ -261,13 +265,14 @@ class Renderer:
         return Rendered(input_ids=ids, opens_think=self._opens_think(ids))
 
     def _opens_think(self, ids: list[int]) -> bool:
-        if self._think is None:
+        markers = self._open_markers
+        if markers is None:
             return False
         # Only the tail: decoding a whole 30K-token prompt per sample would cost more than rendering it.
         tail_ids = ids[-_TAIL_TOKENS:]
         decoded = self._tokenizer.decode(tail_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         tail = decoded if isinstance(decoded, str) else "".join(decoded)
-        return tail.rfind(self._think.start) > tail.rfind(self._think.end)
+        return tail.rfind(markers.start) > tail.rfind(markers.end)
 
     def fingerprint(self) -> str:
         """sha256 hex over all that decides the ids and their meaning, to refuse a rerun with another tokenizer.

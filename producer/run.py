@@ -67,6 +67,8 @@ class RunOptions:
     sampling_params: dict[str, Any]
     settings: dict[str, Any]  # the run's fingerprinted settings (producer.prepare.run_settings)
     think: ThinkPayload | None
+    reasoning_parser: str | None = None  # what settings["reasoning_parser"] says; None: the think-marker split
+    parser_explicit: bool = False  # --reasoning-parser named it (not auto)
     modes: dict[str, str | None] = field(default_factory=dict)  # --budget-mode; None: stored, else predict
     expect_mean: float | None = None  # prior completion length for predict before results arrive
     chunk_size: int = 256
@@ -96,6 +98,7 @@ class DatasetRun:
     queued_seen: dict[str, float] = field(default_factory=dict)
     rate: deque[tuple[float, int]] = field(default_factory=deque)
     enqueued_samples: int = 0
+    reasoning_parser: str | None = None  # None: a run stored before parsers, resumed with the think-marker split
 
     @property
     def name(self) -> str:
@@ -143,8 +146,9 @@ class Producer:
         if not self.opt.new_run:
             for prepared in self.datasets:
                 stored = self._stored_settings(prepared.name, self.opt.out_dir / prepared.name)
-                if stored is not None and stored != self.opt.settings:
-                    diff = "; ".join(settings_diff(stored, self.opt.settings))
+                settings = self._settings_for(stored)
+                if stored is not None and stored != settings:
+                    diff = "; ".join(settings_diff(stored, settings))
                     raise ProduceError(
                         f"dataset {prepared.name}: this run's settings differ from the stored run ({diff}). "
                         "Use the same options to resume, or --new-run to start the dataset over "
@@ -157,9 +161,24 @@ class Producer:
             self.release()
             raise
 
+    def _settings_for(self, stored: dict[str, Any] | None) -> dict[str, Any]:
+        """This run's settings for a dataset whose stored settings are `stored`.
+
+        A run stored before reasoning parsers existed has no ``reasoning_parser``: it resumes with the
+        think-marker split it started with (a new key is not a settings change), unless --reasoning-parser
+        names a parser, which is one (the records would be split two ways in one file)."""
+        settings = self.opt.settings
+        if stored is not None and "reasoning_parser" not in stored and not self.opt.parser_explicit:
+            settings = {key: value for key, value in settings.items() if key != "reasoning_parser"}
+        return settings
+
     def _attach_one(self, p: Prepared) -> DatasetRun:
         out_dir = self.opt.out_dir / p.name
         stored = self._stored_settings(p.name, out_dir)
+        settings = self.opt.settings if self.opt.new_run else self._settings_for(stored)
+        if "reasoning_parser" in self.opt.settings and "reasoning_parser" not in settings:
+            self.echo(f"{p.name}: stored before reasoning parsers: it resumes splitting on the think markers only "
+                      "(--new-run to regenerate it with the parser)")
         token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
         if not self._take_lock(p.name, token):
             raise ProduceError(f"dataset {p.name}: another produce is attached to it (it holds "
@@ -167,9 +186,9 @@ class Producer:
                                "died", 1)
         if self.opt.new_run and (stored is not None or self.store.exists(p.name)):
             self._start_over(p.name, out_dir)
-        self.store.register(p.name, json.dumps(self.opt.settings, sort_keys=True), created_at=time.time())
+        self.store.register(p.name, json.dumps(settings, sort_keys=True), created_at=time.time())
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / RUN).write_text(json.dumps(self.opt.settings, indent=2, sort_keys=True) + "\n")
+        (out_dir / RUN).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
         explicit = self.opt.budgets.get(p.name)
         stored_budget = self.store.field(p.name, "budget")
@@ -215,7 +234,7 @@ class Producer:
         done_ids = set(done) | set(out.tokens)
         todo = deque(s.id for s in p.samples if s.id not in done_ids and s.id not in held)
         return DatasetRun(prepared=p, out=out, lock_token=token, todo=todo, chunk_samples=chunk_samples,
-                          done=done_ids, budget=budget)
+                          done=done_ids, budget=budget, reasoning_parser=settings.get("reasoning_parser"))
 
     def _take_lock(self, name: str, token: str) -> bool:
         """The dataset's collector lock; a lock left by a dead produce on this host is taken over at once
@@ -429,7 +448,8 @@ class Producer:
                 try:
                     cids = enqueue_chunks(self.r, self.queue, d.name, chunks,
                                           sampling_params=self.opt.sampling_params, think=self.opt.think,
-                                          settings=self.opt.job, compress=pool)
+                                          settings=self.opt.job, compress=pool,
+                                          reasoning_parser=d.reasoning_parser)
                 except BaseException:
                     # Not enqueued (or, after a lost EXEC reply, perhaps enqueued): the samples go back to the
                     # front of the to-do list either way. Enqueued twice is harmless: the holder hash names the

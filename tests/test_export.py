@@ -358,7 +358,9 @@ def test_manifest(dataset: Path, tok: Any) -> None:
     lengths = sorted(r["completion_tokens"] for r in records)
     run = json.loads((dataset / "run.json").read_text())
     assert manifest["dataset"] == "ds"
-    assert manifest["counts"] == {"samples": 9, "failed": 2, "truncated": 2, "reasoning_truncated": 1}
+    assert manifest["counts"] == {"samples": 9, "failed": 2, "truncated": 2, "reasoning_truncated": 1,
+                                  "reasoning_unclosed": 0, "tool_calls": 0, "tool_call_errors": 0}
+    assert manifest["reasoning_parser"] is None  # these records come from a run stored before parsers
     assert manifest["tokens"] == {"prompt": sum(r["prompt_tokens"] for r in records),
                                   "completion": sum(lengths)}
     assert manifest["finish_reasons"] == {"length": 2, "stop": 7}

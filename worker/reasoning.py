@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
+from budget.payload import REASONING_PARSERS
 from worker.harmony import parse_harmony
 from worker.toolcalls import DS_CALLS_BEGIN, HERMES_START, KIMI_SECTION_BEGIN, parse_tool_calls
 
-PARSERS: Final[tuple[str, ...]] = (
-    "qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi", "kimi_k2", "gpt-oss", "none")
+PARSERS: Final[tuple[str, ...]] = REASONING_PARSERS  # SGLang's names; budget/payload.py holds the list
 
 
 @dataclass(frozen=True)
