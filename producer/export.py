@@ -348,6 +348,10 @@ def _run_settings(dataset_dir: Path) -> dict[str, Any]:
 
 
 def _markers(settings: Mapping[str, Any]) -> tuple[str, str]:
+    from producer.parsers import PARSER_MARKERS
+    parser_markers = PARSER_MARKERS.get(str(settings.get("reasoning_parser")))
+    if parser_markers is not None and parser_markers.start != DEFAULT_THINK[0]:  # Kimi's ◁think▷
+        return parser_markers.start, parser_markers.end
     think = settings.get("think")
     if isinstance(think, list) and len(think) == 2 and all(isinstance(t, str) and t for t in think):
         return think[0], think[1]

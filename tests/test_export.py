@@ -489,3 +489,28 @@ def test_produce_export_command(dataset: Path, tmp_path: Path, tokenizer_dir: Pa
     assert (dataset / "manifest.json").exists()
     bad = CliRunner().invoke(main, ["export", name, "--out", str(out_dir), "--token-ids"])
     assert bad.exit_code == 2 and "--tokenizer" in bad.output
+
+
+def test_parsed_tool_calls_are_written_and_unclosed_reasoning_is_truncated(tmp_path: Path, tok: Any) -> None:
+    call = {"id": "call_0123", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    with_call = make_record(tok, "a-call", "plain", content="")
+    with_call.update(response=with_call["response"] + '<tool_call>\n{"name": "get_weather", "arguments": '
+                     '{"city": "Paris"}}\n</tool_call>', tool_calls=[call], tool_call_errors=0,
+                     reasoning_unclosed=False, reasoning_parser="qwen3-thinking")
+    unclosed = make_record(tok, "b-unclosed", "plain", reasoning="It never ends", content="",
+                           reasoning_truncated=True)
+    unclosed.update(reasoning_truncated=False, reasoning_unclosed=True, tool_calls=[], tool_call_errors=1,
+                    reasoning_parser="qwen3-thinking")  # stopped by EOS in mid-thought
+    ds = write_dataset(tmp_path, tok, [with_call, unclosed])
+    dest = tmp_path / "x.jsonl"
+    report = export_dataset(ds, dest, ExportOptions("openai-messages", reasoning="field"))
+    assert (report.written, report.dropped_truncated) == (1, 1)
+    (turn,) = [r["messages"][-1] for r in read_jsonl(dest)]
+    assert turn["tool_calls"] == [call] and turn["content"] == ""
+    export_dataset(ds, dest, ExportOptions("sharegpt"))
+    (gpt,) = [r["conversations"][-1] for r in read_jsonl(dest)]
+    assert gpt["value"].endswith(json.dumps([call], ensure_ascii=False))
+    manifest = json.loads((ds / "manifest.json").read_text())
+    assert manifest["counts"]["reasoning_unclosed"] == 1 and manifest["counts"]["tool_calls"] == 1
+    assert manifest["counts"]["tool_call_errors"] == 1 and manifest["counts"]["truncated"] == 1
