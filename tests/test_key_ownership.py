@@ -2,22 +2,22 @@
 
 Two checks. The source: no module of producer/, worker/ or demo/ names a key (a ``budget.keys`` name other than
 the queue name and the chunk-id builder, or a ``bq:`` string) or calls a Redis command method, so every command
-they cause goes through a budget/ call. A run: ``produce`` in-process with a real ``rq worker``, its Redis client
-recording, for each command on a ``bq:`` key, which module sent it: every one must come from budget/.
+they cause goes through a budget/ call. A run: ``produce`` in-process and a real ``rq worker`` subprocess, both
+recording, for each command on a ``bq:`` key, which module sent it (tests/key_senders.py): every one must come
+from budget/.
 """
 from __future__ import annotations
 
 import ast
-import sys
 from pathlib import Path
-from types import FrameType
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import redis
-import redis.client
 
 from budget import keys
+from tests import key_senders
+from tests.procs import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKED = ("producer", "worker", "demo")
@@ -102,56 +102,34 @@ def test_every_field_of_the_dataset_hash_is_documented() -> None:
         assert f"| `{name}` |" in arch, f"docs/architecture.md does not document field {name}"
 
 
-REDIS_PKG = Path(redis.__file__).resolve().parent
 DATA = ROOT / "demo" / "data"
 
 
-class Senders:
-    """Records, for every command on a ``bq:`` key sent by any redis-py client of this process, the first
-    source file on the stack outside redis-py: the module that asked for it."""
-
-    def __init__(self) -> None:
-        self.by_file: dict[str, int] = {}
-        self.examples: dict[str, str] = {}
-
-    def note(self, args: tuple[Any, ...]) -> None:
-        if not any(isinstance(a, (str, bytes)) and (a[:3] == "bq:" or a[:3] == b"bq:") for a in args[1:]):
-            return
-        frame: FrameType | None = sys._getframe(2)
-        while frame is not None and Path(frame.f_code.co_filename).resolve().is_relative_to(REDIS_PKG):
-            frame = frame.f_back
-        where = Path(frame.f_code.co_filename).resolve() if frame is not None else Path("?")
-        name = str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else str(where)
-        self.by_file[name] = self.by_file.get(name, 0) + 1
-        self.examples.setdefault(name, " ".join(str(a)[:40] for a in args[:3]))
-
-
 @pytest.fixture
-def senders(monkeypatch: pytest.MonkeyPatch) -> Senders:
-    """Wrap redis-py's send paths (plain commands, pipelined and immediate pipeline commands) to record who
-    asks; every command still goes to the real redis-server."""
-    rec = Senders()
-    for cls, name in ((redis.Redis, "execute_command"), (redis.client.Pipeline, "pipeline_execute_command"),
-                      (redis.client.Pipeline, "immediate_execute_command")):
-        original = getattr(cls, name)
+def senders() -> Iterator[dict[str, int]]:
+    """file -> commands on bq: keys it sent, for every redis-py client of this process while the test runs."""
+    counts: dict[str, int] = {}
 
-        def wrapped(self: Any, *args: Any, __original: Any = original, **options: Any) -> Any:
-            rec.note(args)
-            return __original(self, *args, **options)
+    def note(who: str, args: tuple[Any, ...]) -> None:
+        counts[who] = counts.get(who, 0) + 1
 
-        monkeypatch.setattr(cls, name, wrapped)
-    return rec
+    undo = key_senders.install(note)
+    yield counts
+    undo()
 
 
 @pytest.mark.timeout(300)
 def test_a_run_sends_every_command_on_a_bq_key_from_budget(redis_url: str, tokenizer_dir: Path, tmp_path: Path,
-                                                           sim_factory: Any, workers: Any, senders: Senders) -> None:
+                                                           sim_factory: Any, workers: Any,
+                                                           senders: dict[str, int]) -> None:
     from click.testing import CliRunner
 
     from producer.cli import main
     from producer.metrics import render_metrics
     sim = sim_factory("--time-scale", "20", "--mean-tokens", "200", "--seed", "3")
-    pool = workers(sim.url, BUDGETQ_CONCURRENCY="8")
+    sink = tmp_path / "worker-senders.tsv"
+    pool = workers(sim.url, BUDGETQ_CONCURRENCY="8",
+                   **key_senders.env_for_sink(sink, key_senders.sitecustomize_dir(tmp_path / "site")))
     pool.start("w0")
     out = tmp_path / "out"
     run = ["run", str(DATA / "glaive_fc.jsonl"), "--tokenizer", str(tokenizer_dir), "--max-tokens", "400",
@@ -168,16 +146,13 @@ def test_a_run_sends_every_command_on_a_bq_key_from_budget(redis_url: str, token
         assert res.exit_code == 0, (args, res.output)
     assert "budgetq_dataset_info" in render_metrics(redis.Redis.from_url(redis_url))
 
-    foreign = {f: n for f, n in senders.by_file.items() if not f.startswith("budget/")}
-    assert not foreign, f"commands on bq: keys sent from outside budget/: {foreign} (e.g. " \
-        f"{ {f: senders.examples[f] for f in foreign} })"
-    assert senders.by_file.get("budget/ledger.py", 0) > 20 and senders.by_file.get("budget/runstate.py", 0) > 10
+    pool.stop_all()  # warm: its last commands are in the sink
+    for who, counts in (("produce", senders), ("the worker", key_senders.read_sink(sink))):
+        foreign = {f: n for f, n in counts.items() if not f.startswith("budget/")}
+        assert not foreign, f"commands on bq: keys that {who} sent from outside budget/: {foreign}"
+        assert counts.get("budget/ledger.py", 0) > 20, (who, counts)  # the recorder saw the traffic
+    assert senders.get("budget/runstate.py", 0) > 10
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     fields = set(r.hgetall(keys.DatasetKeys("glaive_fc").meta))
     assert fields <= set(keys.META_FIELDS), f"undocumented fields of bq:ds:{{n}}: {fields - set(keys.META_FIELDS)}"
-    assert len(read_records(out / "glaive_fc" / "raw_responses.jsonl")) == 6
-
-
-def read_records(path: Path) -> list[Any]:
-    from tests.procs import read_jsonl
-    return read_jsonl(path)
+    assert len(read_jsonl(out / "glaive_fc" / "raw_responses.jsonl")) == 6
