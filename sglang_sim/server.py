@@ -54,6 +54,7 @@ class SimState:
     faults: FaultState
     inflight: dict[str, InFlight] = field(default_factory=dict)
     ready_at: float = 0.0  # time.monotonic() from which /health answers 200 (cfg.warmup_seconds after start)
+    unauthorized: int = 0  # requests refused with 401 (--api-key): a worker's wrong key, counted for tests
 
     def cut_inflight(self, mode: OutageMode) -> None:
         """An outage began: end every in-flight request now (each handler answers per `mode`)."""
@@ -191,17 +192,20 @@ async def flush_cache(request: web.Request) -> web.Response:
 async def sim_stats(request: web.Request) -> web.Response:
     """GET /sim/stats: simulator-only counters for benchmarks."""
     st = request.app[STATE]
-    return web.json_response(stats_body(st.cfg, st.engine.stats(), st.faults.stats()))
+    return web.json_response({**stats_body(st.cfg, st.engine.stats(), st.faults.stats()),
+                              "unauthorized": st.unauthorized})
 
 
 def _auth_middleware(api_key: str) -> Middleware:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        # SGLang leaves OPTIONS, /health* and /metrics* open.
-        if request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics")):
+        # SGLang leaves OPTIONS, /health* and /metrics* open. /sim/* is the simulator's own (counters and fault
+        # control for tests and benchmarks, no SGLang endpoint): open too, so a bench reads its counters keyless.
+        if request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics", "/sim/")):
             return await handler(request)
         if request.headers.get("Authorization") != f"Bearer {api_key}":
-            return web.json_response({"error": "Unauthorized"}, status=401)
+            request.app[STATE].unauthorized += 1
+            return web.json_response({"error": "Unauthorized"}, status=401)  # SGLang's exact answer
         return await handler(request)
 
     return auth

@@ -238,9 +238,13 @@ def test_api_key() -> None:
     async def go() -> None:
         async with sim_and_client(FAST.replace(api_key="sekrit")) as (sim, client):
             async with client.post("/generate", json={"text": "a"}) as r:
+                assert r.status == 401 and await r.json() == {"error": "Unauthorized"}  # SGLang's answer
+            async with client.post("/generate", json={"text": "a"}, headers={"Authorization": "Bearer wrong"}) as r:
                 assert r.status == 401
             async with client.post("/generate", json={"text": "a"}, headers={"Authorization": "Bearer sekrit"}) as r:
                 assert r.status == 200
+            async with client.get("/sim/stats") as r:  # the simulator's own counters stay open
+                assert r.status == 200 and (await r.json())["unauthorized"] == 2
             async with client.get("/health") as r:
                 assert r.status == 200
             async with client.get("/get_server_info", headers={"Authorization": "Bearer sekrit"}) as r:

@@ -3,6 +3,8 @@
 The retry policy lives here: 5xx, 429, resets, timeouts, aborted generations and malformed bodies are retried
 with full-jitter backoff (never before Retry-After) up to ``BUDGETQ_MAX_ATTEMPTS``; a 400 is final, except
 "Duplicate request ID" (a previous run of the sample still holds the rid), retried at once under the next rid.
+A 401/403 (the server refused ``SGLANG_API_KEY``) is given up at once too, but it is not the sample's failure:
+worker/dispatch.py gives the sample back and stops the worker.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ class ChunkReport:
     given back); the counts of its requests still running keep growing until the chunk finishes."""
 
     chunk: str
-    status: str = "ok"  # ok / revoked / closed / full
+    status: str = "ok"  # ok / stopped / revoked / closed / full / unauthorized
     committed: int = 0
     duplicates: int = 0
     failed: int = 0

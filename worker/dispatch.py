@@ -15,6 +15,13 @@ and commits of one loop iteration share a Redis round trip (worker/batch.py). A 
 admission until its request ends, not until its commit's reply: the window counts requests at SGLang. When a
 commit closes the dataset, the worker discards the dataset's queued chunks at once; requests in flight finish
 and are committed (GPU work is never thrown away), but no new request of the dataset starts.
+
+A 401/403 from SGLang (``SGLANG_API_KEY`` wrong or missing) is the worker's own misconfiguration, not the
+sample's: every request it sends would be refused alike, and five attempts per sample used to mark a whole
+dataset failed in seconds. The first one sets ``fault``, logs one error naming the server and the variable, and
+stops the dispatcher as a warm stop does: nothing more starts, the refused samples and the unstarted rest are
+given back uncounted and unfailed (the producer re-enqueues them once the chunk ends), requests already running
+finish and are committed. ``on_fault`` then tells the worker, which exits non-zero (worker/rqworker.py).
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from rq.serializers import JSONSerializer
 
 from budget.ledger import LEASE_MS, REDIS_DOWN, Admission, Admit, Call, Ledger
 from budget.payload import ChunkPayload, SamplePayload
+from budget.serverinfo import public_url
 from worker.batch import Batcher
 from worker.chunk import CLOSE_REASON, ChunkReport, generate_sample, result_record
 from worker.config import WorkerConfig
@@ -114,11 +122,14 @@ class Dispatcher:
     """One per worker process, living on the Runtime's event loop."""
 
     def __init__(self, ledger: Ledger, client: SGLangClient, config: WorkerConfig,
-                 heartbeat: Callable[[], None] | None = None) -> None:
+                 heartbeat: Callable[[], None] | None = None,
+                 on_fault: Callable[[str], None] | None = None) -> None:
         self.ledger = ledger
         self.client = client
         self.config = config
         self.heartbeat = heartbeat
+        self.on_fault = on_fault  # called once, on the loop, when a configuration fault stops the dispatcher
+        self.fault: str | None = None  # why this worker cannot work (a refused API key), once known
         self.budgeting = Budgeting(ledger, refresh_s=5 * config.reserve_interval)
         self.batcher = Batcher(ledger)
         self.slots = asyncio.Semaphore(config.concurrency)
@@ -130,6 +141,20 @@ class Dispatcher:
     def stop(self) -> None:
         self.stopping = True
         self.slots.release()  # wake a dispatch waiting for a slot so it can give its chunk back
+
+    def _config_fault(self, err: GenerateError) -> None:
+        """The server refused our credentials (401/403): start nothing more, once, and say so, once."""
+        if self.fault is not None:
+            return
+        url = public_url(err.server) if err.server else "SGLang"
+        self.fault = (f"SGLang server {url} refused this worker's credentials ({err.reason}): SGLANG_API_KEY is "
+                      f"{'wrong' if self.config.api_key else 'not set'}; starting no more requests, giving "
+                      f"the chunk back")
+        log.error("%s", self.fault, extra={"server": url, "status": err.status})
+        if not self.stopping:
+            self.stop()
+        if self.on_fault is not None:
+            self.on_fault(self.fault)
 
     async def _redis(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Call the ledger in a thread, waiting out a Redis outage: for the rare calls that take a while (a
@@ -199,8 +224,8 @@ class Dispatcher:
                 await self.slots.acquire()  # does not suspend while the semaphore is unlocked
                 n += 1
             if self.stopping:
-                rc.report.status = "stopped"
-                rc.report.not_started = len(todo)
+                rc.report.status = "unauthorized" if self.fault else "stopped"
+                rc.report.not_started += len(todo)
                 self._release(n)
                 return
             batch = [todo.pop() for _ in range(n)]
@@ -235,7 +260,7 @@ class Dispatcher:
                     pass
                 continue
             rc.report.status = {Admit.CLOSED: "closed", Admit.FULL: "full"}.get(verdict, "revoked")
-            rc.report.not_started = len(todo)
+            rc.report.not_started += len(todo)
             if verdict is Admit.CLOSED:
                 # strict closes at admission; discard is idempotent
                 await self._redis("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
@@ -271,6 +296,13 @@ class Dispatcher:
                     self.slots.release()
             except GenerateError as err:
                 report.errors.append(f"{sid}: {err.reason}")
+                if err.auth:
+                    # Not the sample's failure: given back like an unstarted sample. Its reservation and
+                    # in-flight count stay with the chunk until the chunk ends (finish_chunk drops both).
+                    report.not_started += 1
+                    report.status = "unauthorized"
+                    self._config_fault(err)
+                    return
                 if await self._batched("fail", self.ledger.fail_call(
                         rc.dataset, sid, rc.id, {"id": sid, "reason": err.reason, "status": err.status,
                                                  "attempts": err.attempts}, reserved=flight.reserved)):

@@ -11,10 +11,15 @@ one place that can *enforce* what a deployment must never get wrong:
   dispatcher) for its life: a chunk job returns once its samples have started, and their requests run on
   while the worker takes the next chunk (worker/dispatch.py). Liveness comes from the chunk lease
   (budget/ledger.py), not from RQ's abandoned-job detection (worker TTL plus a 600 s maintenance interval).
+- A refused API key ends the worker. SGLang answering 401/403 means this worker's ``SGLANG_API_KEY`` is wrong
+  or missing: the dispatcher gives its chunk back (worker/dispatch.py), the worker stops as after a SIGTERM
+  (requests already running are committed, rq unregisters it) and exits with EXIT_CONFIG, so a supervisor
+  shows it failing instead of it sitting registered and idle (docs/operations.md says why).
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -33,6 +38,11 @@ from worker import jobs, runtime
 from worker.config import WorkerConfig
 
 log = logging.getLogger("budgetq.worker")
+
+#: The exit status of a worker whose SGLang server refused its API key (sysexits.h EX_CONFIG).
+EXIT_CONFIG = 78
+#: Seconds a blocking dequeue waits before it looks whether a configuration fault has stopped the worker.
+FAULT_POLL_S = 2
 
 
 def _setup_logging() -> None:
@@ -67,7 +77,8 @@ class Worker(SimpleWorker):
         self.queues = [Queue(q.name, connection=self.connection, serializer=JSONSerializer) for q in self.queues]
         self._ordered_queues = self.queues[:]
         self.config = WorkerConfig.from_env()
-        self.runtime = runtime.Runtime(self.connection, self.config, heartbeat=self._job_heartbeat)
+        self.runtime = runtime.Runtime(self.connection, self.config, heartbeat=self._job_heartbeat,
+                                       on_fault=self._config_fault)
         runtime.install(self.runtime)
         # rq installs its SIGTERM/SIGINT handlers only once the worker has registered itself: a signal in
         # between (a deploy that starts and stops workers at once) ended the process by the signal's default
@@ -85,6 +96,15 @@ class Worker(SimpleWorker):
 
     def _stop_dispatching(self) -> None:
         self.runtime.loop.call_soon_threadsafe(self.runtime.dispatcher.stop)
+
+    def _config_fault(self, reason: str) -> None:
+        """From the request thread, once: the dispatcher has stopped for a configuration fault. rq's work loop
+        stops before its next dequeue, and a dequeue under way gives up within FAULT_POLL_S (below).
+
+        Not a SIGTERM to ourselves: the fault usually arrives just after a chunk job returned, while rq waits
+        in BLPOP, and a signal landing after BLPOP popped a job but before rq ran it would lose that job (its
+        chunk stays queued in budgetq's books, and no worker ever sees it again)."""
+        self._stop_requested = True
 
     def _job_heartbeat(self) -> None:
         # A SimpleWorker does not heartbeat while a job runs; the chunk's lease task calls this so the worker
@@ -140,6 +160,11 @@ class Worker(SimpleWorker):
                 self.runtime.close()
             except Exception:
                 log.exception("closing the worker runtime")
+            if self.runtime.dispatcher.fault is not None:
+                # A warning: the one error line is the dispatcher's, naming the server and the variable.
+                log.warning("budgetq worker: exiting with status %d: fix SGLANG_API_KEY (or the server's "
+                            "--api-key) and start the worker again", EXIT_CONFIG)
+                raise SystemExit(EXIT_CONFIG)  # the configuration fault outranks whatever work() was returning
 
     def _wait_for_redis(self) -> None:
         delay = 0.5
@@ -162,8 +187,23 @@ class Worker(SimpleWorker):
             self._redis_lost = True
             raise
 
-    def dequeue_job_and_maintain_ttl(self, *args: Any, **kwargs: Any) -> Any:
-        result = super().dequeue_job_and_maintain_ttl(*args, **kwargs)
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
+        """rq's blocking dequeue, in slices of FAULT_POLL_S: a worker whose server refused its key stops
+        waiting for work (None ends rq's loop) instead of sitting registered and idle until a job comes."""
+        if timeout is None:  # burst: one non-blocking pop
+            result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        else:
+            since = time.monotonic()
+            while True:
+                if self.runtime.dispatcher.fault is not None:
+                    return None
+                idle_left = None if max_idle_time is None else max_idle_time - (time.monotonic() - since)
+                if idle_left is not None and idle_left <= 0:
+                    return None
+                wait = FAULT_POLL_S if idle_left is None else max(1, min(FAULT_POLL_S, math.ceil(idle_left)))
+                result = super().dequeue_job_and_maintain_ttl(min(timeout, wait), max_idle_time=wait)
+                if result is not None:
+                    break
         self._redis_lost = False  # rq's dequeue waits out connection errors by itself
         return result
 

@@ -31,14 +31,15 @@ _current: "Runtime | None" = None
 
 class Runtime:
     def __init__(self, connection: "redis.Redis", config: WorkerConfig,
-                 heartbeat: Callable[[], None] | None = None) -> None:
+                 heartbeat: Callable[[], None] | None = None,
+                 on_fault: Callable[[str], None] | None = None) -> None:
         self.config = config
         # Its own client on the same pool: the loop thread and RQ's main thread never share a connection.
         self.ledger = Ledger(redis.Redis(connection_pool=connection.connection_pool))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._serve, name="budgetq-requests", daemon=True)
         self.thread.start()
-        self.dispatcher: Dispatcher = self._call(self._make(heartbeat))
+        self.dispatcher: Dispatcher = self._call(self._make(heartbeat, on_fault))
         self._closed = False
         # Best effort, on a thread of its own: the servers' version and model for the manifests (bq:server_info).
         client = self.dispatcher.client
@@ -55,11 +56,12 @@ class Runtime:
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    async def _make(self, heartbeat: Callable[[], None] | None) -> Dispatcher:
+    async def _make(self, heartbeat: Callable[[], None] | None,
+                    on_fault: Callable[[str], None] | None) -> Dispatcher:
         # limit=0: aiohttp's default cap of 100 connections would silently cap our concurrency.
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(connector=connector, raise_for_status=False)
-        return Dispatcher(self.ledger, SGLangClient(self.session, self.config), self.config, heartbeat)
+        return Dispatcher(self.ledger, SGLangClient(self.session, self.config), self.config, heartbeat, on_fault)
 
     def run_chunk(self, chunk: ChunkPayload) -> ChunkReport:
         """Dispatch a chunk: returns when every sample has started (or was given back)."""

@@ -1,8 +1,9 @@
 """One ``POST /generate`` attempt against SGLang, and what its answer means.
 
-Everything SGLang can answer is sorted into three outcomes: a valid generation; a final error (a 400: the
-request itself is wrong and will be wrong again); a retryable error (5xx, 429, resets, timeouts, an aborted
-generation, a body that breaks the contract). Retry policy lives with the caller (worker/chunk.py).
+Everything SGLang can answer is sorted into four outcomes: a valid generation; a final error (a 400: the
+request itself is wrong and will be wrong again); a refused key (401, 403: not the sample's fault but the
+worker's own configuration, ``SGLANG_API_KEY``; worker/dispatch.py stops the worker); a retryable error (5xx,
+429, resets, timeouts, an aborted generation, a body that breaks the contract). Retry policy lives with the caller (worker/chunk.py).
 Only the fields the contract guarantees are relied on: ``meta_info.id``, ``finish_reason``,
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``.
 """
@@ -30,7 +31,8 @@ class GenerateError(Exception):
     """An attempt that produced no usable generation."""
 
     def __init__(self, reason: str, *, retryable: bool, status: int | None = None,
-                 retry_after: float | None = None, new_rid: bool = False, unavailable: bool = False) -> None:
+                 retry_after: float | None = None, new_rid: bool = False, unavailable: bool = False,
+                 auth: bool = False, server: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.retryable = retryable
@@ -40,6 +42,10 @@ class GenerateError(Exception):
         self.status = status
         self.retry_after = retry_after
         self.new_rid = new_rid  # SGLang still runs a request with this rid: retry under the next one
+        # 401/403: the server refused this worker's credentials. Every other sample would be refused alike, so
+        # this is a configuration fault of the worker, never a failure of the sample (worker/dispatch.py).
+        self.auth = auth
+        self.server = server
         self.attempts = 1  # requests sent for the sample, set when the last attempt gave up
 
 
@@ -257,6 +263,8 @@ class SGLangClient:
                 raise GenerateError("malformed response: body is not JSON", retryable=True) from None
             return parse_generation(body, max_new_tokens, server)
         message = _error_message(raw)
+        if status in (401, 403):
+            raise GenerateError(f"{status}: {message}", retryable=False, status=status, auth=True, server=server)
         if status == 400:
             if DUPLICATE_RID in message:
                 raise GenerateError(message, retryable=True, status=400, new_rid=True)
