@@ -1,0 +1,297 @@
+"""``Dispatcher`` (worker/dispatch.py) in-process: the paths end-to-end runs reach only by chance, each on purpose.
+
+Real parts all the same: the simulator over HTTP (a subprocess, tests/conftest.py ``sim_factory``), a real Ledger
+on a real redis-server (the session's; a dedicated one where Redis is stopped), an aiohttp session on a real
+event loop. Request lengths are exact (``ignore_eos``: every answer is ``max_new_tokens`` long), so a "slow"
+chunk's requests outlast whatever the test does meanwhile and a "fast" one's end at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+import redis
+
+from budget import keys
+from budget.ledger import Ledger
+from budget.payload import VERSION, ChunkPayload
+from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from tests.procs import sim_stats
+from tests.redis_server import RedisServer
+from worker.chunk import ChunkReport
+from worker.config import WorkerConfig
+from worker.dispatch import Dispatcher
+from worker.sglang import SGLangClient
+
+DS = "ds"
+#: 100 tokens/s per request: a SLOW request (400 tokens) takes ~4 s, a FAST one (2 tokens) ~20 ms.
+SIM_ARGS = ("--tokens-per-second-per-request", "100", "--saturation-batch", "64", "--prefix-cache-pages", "0",
+            "--prefill-tokens-per-second", "0")
+SLOW, FAST = 400, 2
+
+
+def sampling(max_new: int) -> dict[str, Any]:
+    return {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 0}
+
+
+def enqueue(r: "redis.Redis", ids: list[str], max_new: int) -> ChunkPayload:
+    """One chunk of ``ids`` as the producer enqueues it (live, queued, each sample held by it); its payload."""
+    items = [Item(sid, [11, 12, 13, 14], False) for sid in ids]
+    (cid,) = enqueue_chunks(r, make_queue(r), DS, [items], sampling_params=sampling(max_new), think=None,
+                            settings=JobSettings())
+    return {"v": VERSION, "dataset": DS, "chunk": cid, "sampling_params": sampling(max_new), "think": None,
+            "samples": [{"id": sid, "input_ids": [11, 12, 13, 14], "opens_think": False} for sid in ids]}
+
+
+@contextlib.asynccontextmanager
+async def dispatcher(redis_url: str, sim_url: str, concurrency: int, **config: Any) -> AsyncIterator[Dispatcher]:
+    """A Dispatcher as worker/runtime.py builds one, on this event loop; drained and closed on exit."""
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    cfg = WorkerConfig(servers=(sim_url,), concurrency=concurrency, retry_for=120.0, **config)
+    d = Dispatcher(Ledger(redis.Redis.from_url(redis_url)), SGLangClient(session, cfg), cfg)
+    try:
+        yield d
+    finally:
+        await asyncio.wait_for(d.drain(), 120)
+        # The job-meta writes are sent without being awaited (Dispatcher._write_meta): let them go out first.
+        await until(lambda: not d.batcher._calls and not d.batcher._busy, "the last job-meta writes")
+        await session.close()
+        d.batcher.close()
+
+
+async def until(pred: Callable[[], bool | Awaitable[bool]], what: str, timeout: float = 60.0) -> None:
+    """Await a state of this loop's own objects (or of another process when ``pred`` is a coroutine function)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        got = pred()
+        if not isinstance(got, bool):
+            got = await got
+        if got:
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"timed out after {timeout} s waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+# -- FULL admission ----------------------------------------------------------------------------------------
+def test_full_while_own_requests_run_waits_for_them_and_never_overspends(r: "redis.Redis", redis_url: str,
+                                                                        sim_factory: Any) -> None:
+    """strict: each request reserves max_new_tokens. Room for 3 of 10: 3 start, the rest are FULL while ours run;
+    each end frees room for one more, until what is left cannot fit and the dataset closes."""
+    sim = sim_factory(*SIM_ARGS, "--time-scale", "10")
+    ledger = Ledger(r)
+    max_new = 50
+    ledger.set_mode(DS, "strict", max_new)
+    ledger.set_budget(DS, 3 * max_new)
+    chunk = enqueue(r, [f"s{i}" for i in range(10)], max_new)
+
+    async def go() -> ChunkReport:
+        async with dispatcher(redis_url, sim.url, concurrency=8) as d:
+            report = await d.dispatch(chunk)
+        return report
+
+    report = asyncio.run(go())
+    state = ledger.state(DS)
+    # ignore_eos: every answer is max_new long, so exactly 3 fit; strict never starts one that might not fit
+    assert report.committed == 3 and state.used == 3 * max_new and state.status == "closed"
+    assert report.status == "closed" and report.not_started == 7 and report.failed == 0
+    assert sim_stats(sim.url)["submitted"] == 3
+    assert r.hlen(keys.DatasetKeys(DS).done) == 3 and r.xlen(keys.DatasetKeys(DS).results) == 3
+
+
+def test_full_with_nothing_of_ours_in_flight_gives_the_chunk_back(r: "redis.Redis", redis_url: str,
+                                                                  sim_factory: Any) -> None:
+    """The budget's room is reserved by another worker's request: FULL, and this chunk has nothing running
+    that could free it, so it gives its samples back at once ("full") instead of holding them."""
+    sim = sim_factory(*SIM_ARGS)
+    ledger = Ledger(r)
+    max_new = 50
+    ledger.set_mode(DS, "strict", max_new)
+    ledger.set_budget(DS, max_new + 10)
+    other = enqueue(r, ["o0"], max_new)["chunk"]  # another worker's chunk, one request in flight
+    assert ledger.start_chunk(DS, other) == "ok"
+    assert ledger.admit(DS, "o0", other).reserved == max_new
+    chunk = enqueue(r, ["s0", "s1", "s2"], max_new)
+
+    async def go() -> ChunkReport:
+        async with dispatcher(redis_url, sim.url, concurrency=4) as d:
+            report = await d.dispatch(chunk)
+            assert d.in_flight() == 0
+        return report
+
+    report = asyncio.run(go())
+    assert report.status == "full" and report.not_started == 3 and report.committed == 0
+    assert sim_stats(sim.url)["submitted"] == 0
+    assert ledger.state(DS).status == "open"  # FULL is not closed: the other request may leave room
+    assert chunk["chunk"] not in ledger.live_chunks(DS)  # given back: the producer re-enqueues its samples
+
+
+# -- warm stop ---------------------------------------------------------------------------------------------
+def test_stop_while_dispatching_gives_the_rest_back_and_commits_what_runs(r: "redis.Redis", redis_url: str,
+                                                                          sim_factory: Any) -> None:
+    sim = sim_factory(*SIM_ARGS)
+    ledger = Ledger(r)
+    ledger.set_budget(DS, None)
+    ids = [f"s{i}" for i in range(6)]
+    chunk = enqueue(r, ids, SLOW)
+
+    async def go() -> ChunkReport:
+        async with dispatcher(redis_url, sim.url, concurrency=2) as d:
+            task = asyncio.create_task(d.dispatch(chunk))
+            await until(lambda: d.in_flight() == 2, "two requests running")
+            assert not task.done()  # waiting for a slot: 4 samples not started
+            d.stop()
+            report = await task
+            assert report.status == "stopped" and report.not_started == 4
+            assert chunk["chunk"] in ledger.live_chunks(DS)  # live until its running requests are committed
+        return report
+
+    report = asyncio.run(go())
+    assert report.committed == 2 and report.failed == 0
+    assert sorted(ledger.done_ids(DS)) == ids[:2]
+    assert chunk["chunk"] not in ledger.live_chunks(DS)
+    assert sim_stats(sim.url)["submitted"] == 2
+    assert ledger.state(DS).used == 2 * SLOW
+
+
+# -- a lost lease ------------------------------------------------------------------------------------------
+def test_lost_lease_stops_admitting_and_late_commits_hit_the_done_guard(r: "redis.Redis", redis_url: str,
+                                                                        sim_factory: Any) -> None:
+    """Chunk A runs two slow requests when it is reclaimed (as after a missed lease) and its samples are
+    enqueued again as chunk B, which another worker runs at once. A starts nothing more; its two requests end
+    after B committed the same samples: A's commits are duplicates, nothing is counted twice."""
+    sim = sim_factory(*SIM_ARGS)
+    ledger = Ledger(r)
+    ledger.set_budget(DS, None)
+    ids = [f"s{i}" for i in range(6)]
+    a = enqueue(r, ids, SLOW)
+
+    async def go() -> tuple[ChunkReport, ChunkReport]:
+        async with dispatcher(redis_url, sim.url, concurrency=2) as da, \
+                dispatcher(redis_url, sim.url, concurrency=8) as db:
+            task = asyncio.create_task(da.dispatch(a))
+            await until(lambda: da.in_flight() == 2, "A's two requests running")
+            # The lease lapses (set to end in the past; A refreshes it only every 5 s) and the producer reclaims
+            # A, then enqueues its unfinished samples again as B.
+            assert ledger.start_chunk(DS, a["chunk"], lease_ms=-60_000) == "ok"
+            assert ledger.reclaim(DS) == [a["chunk"]]
+            b = enqueue(r, ids, FAST)
+            rb = await db.dispatch(b)
+            await asyncio.wait_for(db.drain(), 60)
+            assert sorted(ledger.done_ids(DS)) == ids  # B did every sample while A's two still run
+            assert da.in_flight() == 2
+            ra = await task  # A's next admission, once a slot frees, is refused: revoked
+            await asyncio.wait_for(da.drain(), 60)
+        return ra, rb
+
+    ra, rb = asyncio.run(go())
+    assert rb.committed == 6 and rb.duplicates == 0
+    assert ra.status == "revoked" and ra.not_started == 4
+    assert ra.committed == 0 and ra.duplicates == 2  # late commits hit the done guard
+    assert ledger.state(DS).used == 6 * FAST  # B's tokens only
+    assert r.xlen(keys.DatasetKeys(DS).results) == 6
+    assert sim_stats(sim.url)["submitted"] == 2 + 6  # A started nothing after it lost its chunk
+
+
+# -- Redis down mid-chunk ----------------------------------------------------------------------------------
+def test_redis_down_mid_chunk_commits_land_after_it_returns_exactly_once(tmp_path: Path, sim_factory: Any,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    server = RedisServer(tmp_path / "redis")  # our own: this test stops it
+    server.start()
+    try:
+        _redis_down_mid_chunk(server, sim_factory, caplog)
+    finally:
+        server.stop()
+
+
+def _redis_down_mid_chunk(server: RedisServer, sim_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    sim = sim_factory(*SIM_ARGS)
+    r = redis.Redis.from_url(server.url)
+    ledger = Ledger(r)
+    ledger.set_budget(DS, None)
+    ids = [f"s{i}" for i in range(4)]
+    chunk = enqueue(r, ids, SLOW)
+    caplog.set_level(logging.WARNING, logger="budgetq.worker")
+
+    async def go() -> ChunkReport:
+        async with dispatcher(server.url, sim.url, concurrency=4) as d:
+            report = await d.dispatch(chunk)  # returns once all 4 have started
+            assert report.committed == 0 and d.in_flight() == 4
+            await asyncio.to_thread(server.stop)  # a clean shutdown: the AOF holds everything so far
+            # The requests end while Redis is down: their commits wait for it.
+            await until(lambda: any("commit: Redis unavailable" in m for m in caplog.messages), "a commit retry")
+            await until(lambda: asyncio.to_thread(lambda: bool(sim_stats(sim.url)["completed"] == 4)),
+                        "the requests ended")
+            assert d.in_flight() == 4  # nothing committed: still held, still in flight in our books
+            await asyncio.to_thread(server.start)  # same port, same AOF
+            await asyncio.wait_for(d.drain(), 90)
+        return report
+
+    report = asyncio.run(go())
+    assert report.committed == 4 and report.duplicates == 0 and report.failed == 0
+    k = keys.DatasetKeys(DS)
+    assert sorted(ledger.done_ids(DS)) == ids
+    assert ledger.state(DS).used == 4 * SLOW
+    assert r.xlen(k.results) == 4  # one result each: a resent commit changed nothing
+    assert chunk["chunk"] not in ledger.live_chunks(DS)
+    assert sim_stats(sim.url)["submitted"] == 4  # no request was sent again
+    r.close()
+
+
+# -- a refused API key -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sim_args, key, status", [
+    (("--api-key", "sk-right"), "sk-wrong", 401),  # SGLang's own answer to a wrong key
+    (("--api-key", "sk-right"), None, 401),  # no key at all
+    (("--error-rate", "403=1"), None, 403),  # what a proxy in front of SGLang may answer instead
+], ids=["wrong-key", "no-key", "403"])
+def test_refused_key_stops_the_dispatcher_and_gives_every_sample_back(
+        r: "redis.Redis", redis_url: str, sim_factory: Any, caplog: pytest.LogCaptureFixture,
+        sim_args: tuple[str, ...], key: str | None, status: int) -> None:
+    sim = sim_factory(*SIM_ARGS, "--time-scale", "10", *sim_args)
+    ledger = Ledger(r)
+    ledger.set_budget(DS, None)
+    ids = [f"s{i}" for i in range(12)]
+    first, second = enqueue(r, ids[:8], FAST), enqueue(r, ids[8:], FAST)
+    faults: list[str] = []
+    caplog.set_level(logging.INFO, logger="budgetq.worker")
+
+    async def go() -> tuple[ChunkReport, ChunkReport]:
+        async with dispatcher(redis_url, sim.url, concurrency=4, api_key=key) as d:
+            d.on_fault = faults.append
+            a = await d.dispatch(first)
+            await until(lambda: d.fault is not None, "the configuration fault")
+            b = await d.dispatch(second)  # a chunk taken after the fault starts nothing
+        return a, b
+
+    a, b = asyncio.run(go())
+    assert len(faults) == 1 and str(status) in faults[0] and sim.url in faults[0]
+    assert "SGLANG_API_KEY" in faults[0] and ("not set" if key is None else "wrong") in faults[0]
+    errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert [rec.getMessage() for rec in errors] == faults  # one error line, the fault itself
+    assert "sk-" not in caplog.text  # never the key
+    assert a.status == b.status == "unauthorized" and a.failed == b.failed == 0
+    assert a.not_started == 8 and b.not_started == 4 and a.committed == b.committed == 0
+    assert ledger.failed(DS) == {} and ledger.state(DS).used == 0 and ledger.done_ids(DS) == {}
+    assert ledger.live_chunks(DS) == set()  # both given back: the producer enqueues their samples again
+    assert sim_stats(sim.url)["submitted"] == 0 and a.attempts == 4  # one refused request per slot, no retry
+
+
+def test_other_4xx_are_not_a_key_fault(r: "redis.Redis", redis_url: str, sim_factory: Any) -> None:
+    """Only 401 and 403 mean "this worker's key": a 404 or 400 is about the request and fails the sample."""
+    sim = sim_factory(*SIM_ARGS, "--error-rate", "404=1")
+    ledger = Ledger(r)
+    ledger.set_budget(DS, None)
+    chunk = enqueue(r, ["s0"], FAST)
+
+    async def go() -> tuple[Dispatcher, ChunkReport]:
+        async with dispatcher(redis_url, sim.url, concurrency=1, max_attempts=2, backoff_cap=0.01) as d:
+            report = await d.dispatch(chunk)
+        return d, report
+
+    d, report = asyncio.run(go())
+    assert d.fault is None and not d.stopping
+    assert report.failed == 1 and ledger.failed(DS)["s0"]["status"] == 404
