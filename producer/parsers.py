@@ -23,6 +23,7 @@ producer refuses (exit 2) and names the candidates, because a wrong parser silen
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Mapping, Sequence
 
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 AUTO: Final = "auto"
+# DeepSeek-V3.1's template switches on a `thinking` variable ("if not thinking is defined", "if thinking"); the word
+# alone (a comment, a system prompt) is not enough.
+_THINKING_TOGGLE: Final = re.compile(
+    r"\bthinking\s+is\s+(?:defined|not\s+defined|true|false)|\bif\s+(?:not\s+)?thinking\b")
 CHOICES: Final[tuple[str, ...]] = (AUTO, *REASONING_PARSERS)
 
 #: The markers a parser's thinking block opens and closes with, for the rendered prompt's ``opens_think``; None:
@@ -78,7 +83,7 @@ def detect(ev: Evidence) -> str:
     if ev.has("<arg_key>"):
         families.append("glm45")
     if ev.has("<｜Assistant｜>"):
-        if "thinking" in ev.template:
+        if _THINKING_TOGGLE.search(ev.template):
             families.append("deepseek-v3")
         elif ev.has("<think>"):
             families.append("deepseek-r1")
