@@ -44,10 +44,12 @@ import redis
 from budget import keys
 
 #: What is kept of /get_server_info: what identifies the model and the engine, never the whole dict.
+#: ``context_length`` (a server argument: null unless set) and the scheduler's ``max_total_num_tokens`` (KV cache
+#: size) and ``max_req_input_len`` are the limits SGLang enforces per request (producer/servercontext.py).
 SERVER_INFO_KEYS: Final = (
     "version", "model_path", "served_model_name", "tokenizer_path", "revision", "dtype", "quantization",
-    "kv_cache_dtype", "context_length", "tp_size", "dp_size", "pp_size", "ep_size", "random_seed",
-    "speculative_algorithm", "reasoning_parser", "tool_call_parser",
+    "kv_cache_dtype", "context_length", "max_total_num_tokens", "max_req_input_len", "tp_size", "dp_size",
+    "pp_size", "ep_size", "random_seed", "speculative_algorithm", "reasoning_parser", "tool_call_parser",
 )
 #: Each entry's own fields besides SERVER_INFO_KEYS: ``via`` (the router it was found behind) and ``router``
 #: (true: this URL is a router whose servers could not be asked) only when they apply.

@@ -212,12 +212,14 @@ def build_tokenizer(
     thinking: str = "open",
     vocab_size: int = 2000,
     corpus: Iterable[str] | None = None,
-    model_max_length: int = 32768,
+    model_max_length: int | None = 32768,
 ) -> Path:
     """Write a tokenizer directory that `AutoTokenizer.from_pretrained(directory)` loads offline; return it.
 
     `thinking` is "open", "hybrid" or "none" (see the module docstring). The "none" variant leaves the think tags out
-    of the vocabulary as well as out of the template, so marker detection reports no thinking.
+    of the vocabulary as well as out of the template, so marker detection reports no thinking. `model_max_length`
+    None leaves it out of tokenizer_config.json, as many real repositories do (transformers then reports
+    int(1e30)).
     """
     if thinking not in THINKING_VARIANTS:
         raise ValueError(f"thinking must be one of {', '.join(THINKING_VARIANTS)}, not {thinking!r}")
@@ -234,6 +236,8 @@ def build_tokenizer(
         "clean_up_tokenization_spaces": False,
         "chat_template": chat_template(variant),
     }
+    if model_max_length is None:
+        del config["model_max_length"]
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")

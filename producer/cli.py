@@ -153,7 +153,9 @@ def _connect(redis_url: str) -> "redis.Redis":
 @main.command("run", help="Validate, render and enqueue FILES, then stay attached until the run ends.\n\n"
               + EXAMPLE)
 @click.argument("files", nargs=-1, required=True)
-@opt("--tokenizer", required=True, help="Local directory of the model's tokenizer with its chat template.")
+@opt("--tokenizer", required=True,
+     help="The model's directory (its tokenizer with the chat template, and config.json), or a hub id "
+          "(Qwen/Qwen3-8B) found in the local Hugging Face cache; nothing is downloaded.")
 @opt("--budget", "budgets", multiple=True, metavar="AMOUNT|NAME=AMOUNT",
      help="Completion tokens per dataset (10M, 500k, 1.5G); NAME=AMOUNT for one dataset. "
           "Default: unlimited on a first run, the stored budget on a rerun.")
@@ -164,8 +166,9 @@ def _connect(redis_url: str) -> "redis.Redis":
 @opt("--max-tokens", type=click.IntRange(1), required=True,
      help="max_new_tokens per request (required: SGLang's default of 128 truncates silently).")
 @opt("--max-context", type=click.IntRange(1), default=None,
-     help="Context length; prompts whose length + --max-tokens exceed it are skipped. "
-          "Default: the tokenizer's model_max_length when it is sane.")
+     help="Context length; prompts whose length + --max-tokens exceed it are skipped. Default: the "
+          "tokenizer's model_max_length when set, else config.json's max_position_embeddings (text_config's for "
+          "multimodal models). At attach, a smaller limit the workers recorded for their servers wins.")
 @opt("--max-samples", type=click.IntRange(0), default=None, help="Also cap each dataset at its first N valid samples.")
 @opt("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"), show_default=True,
      help="Output directory: OUT/<dataset>/raw_responses.jsonl.")
@@ -299,6 +302,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     client = _connect(redis_url)
     check_redis(client, allow_eviction=allow_eviction, require_aof=require_aof, warn=_warn)
     _check_server_parsers(client, inputs.reasoning_parser)
+    _recheck_context(client, inputs, max_tokens)
     producer = Producer(client, inputs.prepared, options, echo=echo)
     try:
         producer.attach()
@@ -320,6 +324,18 @@ def _check_server_parsers(client: "redis.Redis", parser: str) -> None:
         return  # best effort: the run itself reports Redis trouble
     for message in mismatches(parser, servers):
         _warn(message)
+
+
+def _recheck_context(client: "redis.Redis", inputs: Any, max_tokens: int) -> None:
+    """The SGLang servers' context limit, as their workers recorded it, wins over the offline one: prompts over
+    it are skipped now (counted as over context), not sent to be refused one by one."""
+    from budget import serverinfo
+    from producer.servercontext import recheck
+    try:
+        servers = serverinfo.load(client)
+    except redis.RedisError as exc:
+        raise RuntimeProblem(f"Redis error: {exc}") from None
+    recheck(servers, inputs.prepared, inputs.context, max_tokens, echo=log.info, warn=_warn)
 
 
 def _write_run_manifests(client: "redis.Redis", out_dir: Path, names: list[str]) -> None:
@@ -373,9 +389,11 @@ def _dry_run(inputs: Any, budgets: dict[str, int | None], out_dir: Path, expect_
         plans.append(plan_dataset(p, budget=budgets.get(p.name), out_dir=out_dir, expect_mean=expect_mean,
                                   pilot_mean=measured, pilot_n=pilot or 0, throughput=throughput))
     if as_json:
-        click.echo(json.dumps({"datasets": [x.as_dict() for x in plans], "throughput": throughput}, indent=2))
+        context = {"tokens": inputs.context.tokens, "source": inputs.context.source}
+        click.echo(json.dumps({"datasets": [x.as_dict() for x in plans], "throughput": throughput,
+                               "context": context}, indent=2))
     else:
-        click.echo(plan_table(plans, throughput))
+        click.echo(plan_table(plans, throughput, inputs.context))
 
 
 @main.command("status", help="Show the budget, progress, speed and ETA of every dataset (or only of NAMES), read "

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
+from producer.modeldir import Context
 from producer.output import RESULTS
 from producer.prepare import Prepared
 
@@ -134,7 +135,7 @@ def pilot_mean(p: Prepared, n: int, *, urls: Sequence[str], sampling_params: dic
     return sum(lengths) / len(lengths) if lengths else None
 
 
-def plan_table(plans: list[DatasetPlan], throughput: float | None) -> str:
+def plan_table(plans: list[DatasetPlan], throughput: float | None, context: Context | None = None) -> str:
     def n(v: float | int | None) -> str:
         return "-" if v is None else f"{v:,.0f}"
 
@@ -166,4 +167,7 @@ def plan_table(plans: list[DatasetPlan], throughput: float | None) -> str:
         lines.append(f"{p.name}: expected completion length from {p.expected_source}")
     lines.append("eta at " + (f"{throughput:,.0f} completion tok/s" if throughput else
                               "an unknown throughput (give --throughput TOK/S)"))
+    if context is not None:
+        lines.append(f"context: {context.tokens:,} tokens, from {context.source} (at attach, a smaller limit "
+                     "recorded by the workers' SGLang servers wins)")
     return "\n".join(lines)

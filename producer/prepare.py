@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from producer.errors import input_error
+from producer.modeldir import Context, ModelDirError, config_context
 from producer.progress import progress_bar
 from producer.reader import Problem, ReadResult, Sample
 from producer.records import FieldMapping
@@ -64,7 +65,7 @@ def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_
 
 def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_context: int,
             max_samples: int | None, skip_invalid: bool = False,
-            progress: Callable[[int], None] | None = None) -> Prepared:
+            progress: Callable[[int], None] | None = None, context_source: str = "--max-context") -> Prepared:
     prepared = Prepared(read.name, read.path, [], {}, {}, list(read.invalid), list(read.duplicates))
     batch = 256
     samples = read.samples
@@ -83,7 +84,8 @@ def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_contex
             n = len(out.input_ids)
             if n + max_tokens > max_context:
                 prepared.over_context.append(sample.problem(
-                    f"prompt of {n} tokens + --max-tokens {max_tokens} exceeds --max-context {max_context}"))
+                    f"prompt of {n} tokens + --max-tokens {max_tokens} exceeds the context of {max_context} "
+                    f"({context_source})"))
                 continue
             prepared.samples.append(sample)
             prepared.input_ids[sample.id] = array("i", out.input_ids)
@@ -163,6 +165,30 @@ class Inputs:
     chat_template_kwargs: dict[str, Any]
     reasoning_parser: str = "none"
     parser_explicit: bool = False  # given by --reasoning-parser, not detected
+    context: Context = Context(0, "unknown")  # what the prompts were checked against, and where it came from
+
+
+def choose_context(max_context: int | None, tokenizer: Any) -> Context:
+    """--max-context if given, else the tokenizer's model_max_length, else the model's config.json beside it
+    (real repositories often leave model_max_length unset: transformers then says int(1e30)).
+    Raises ProduceError (exit 2) when none of them states one."""
+    from producer.render import default_max_context
+    if max_context is not None:
+        return Context(max_context, "--max-context")
+    from_tokenizer = default_max_context(tokenizer)
+    if from_tokenizer is not None:
+        return Context(from_tokenizer, "tokenizer model_max_length")
+    directory = Path(str(getattr(tokenizer, "name_or_path", "") or "."))
+    try:
+        from_config = config_context(directory)
+    except ModelDirError as exc:
+        raise input_error(f"{exc}; give --max-context") from None
+    if from_config is not None:
+        return from_config
+    where = (f"{directory / 'config.json'} states none of max_position_embeddings, max_sequence_length, "
+             "seq_length, max_seq_len, model_max_length" if (directory / "config.json").is_file() else
+             f"there is no config.json in {directory}")
+    raise input_error(f"the tokenizer's model_max_length is unset and {where}: give --max-context")
 
 
 def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_context: int | None,
@@ -172,7 +198,7 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
                 reasoning_parser: str = "auto") -> Inputs:
     """Read, validate and render every file. Raises ProduceError (exit 2) on any input problem."""
     from producer.reader import InputError, read_all
-    from producer.render import default_max_context, load_tokenizer
+    from producer.render import load_tokenizer
 
     reading = progress_bar(None, "validating", show=show_progress, unit=" records")
     try:
@@ -197,14 +223,13 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
     if markers is not None and markers != renderer.think:  # Kimi's ◁think▷: opens_think must look for those
         renderer = Renderer(tok, chat_template_kwargs=chat_template_kwargs, opens_markers=markers)
     echo(f"reasoning parser: {parser}" + (" (detected from the tokenizer)" if reasoning_parser == AUTO else ""))
-    if max_context is None:
-        max_context = default_max_context(tok)
-        if max_context is None:
-            raise input_error("the tokenizer has no sane model_max_length: give --max-context")
+    context = choose_context(max_context, tok)
+    echo(f"context: {context.tokens:,} tokens ({context.source})")
     bar = progress_bar(sum(len(r.samples) for r in reads), "rendering", show=show_progress)
     try:
-        prepared = [prepare(r, renderer, max_tokens=max_tokens, max_context=max_context,
-                            max_samples=max_samples, skip_invalid=skip_invalid, progress=bar.update)
+        prepared = [prepare(r, renderer, max_tokens=max_tokens, max_context=context.tokens,
+                            max_samples=max_samples, skip_invalid=skip_invalid, progress=bar.update,
+                            context_source=context.source)
                     for r in reads]
     except RenderError as exc:
         raise input_error(str(exc)) from None
@@ -218,4 +243,4 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
     settings = run_settings(renderer, sampling_params, chat_template_kwargs,
                             mapping.system_prompt if mapping else None, parser)
     return Inputs(prepared, renderer, sampling_params, settings, chat_template_kwargs, parser,
-                  reasoning_parser != AUTO)
+                  reasoning_parser != AUTO, context)

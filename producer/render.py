@@ -3,7 +3,8 @@
 The producer renders every prompt here and sends token ids (not text) to SGLang, so the server never applies a
 template of its own and the ids are exactly what the budget is counted against. Rules this module keeps:
 
-- Tokenizers come from a local directory only (`local_files_only=True`): there is no model hub to reach.
+- Tokenizers come from a local directory only (`local_files_only=True`), or a hub id's snapshot in the local
+  Hugging Face cache: there is no model hub to reach.
 - The ids come straight from `apply_chat_template(tokenize=True)`, which encodes the rendered text with
   `add_special_tokens=False`. Rendering to text and encoding it again would add a second BOS on tokenizers whose
   template already writes one (Llama, Gemma, the demo tokenizer).
@@ -29,8 +30,6 @@ DEFAULT_THINK_START: Final = "<think>"
 DEFAULT_THINK_END: Final = "</think>"
 # Enough tokens to hold the generation prompt's tail ("<|im_start|>assistant\n<think>\n" is 4-6 tokens).
 _TAIL_TOKENS: Final = 16
-# transformers uses int(1e30) for "unknown"; no real model has a context of ten million tokens or more.
-_MAX_SANE_CONTEXT: Final = 10_000_000
 # apply_chat_template arguments that the renderer owns: a kwarg with one of these names would change the shape of
 # the result (text, dict, tensors, padding) or clash with our own call.
 _RESERVED_KWARGS: Final = frozenset(
@@ -83,15 +82,19 @@ class Rendered:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """Load the tokenizer in directory `path`, never from a network hub.
+    """Load the tokenizer in directory `path` (or, for a hub id such as ``Qwen/Qwen3-8B``, its snapshot in the
+    local Hugging Face cache: producer.modeldir), never from a network hub.
 
     Raises RenderError naming the path when the directory is missing, holds no tokenizer, or the tokenizer has no
     chat template (a base model's tokenizer: the prompts could not be rendered as the model was trained).
     """
-    directory = Path(path)
-    if not directory.is_dir():
-        # Checked first: AutoTokenizer would take a missing directory for a hub repo id.
-        raise RenderError(f"tokenizer directory not found: {directory}")
+    from producer.modeldir import ModelDirError, resolve_tokenizer
+
+    try:
+        # Checked first: AutoTokenizer would take a missing directory for a hub repo id and try the network.
+        directory = resolve_tokenizer(path)
+    except ModelDirError as exc:
+        raise RenderError(str(exc)) from None
     # Best effort for whatever imports transformers after us; local_files_only below is the real guarantee.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found": we need no models
@@ -132,11 +135,10 @@ def detect_think_markers(tokenizer: PreTrainedTokenizerBase) -> ThinkMarkers | N
 
 
 def default_max_context(tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """The tokenizer's `model_max_length` when it is a real context size, else None (unknown)."""
-    value = getattr(tokenizer, "model_max_length", None)
-    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= _MAX_SANE_CONTEXT:
-        return value
-    return None
+    """The tokenizer's `model_max_length` when it is a real context size, else None (unknown: transformers'
+    int(1e30) when tokenizer_config.json leaves it unset)."""
+    from producer.modeldir import sane_context
+    return sane_context(getattr(tokenizer, "model_max_length", None))
 
 
 def _canonical_json(value: Any) -> str:

@@ -193,6 +193,10 @@ def test_final_400_is_recorded_failed_and_retried_on_rerun(redis_url: str, r: "r
     # The server's context is smaller than ours: long prompts get SGLang's 400, which is never retried.
     small = sim_factory("--time-scale", "50", "--mean-tokens", "50", "--context-length", "400")
     first_worker = workers(small.url).start("w0")
+    # A server whose limit produce does not know (an older worker, a server reporting context_length null):
+    # otherwise produce skips those prompts at attach (tests/test_modeldir.py) and none is sent to be refused.
+    wait_for(lambda: r.hlen(keys.SERVER_INFO) > 0, 60, "the worker recorded its server")
+    r.delete(keys.SERVER_INFO)  # it records again in an hour
     out = tmp_path / "out"
     args = [str(GLAIVE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "200", "--max-samples", "40",
             "--out", str(out)]

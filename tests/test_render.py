@@ -217,12 +217,15 @@ def test_fingerprint_does_not_change_after_rendering(tokenizers: dict[str, Any])
     assert Renderer(tokenizers["open"]).fingerprint() == before
 
 
-def test_load_missing_directory(no_network: None, tmp_path: Path) -> None:
+def test_load_missing_directory(no_network: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     started = time.monotonic()
     with pytest.raises(RenderError, match="tokenizer directory not found: .*no-such-model"):
         load_tokenizer(tmp_path / "no-such-model")
-    with pytest.raises(RenderError, match="tokenizer directory not found: Qwen/Qwen3-8B"):
-        load_tokenizer("Qwen/Qwen3-8B")  # a hub id is not a directory: never fetched
+    # a hub id is looked up in the local cache only (tests/test_modeldir.py), never fetched
+    with pytest.raises(RenderError, match=f"Qwen/Qwen3-8B: not a local directory, and not in the Hugging Face "
+                                          f"cache {tmp_path / 'hub'}"):
+        load_tokenizer("Qwen/Qwen3-8B")
     assert time.monotonic() - started < 1.0
 
 
