@@ -32,7 +32,7 @@ def server_context(servers: Sequence[Mapping[str, Any]]) -> Context | None:
                 continue
             where = entry.get("url", "?") + (f" on {entry['host']}" if entry.get("host") else "")
             if best is None or tokens < best.tokens:
-                best = Context(tokens, f"SGLang server {where}: {key}, recorded by its workers in bq:server_info")
+                best = Context(tokens, f"SGLang server {where}: {key}, recorded by its workers in Redis")
     return best
 
 
@@ -65,7 +65,7 @@ def recheck(servers: Sequence[Mapping[str, Any]], prepared: Sequence[Prepared], 
     each dataset's count of samples it skips. Returns {dataset: samples dropped}."""
     limit = server_context(servers)
     if limit is None:
-        echo("no worker recorded its SGLang servers' context length (bq:server_info): prompts stay checked "
+        echo("no worker recorded its SGLang servers' context length in Redis: prompts stay checked "
              f"against {checked.tokens:,} ({checked.source})")
         return {}
     if limit.tokens >= checked.tokens:

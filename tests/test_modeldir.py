@@ -223,7 +223,7 @@ def test_a_real_run_skips_what_the_servers_context_cannot_hold(redis_url: str, r
     assert "context: 32,768 tokens (config.json max_position_embeddings)" in res.stderr
     assert ("ds: 5 samples skipped, not enqueued: prompt + --max-tokens 50 exceeds the SGLang servers' context "
             "of 300") in res.stderr
-    assert "context_length, recorded by its workers in bq:server_info" in res.stderr
+    assert "context_length, recorded by its workers in Redis" in res.stderr
     recs = read_jsonl(out / "ds" / "raw_responses.jsonl")
     assert sorted(x["id"] for x in recs) == [f"s{i}" for i in range(0, 10, 2)]
     assert not (out / "ds" / "failed.jsonl").exists(), "no prompt was sent to be refused (a 400 is a failure)"
