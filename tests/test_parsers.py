@@ -100,6 +100,12 @@ QWEN3 = [
     Case("call cut off", '<tool_call>\n{"name": "get_wea', "", '<tool_call>\n{"name": "get_wea', finish="length",
          errors=1),
     Case("end tag without an opening one", "hmm</think>ok", "", "hmm</think>ok"),
+    Case("arguments written as a JSON string", '<tool_call>\n{"name": "get_weather", "arguments": '
+         '"{\\"city\\": \\"Paris\\"}"}\n</tool_call>', "", "", calls=[fn("get_weather", W)],
+         why="SGLang would json.dumps the string again (arguments '\"{...}\"'); budgetq reads the object"),
+    Case("arguments that are not an object", '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>',
+         "", '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>', errors=1,
+         why="OpenAI's arguments are a JSON object; SGLang passes '[1]' on"),
     Case("the prompt opened <think>", "Let me add.\n</think>\n\n4", "Let me add.", "4", opens_think=True),
     Case("thinking on but the model wrote no tag", "The answer is 4.", "", "The answer is 4.",
          why="SGLang forces reasoning when the template's enable_thinking defaults on, so this would be all "
@@ -302,3 +308,28 @@ def test_corpus_covers_every_parser() -> None:
                          ids=[f"{p}-{c.name}" for p, cases in CORPUS.items() for c in cases])
 def test_parity(parser: str, case: Case) -> None:
     check(parser, case)
+
+
+PIECES = ("<think>", "</think>", "◁think▷", "◁/think▷", "<tool_call>", "</tool_call>", "\n", "\\n", " ", "{", "}",
+          '"name"', '"arguments"', ":", ",", '"get_weather"', "<arg_key>", "</arg_key>", "<arg_value>",
+          "</arg_value>", "city", "Paris", "3", "[", "]", "'", "(", KB, KE, "<|tool_call_begin|>",
+          "<|tool_call_argument_begin|>", "<|tool_call_end|>", "functions.get_weather:0", "<|start|>", "<|channel|>",
+          "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>", "analysis", "final", "commentary",
+          " to=functions.f", "json", "assistantfinal", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+          "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "function", "```json\n", "\n```", "1e999",
+          "None", "\x00", "é")
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_no_completion_makes_a_parser_raise(parser: str) -> None:
+    """A parser runs on every response a worker commits: whatever the model wrote, it returns a turn, and the
+    text it did not turn into reasoning or calls is still there."""
+    import random
+    rng = random.Random(parser)
+    for _ in range(1500):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 30)))
+        got = parse_turn(parser, text, opens_think=rng.random() < 0.5,
+                         finish_reason=rng.choice(("stop", "length")), call_id_seed="s")
+        assert isinstance(got.content, str) and got.tool_call_errors >= 0
+        for call in got.tool_calls:
+            assert isinstance(json.loads(call["function"]["arguments"]), dict), (parser, text)

@@ -83,6 +83,17 @@ def _remove(text: str, spans: list[tuple[int, int]]) -> str:
     return "".join(out)
 
 
+def _object(arguments: Any) -> dict[str, Any] | None:
+    """Arguments as the JSON object OpenAI's shape needs. SGLang's parse_base_json json.dumps whatever it finds;
+    an object written as a JSON string is taken as that object, anything else (a list, a number) is not a call."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return arguments if isinstance(arguments, dict) else None
+
+
 def _hermes(text: str, seed: str) -> ToolCallResult:
     if HERMES_START not in text:
         return ToolCallResult(text)
@@ -94,10 +105,10 @@ def _hermes(text: str, seed: str) -> ToolCallResult:
         except ValueError:
             obj = None
         name = obj.get("name") if isinstance(obj, dict) else None
-        if not isinstance(name, str) or not name:
+        arguments = _object(obj.get("parameters") or obj.get("arguments", {})) if isinstance(obj, dict) else None
+        if not isinstance(name, str) or not name or arguments is None:
             result.errors += 1
             continue
-        arguments = obj.get("parameters") or obj.get("arguments", {})  # parse_base_json's rule
         result.calls.append(_call(name, arguments, call_id(seed, len(result.calls))))
         spans.append(match.span())
     # A <tool_call> never closed (truncated or malformed) looked like a call and did not parse.
