@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from bench import chaos_redis, chaos_sglang, chaos_workers
+from bench import chaos_auth, chaos_redis, chaos_sglang, chaos_workers
 from bench.chaos_audit import Result
 from bench.chaos_run import SCALES, Ctx, Scale
 from bench.harness import scratch, write_prompts
@@ -42,6 +42,8 @@ SCENARIOS: dict[str, tuple[str, Callable[[Ctx], Result]]] = {
     "sglang-faults": ("503, 429 + Retry-After, 500, resets, hangs past the timeout, 400s, then a full outage",
                       chaos_sglang.sglang_faults),
     "malformed": ("malformed SGLang bodies (every kind)", chaos_sglang.malformed),
+    "wrong-key": ("workers with a wrong SGLANG_API_KEY, restarted as they exit, for 20 s; then the right key",
+                  chaos_auth.wrong_key),
     "produce-races": ("two produce at once; produce --detach killed -9 repeatedly while enqueueing",
                       chaos_workers.produce_races),
 }
