@@ -21,7 +21,7 @@ from typing import Any, Final
 
 from budget.payload import REASONING_PARSERS
 from worker.harmony import parse_harmony
-from worker.toolcalls import DS_CALLS_BEGIN, HERMES_START, KIMI_SECTION_BEGIN, parse_tool_calls
+from worker.toolcalls import HERMES_START, KIMI_SECTION_BEGIN, parse_tool_calls
 
 PARSERS: Final[tuple[str, ...]] = REASONING_PARSERS  # SGLang's names; budget/payload.py holds the list
 
@@ -59,8 +59,8 @@ _FAMILIES: Final[dict[str, _Family]] = {
 }
 
 #: Parsers for which reasoning starts at the first generated token whatever the prompt: SGLang forces reasoning
-#: for them unconditionally (DeepSeekR1Detector hard-codes it; ReasoningParser forces qwen3-thinking and
-#: gpt-oss). Older R1 templates put no <think> in the prompt yet the model thinks first, so opens_think would be
+#: for them unconditionally (DeepSeekR1Detector hard-codes it; ReasoningParser forces qwen3-thinking, and
+#: gpt-oss, whose harmony channels worker/harmony.py reads). Older R1 templates put no <think> in the prompt yet the model thinks first, so opens_think would be
 #: wrong there. For every other parser reasoning is forced exactly when budgetq's rendered prompt ends inside an
 #: open thinking tag (opens_think): SGLang approximates that from the template's toggle and the request's
 #: chat_template_kwargs (qwen3/glm45/kimi_k2 default to "thinking on", so a reply without any tag would be all
@@ -102,7 +102,7 @@ def parse_turn(parser: str, text: str, *, opens_think: bool, finish_reason: str,
     forced = parser in _FORCED or opens_think
     reasoning, answer, unclosed = _split(text, family, forced=forced)
     calls = parse_tool_calls(family.tool_format, answer, seed)
-    return ParsedTurn(None if reasoning is None else reasoning.strip(), calls.content.strip(),
+    return ParsedTurn(reasoning.strip(), calls.content.strip(),
                       unclosed and finish_reason == "length", unclosed, calls.calls, calls.errors)
 
 

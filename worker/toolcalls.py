@@ -187,7 +187,7 @@ def _kimi_k2(text: str, seed: str) -> ToolCallResult:
             result.errors += 1
             continue
         # The model's own id, as the Kimi-K2 template renders it back into the next turn's prompt.
-        id_ = f"functions.{id_match.group('name')}:{id_match.group('index')}"
+        id_ = match.group("id")
         result.calls.append(_call(id_match.group("name"), match.group("args"), id_))
         spans.append(match.span())
     result.errors += section.count("<|tool_call_begin|>") - len(_KIMI_CALL.findall(section))
