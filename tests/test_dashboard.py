@@ -296,6 +296,8 @@ def test_every_page_works_in_a_browser_while_workers_are_busy(
                    [dict(zip(ids, described))[job_id] for job_id in current.values()],
                    screenshot=shots / "dashboard-busy-jobs.png" if shots else None)
         await_page(dashboard, "/0/view/jobs/budgetq/queued/8/asc/1", described[2:])
+        running = sorted(current.values())[0]  # the job page of a chunk being dispatched
+        await_page(dashboard, f"/0/view/job/{running}", [running, dict(zip(ids, described))[running], "started"])
         workers_page = await_page(dashboard, "/0/view/workers", [*names, *current.values()],
                                   screenshot=shots / "dashboard-busy-workers.png" if shots else None)
         assert "Loading" not in workers_page
@@ -305,3 +307,19 @@ def test_every_page_works_in_a_browser_while_workers_are_busy(
         for proc in procs:  # their requests would take minutes to finish: a warm stop would wait for them
             proc.kill()
             proc.wait(10)
+
+
+def test_dashboard_command_refuses_half_auth_and_an_unreachable_redis(redis_url: str) -> None:
+    from click.testing import CliRunner
+
+    from producer.cli import main
+    half = CliRunner().invoke(main, ["dashboard", "--redis-url", redis_url], env={
+        "RQ_DASHBOARD_USERNAME": "ops", "RQ_DASHBOARD_PASSWORD": ""})
+    assert half.exit_code == 2 and "give both --username and --password" in half.output
+    exposed = CliRunner().invoke(main, ["dashboard", "--host", "10.0.0.5", "--redis-url", redis_url],
+                                 env={"RQ_DASHBOARD_USERNAME": "", "RQ_DASHBOARD_PASSWORD": ""})
+    assert exposed.exit_code == 2 and "exposes the dashboard beyond this machine" in exposed.output
+    down = CliRunner().invoke(main, ["dashboard", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"],
+                              env={"RQ_DASHBOARD_USERNAME": "", "RQ_DASHBOARD_PASSWORD": ""})
+    assert down.exit_code == 1 and "cannot reach Redis" in down.output
+
