@@ -295,3 +295,36 @@ def test_other_4xx_are_not_a_key_fault(r: "redis.Redis", redis_url: str, sim_fac
     d, report = asyncio.run(go())
     assert d.fault is None and not d.stopping
     assert report.failed == 1 and ledger.failed(DS)["s0"]["status"] == 404
+
+
+def test_refused_key_lets_requests_already_running_finish_and_commit(r: "redis.Redis", redis_url: str,
+                                                                     sim_factory: Any) -> None:
+    """One server accepts the worker (a slow request runs there), the other refuses it: the running request is
+    GPU work already paid for, so it finishes and is committed; everything else is given back."""
+    good = sim_factory(*SIM_ARGS)
+    bad = sim_factory(*SIM_ARGS, "--api-key", "sk-other")
+    ledger = Ledger(r)
+    ledger.set_budget(DS, None)
+    ids = [f"s{i}" for i in range(4)]
+    chunk = enqueue(r, ids, SLOW)
+
+    async def go() -> tuple[Dispatcher, ChunkReport]:
+        session = aiohttp.ClientSession()
+        cfg = WorkerConfig(servers=(good.url, bad.url), concurrency=2)
+        d = Dispatcher(Ledger(redis.Redis.from_url(redis_url)), SGLangClient(session, cfg), cfg)
+        try:
+            report = await d.dispatch(chunk)  # two start: one on each server (least in flight)
+            assert d.fault is not None and bad.url in d.fault
+            await asyncio.wait_for(d.drain(), 60)
+            await until(lambda: not d.batcher._calls and not d.batcher._busy, "the last job-meta writes")
+        finally:
+            await session.close()
+            d.batcher.close()
+        return d, report
+
+    d, report = asyncio.run(go())
+    assert report.status == "unauthorized" and report.committed == 1 and report.failed == 0
+    assert report.not_started == 3  # the refused one and the two never started
+    assert len(ledger.done_ids(DS)) == 1 and ledger.state(DS).used == SLOW
+    assert ledger.failed(DS) == {} and ledger.live_chunks(DS) == set()
+    assert sim_stats(good.url)["completed"] == 1 and sim_stats(bad.url)["unauthorized"] == 1
