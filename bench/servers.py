@@ -17,8 +17,12 @@ Phases, all in one command:
    server (GPU work redone once), failed attempts by kind, retries per sample.
    ``--revive-after`` seconds after the kill the server is started again on the same port: a recovered
    server should get requests again (worker/sglang.py's breaker says within 30 s).
-3. router: one SGLANG_URL pointing at a least-connections router (bench/router.py) in front of the same two
-   servers: the same throughput figure over a shorter window.
+3. router: one SGLANG_URL pointing at SGLang's real router (SGLang Model Gateway, sglang-router 0.3.2's
+   ``smg launch``, bench/smg.py, with docs/deployment.md's settings) in front of the same two servers, once per
+   policy (``--policies``, default cache_aware, round_robin, power_of_two): the same throughput figure over a
+   shorter window, and the cached_tokens share of each server, against phase 1's budgetq dispatch to the list.
+   The stand-in least-connections router (bench/router.py) serves only when sglang-router is not installed
+   (``--policies stand-in`` asks for it).
 """
 from __future__ import annotations
 
@@ -170,38 +174,69 @@ def phase_lists(args: argparse.Namespace, work: Path, tok: Path, data: Path, n_p
             stack.kill()
 
 
-def phase_router(args: argparse.Namespace, work: Path, tok: Path, data: Path) -> dict[str, Any]:
+class _StandIn:
+    """bench/router.py, the least-connections stand-in, for machines without sglang-router."""
+
+    def __init__(self, urls: list[str]) -> None:
+        argv = [sys.executable, "-m", "bench.router", "--port", "0"]
+        for u in urls:
+            argv += ["--backend", u]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        self.url = line.strip().rsplit(" ", 1)[-1]
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def phase_router(args: argparse.Namespace, work: Path, tok: Path, data: Path, policy: str) -> dict[str, Any]:
     sims = [sim_args(per_request_tps=args.per_request_tps * s, time_scale=args.time_scale, seed=args.seed + i)
             for i, s in enumerate(SPEEDS)]
-    with Stack(work / "router", sim_args_each=sims, workers=0) as stack:
-        argv = [sys.executable, "-m", "bench.router", "--port", "0"]
-        for u in stack.sim_urls:
-            argv += ["--backend", u]
-        router = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    where = work / f"router-{policy}"
+    with Stack(where, sim_args_each=sims, workers=0) as stack:
+        router: Any
+        if policy == "stand-in":
+            router = _StandIn(stack.sim_urls)
+        else:
+            from bench.smg import Router
+            router = Router(stack.sim_urls, where, policy=policy).start()
         try:
-            line = router.stdout.readline() if router.stdout else ""
-            url = line.strip().rsplit(" ", 1)[-1]
-            env = {"BUDGETQ_CONCURRENCY": str(args.in_flight // args.workers), "SGLANG_URL": url}
+            env = {"BUDGETQ_CONCURRENCY": str(args.in_flight // args.workers), "SGLANG_URL": router.url}
             for i in range(args.workers):
                 stack.start_worker(f"w{i}", env=env)
             r = stack.client()
-            produce = start_produce(stack, work / "router", tok, data, args, "router")
+            produce = start_produce(stack, where, tok, data, args, "router")
             try:
                 used = lambda: int(r.get("bq:ds:{prompts}:used") or 0)  # noqa: E731
-                pids = {**stack.pids(), "produce": produce.pid, "router": router.pid}
+                assert router.proc is not None
+                pids = {**stack.pids(), "produce": produce.pid, "router": router.proc.pid}
                 res = measure(stack.sim_urls, args, pids, used, args.router_warm, args.router_window)
-                res["sglang_url"] = url
+                res["sglang_url"] = router.url
+                res["policy"] = policy
+                res["requests_per_server"] = [sim_stats_url(u)["submitted"] for u in stack.sim_urls]
                 print("router", json.dumps(res), flush=True)
                 return res
             finally:
                 produce.kill()
         finally:
-            router.kill()
+            router.stop()
             stack.kill()
 
 
+def default_policies() -> list[str]:
+    try:
+        from bench.smg import POLICIES, smg_command
+        smg_command()
+    except RuntimeError as exc:
+        print(f"sglang-router is not usable here ({exc}): the stand-in router serves figure 2's router rows",
+              file=sys.stderr)
+        return ["stand-in"]
+    return list(POLICIES)
+
+
 def table(res: dict[str, Any]) -> str:
-    thr, fo, rt = res["lists"]["throughput"], res["lists"]["failover"], res.get("router")
+    thr, fo, routers = res["lists"]["throughput"], res["lists"]["failover"], res.get("routers") or []
     rows = ["| figure | ceiling (sum of both) | budgetq | ratio | CPU share (cores) |",
             "| --- | --- | --- | --- | --- |"]
     rows.append(f"| 2 servers (1x + 0.5x), SGLANG_URL list: generated tok/s | {thr['ceiling_tok_s']:,.0f} | "
@@ -211,9 +246,13 @@ def table(res: dict[str, Any]) -> str:
     occ = ", ".join(f"sim{i} {p['occupancy']:.3f}" for i, p in enumerate(thr["per_server"]))
     rows.append(f"| occupancy (mean running / 256) | 1 | {occ} | | |")
     rows.append(f"| cached_tokens / prompt_tokens | | {', '.join(f'{x:.3f}' for x in thr['cached_share'])} | | |")
-    if rt:
-        rows.append(f"| 1 SGLANG_URL -> router -> 2 servers: generated tok/s | {rt['ceiling_tok_s']:,.0f} | "
+    for rt in routers:
+        name = "stand-in least-connections router" if rt["policy"] == "stand-in" else f"smg --policy {rt['policy']}"
+        rows.append(f"| 1 SGLANG_URL -> {name} -> 2 servers: generated tok/s | {rt['ceiling_tok_s']:,.0f} | "
                     f"{rt['generated_tok_s']:,.0f} | {rt['ratio']:.4f} | {fmt_cpu(rt['cpu'])} |")
+        occ = ", ".join(f"sim{i} {p['occupancy']:.3f}" for i, p in enumerate(rt["per_server"]))
+        rows.append(f"| same: occupancy / cached_tokens share / requests per server | | {occ} / "
+                    f"{', '.join(f'{x:.3f}' for x in rt['cached_share'])} / {rt['requests_per_server']} | | |")
     c = fo["check"]
     rows.append(f"| failover: {fo['killed']} killed | {c['prompts']} prompts | {c['unique_ids']} unique in output, "
                 f"{c['duplicates']} duplicates, {c['failed']} failed, Redis used == tokens on disk: "
@@ -242,6 +281,9 @@ def main() -> None:
     ap.add_argument("--router-window", type=float, default=20.0)
     ap.add_argument("--kill", choices=["slow", "fast"], default="slow")
     ap.add_argument("--no-router", action="store_true")
+    ap.add_argument("--policies", nargs="+", default=None,
+                    choices=["cache_aware", "round_robin", "power_of_two", "stand-in"],
+                    help="router phases to run (default: each smg policy; the stand-in without sglang-router)")
     ap.add_argument("--revive-after", type=float, default=5.0,
                     help="restart the killed server on its port after this many seconds (0: never)")
     ap.add_argument("--seed", type=int, default=1)
@@ -258,7 +300,8 @@ def main() -> None:
         res["lists"] = phase_lists(args, work, tok, data, n_prompts)
         if not args.no_router:
             data_r = write_prompts(work / "prompts-router.jsonl", n_router, system=SYSTEM)
-            res["router"] = phase_router(args, work, tok, data_r)
+            res["routers"] = [phase_router(args, work, tok, data_r, policy)
+                              for policy in (args.policies or default_policies())]
     save_results("servers", res)
     print(table(res))
 
