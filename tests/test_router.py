@@ -44,10 +44,11 @@ def test_a_budgeted_run_through_the_router_is_exactly_once(redis_url: str, r: "r
         assert budget <= sum(x["completion_tokens"] for x in code) and len(code) < 150
         glaive = check_exact(r, out, "glaive_fc")
         assert sorted(x["id"] for x in glaive) == sorted({str(x["id"]) for x in read_jsonl(GLAIVE)})
-        # Every answer a GPU produced is in a file, once; the router spread them over both.
+        # Every answer a GPU produced is in a file, once (cache_aware may keep most prompts on one server: with
+        # 16 in flight it is never unbalanced enough to move them, so no share per server is asserted).
         stats = [sim_stats(s.url) for s in sims]
         assert sum(s["completed"] for s in stats) == len(code) + len(glaive)
-        assert all(s["completed"] > 0 and s["aborted"] == 0 for s in stats)
+        assert all(s["aborted"] == 0 for s in stats)
 
         # The manifest names the servers behind the router, never the router's own statistics as a server.
         manifest = json.loads((out / "glaive_fc" / "manifest.json").read_text())
