@@ -56,6 +56,14 @@ def test_interface() -> None:
         parse_turn("qwen", "x", opens_think=False, finish_reason="stop")
 
 
+def test_a_chunk_naming_an_unknown_parser_is_refused_before_generating() -> None:
+    from worker.jobs import run_chunk
+    chunk: Any = {"v": 1, "dataset": "ds", "chunk": "c", "sampling_params": {}, "think": None, "samples": [],
+                  "reasoning_parser": "qwen4"}
+    with pytest.raises(ValueError, match="reasoning_parser 'qwen4' is not one this worker knows"):
+        run_chunk(chunk)
+
+
 def test_old_split_unchanged() -> None:
     split = split_reasoning("a</think>b", start="<think>", end="</think>", opens_think=True, finish_reason="stop")
     assert (split.reasoning, split.content, split.reasoning_truncated) == ("a", "b", False)

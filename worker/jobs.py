@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from budget.payload import JOB_FUNCTION, VERSION, ChunkPayload
+from budget.payload import JOB_FUNCTION, REASONING_PARSERS, VERSION, ChunkPayload
 from worker import runtime
 
 
@@ -11,6 +11,11 @@ def run_chunk(chunk: ChunkPayload) -> dict[str, Any]:
     """Generate and commit one chunk of samples. Returns a small report (RQ keeps it as the job result)."""
     if not isinstance(chunk, dict) or chunk.get("v") != VERSION:
         raise ValueError(f"unsupported chunk payload (expected version {VERSION})")
+    parser = chunk.get("reasoning_parser")
+    if parser is not None and parser not in REASONING_PARSERS:
+        # Refused before anything is generated: a newer producer's parser, which this worker cannot apply.
+        raise ValueError(f"unsupported chunk payload: reasoning_parser {parser!r} is not one this worker knows "
+                         f"({', '.join(REASONING_PARSERS)}); upgrade the worker")
     return runtime.current().run_chunk(chunk).as_dict()
 
 
