@@ -12,6 +12,7 @@ from typing import Any
 
 from bench.chaos_audit import DATASET, Result, audit, log_files, read_jsonl, rounded as _r, sample_ids
 from bench.chaos_run import KEYS, Ctx, wait_until
+from budget import record
 
 RETRY_AFTER = 2.0
 SETTLE_S = 6.0  # after the mixed faults, before the outage: backoffs run out, the rate is steady again
@@ -155,8 +156,9 @@ def malformed(ctx: Ctx) -> Result:
     return res
 
 
-def _valid(x: dict[str, Any], max_tokens: int) -> bool:
+def _valid(rec: dict[str, Any], max_tokens: int) -> bool:
     """The simulator's own invariant: its text has one word per token, the EOS of a stopped answer excepted."""
+    x = record.as_v2(rec)["turns"][0]
     n = x.get("completion_tokens")
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= max_tokens:
         return False

@@ -543,8 +543,9 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
 @click.argument("names", nargs=-1, required=True)
 @opt("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"), show_default=True,
      help="The run's output directory (holding <dataset>/raw_responses.jsonl).")
-@opt("--format", "fmt", type=click.Choice(["sharegpt", "openai-messages"]), default="sharegpt", show_default=True,
-     help="Conversation format.")
+@opt("--format", "fmt", type=click.Choice(["sharegpt", "openai-messages", "tokens"]), default="sharegpt",
+     show_default=True, help="Conversation format, or tokens: one row per regenerated turn of input_ids (prompt ids "
+                             "+ the server's output ids) and loss_mask (1 on the output ids); needs --tokenizer.")
 @opt("--dest", type=click.Path(path_type=Path), default=None,
      help="Output file when one dataset is exported to a path with a suffix (train/b1.jsonl); otherwise a "
           "directory getting <dataset>.jsonl each. Default: OUT/<dataset>/<format>.jsonl.")
@@ -552,8 +553,9 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
      help="What to do with responses cut off by --max-tokens (finish_reason length).")
 @opt("--reasoning", type=click.Choice(["inline", "field", "drop"]), default="inline", show_default=True,
      help="Reasoning inside <think> in the content, as a reasoning_content field, or left out.")
-@opt("--token-ids", is_flag=True, help="Add input_ids/output_ids, checked by re-tokenizing (needs --tokenizer).")
-@opt("--tokenizer", default=None, help="The run's tokenizer directory (for --token-ids).")
+@opt("--token-ids", is_flag=True,
+     help="Add input_ids (the prompt, checked id by id) and the server's output_ids (needs --tokenizer).")
+@opt("--tokenizer", default=None, help="The run's tokenizer directory (for --token-ids and --format tokens).")
 @opt("--redis-url", envvar="BUDGETQ_EXPORT_REDIS_URL", show_envvar=True, default=None,
      help="Optional: record the dataset's budget, mode and usage from this Redis in the manifest, and the SGLang "
           "servers' version and model the workers recorded there if the manifest has none yet.")
@@ -568,9 +570,9 @@ def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | Non
     from producer.export import ExportError, ExportOptions, export_dataset, read_manifest
     _setup_logging(log_format, verbose)
     tok = None
-    if token_ids:
+    if token_ids or fmt == "tokens":
         if not tokenizer:
-            raise InputProblem("--token-ids needs --tokenizer")
+            raise InputProblem(f"{'--token-ids' if token_ids else '--format tokens'} needs --tokenizer")
         from producer.render import RenderError, load_tokenizer
         try:
             tok = load_tokenizer(tokenizer)
@@ -603,12 +605,17 @@ def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | Non
             report = export_dataset(out_dir / name, target, options, tokenizer=tok, servers=servers, extra=extra)
         except ExportError as exc:
             raise InputProblem(str(exc)) from None
-        click.echo(f"{name}: {report.written} conversations -> {report.path} ({report.dropped_truncated} truncated "
+        what = "token rows" if fmt == "tokens" else "conversations"
+        click.echo(f"{name}: {report.written} {what} -> {report.path} ({report.dropped_truncated} truncated "
                    f"dropped, {report.skipped_failed} failed skipped); manifest {report.manifest}")
         if servers is not None:
             log.info("%s: manifest %s%s", name, report.manifest, _describe_servers(servers),
                      extra={"dataset": name, "manifest": str(report.manifest), "servers": len(servers)})
-        if token_ids and report.prompt_mismatch:
+        if report.no_output_ids:
+            log.warning("%s: %d records of %s left out: written before record version 2, they have no server "
+                        "token ids", name, report.no_output_ids, out_dir / name / "raw_responses.jsonl",
+                        extra={"dataset": name, "no_output_ids": report.no_output_ids})
+        if report.prompt_mismatch:
             log.warning("%s: %d records left out: the re-rendered prompt differs (first: %s)", name,
                         report.prompt_mismatch, ", ".join(report.mismatched_ids[:5]),
                         extra={"dataset": name, "prompt_mismatch": report.prompt_mismatch})

@@ -30,12 +30,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO, Any, Final, Iterator, Mapping, Sequence
 
-from budget import serverinfo
+from budget import record, serverinfo
 from producer.output import FAILED, RESULTS, RUN
 from producer.render import RenderError, Renderer
 
 MANIFEST: Final = "manifest.json"
-FORMATS: Final = ("sharegpt", "openai-messages")
+FORMATS: Final = ("sharegpt", "openai-messages", "tokens")
+CONVERSATION_FORMATS: Final = ("sharegpt", "openai-messages")
+#: Formats that write token ids and so need the run's tokenizer (to render the prompt again and check it).
+TOKEN_FORMATS: Final = ("tokens",)
 TRUNCATED_MODES: Final = ("drop", "keep")
 REASONING_MODES: Final = ("inline", "field", "drop")
 #: OpenAI role -> ShareGPT "from". SpecForge's parser maps human/gpt back and passes system/tool through.
@@ -47,9 +50,14 @@ DEFAULT_THINK: Final = ("<think>", "</think>")
 SERVER_INFO_KEYS: Final = serverinfo.SERVER_INFO_KEYS
 _BATCH: Final = 256  # prompts rendered per apply_chat_template call when token ids are asked for
 _MAX_LISTED_IDS: Final = 20
+#: What a version 1 record must hold (flat), and what every turn of a version 2 record must hold.
 _REQUIRED: Final[dict[str, type]] = {
     "id": str, "messages": list, "response": str, "content": str, "finish_reason": str,
     "prompt_tokens": int, "completion_tokens": int,
+}
+_REQUIRED_V2: Final[dict[str, type]] = {"id": str, "messages": list, "turns": list, "completion_tokens": int}
+_REQUIRED_TURN: Final[dict[str, type]] = {
+    "response": str, "content": str, "finish_reason": str, "prompt_tokens": int, "completion_tokens": int,
 }
 
 
@@ -61,10 +69,14 @@ class ExportError(Exception):
 class ExportOptions:
     """How to export; see docs/export.md for what each choice writes."""
 
-    format: str  # "sharegpt" | "openai-messages"
-    truncated: str = "drop"  # "drop" | "keep": samples with finish_reason "length"
-    reasoning: str = "inline"  # "inline" | "field" | "drop"
-    token_ids: bool = False  # add input_ids/output_ids (needs the run's tokenizer)
+    format: str  # "sharegpt" | "openai-messages" | "tokens"
+    truncated: str = "drop"  # "drop" | "keep": incomplete samples (cut by max_new_tokens, or thinking unclosed)
+    reasoning: str = "inline"  # "inline" | "field" | "drop" (conversation formats)
+    token_ids: bool = False  # add the server's input_ids/output_ids to conversations (needs the run's tokenizer)
+
+    @property
+    def needs_tokenizer(self) -> bool:
+        return self.token_ids or self.format in TOKEN_FORMATS
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("format", self.format, FORMATS),
@@ -84,8 +96,8 @@ class ExportReport:
     path: Path
     manifest: Path
     empty_turns: int = 0  # written records whose assistant turn holds no text (no answer, no exported reasoning)
-    prompt_mismatch: int = 0  # token_ids: re-rendered prompt length != prompt_tokens; left out
-    output_len_differs: int = 0  # token_ids: len(output_ids) != completion_tokens less the stop's EOS; written
+    prompt_mismatch: int = 0  # token ids: the re-rendered prompt is not the one sent (digest or length); left out
+    no_output_ids: int = 0  # token ids: version 1 records, which kept no server ids; left out
     mismatched_ids: list[str] = field(default_factory=list)  # the first prompt mismatches, for the message
     torn_tail: bool = False  # raw_responses.jsonl ended in a partial line (skipped)
     template_hash: str | None = None
@@ -98,7 +110,8 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
                    extra: Mapping[str, Any] | None = None) -> ExportReport:
     """Export ``dataset_dir``'s responses to the JSONL file ``dest`` and refresh the dataset's manifest.
 
-    `tokenizer` (a transformers tokenizer, the one the run used) is required with ``options.token_ids``.
+    `tokenizer` (a transformers tokenizer, the one the run used) is required with ``options.token_ids`` and the
+    ``tokens`` format.
     `server_info`, `servers` and `extra` go to the manifest (see `write_manifest`). Raises ExportError on a user error;
     ``dest`` is then left as it was.
     """
@@ -109,7 +122,7 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
         raise ExportError(f"{source} not found: nothing was collected for this dataset yet")
     _check_dest(dest, dataset_dir)
     failed = _failed_ids(dataset_dir)
-    ids = _TokenIds(tokenizer, settings) if options.token_ids else None
+    ids = _TokenIds(tokenizer, settings) if options.needs_tokenizer else None
     think = _markers(settings)
     report = ExportReport(written=0, dropped_truncated=0, skipped_failed=len(failed), path=dest,
                           manifest=dataset_dir / MANIFEST)
@@ -131,6 +144,11 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
                 _write_batch(fh, batch, options, think, ids, report, source)
                 batch = []
         _write_batch(fh, batch, options, think, ids, report, source)
+        if ids is not None and report.no_output_ids and not report.written:  # inside: dest is left as it was
+            raise ExportError(f"{source}: none of its {report.no_output_ids} records has the server's token ids "
+                              "(they were written before record version 2, which keeps them): a token export "
+                              "needs them; regenerate the dataset (produce --new-run) or export it without "
+                              "token ids")
     report.torn_tail = results.torn_tail
     _write_manifest(dataset_dir, settings, stats, len(failed), server_info, servers, extra)
     return report
@@ -173,20 +191,24 @@ def template_hash(tokenizer: Any) -> str:
 
 
 def _is_truncated(rec: Mapping[str, Any]) -> bool:
-    """Cut off, or a thinking block that never closed (``reasoning_unclosed``, written by parsers): such a turn
-    has no answer, and exported as a complete turn it would teach the model to stop in mid-thought."""
-    return (rec["finish_reason"] == "length" or bool(rec.get("reasoning_truncated"))
-            or bool(rec.get("reasoning_unclosed")))
+    """A record (version 2 view) whose last turn is not finished: cut by max_new_tokens, or stopped inside an
+    unclosed thinking block. A chat template would still close it as a finished turn."""
+    return bool(rec["incomplete"])
 
 
-def _assistant_turn(reasoning: str | None, content: str, mode: str, think: tuple[str, str]) -> dict[str, Any]:
-    """The regenerated turn. Inline is the shape Qwen3/DeepSeek-R1 templates render and split again."""
+def _assistant_turn(reasoning: str | None, content: str, mode: str, think: tuple[str, str],
+                    tool_calls: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """The regenerated turn. Inline is the shape Qwen3/DeepSeek-R1 templates render and split again. Parsed tool
+    calls go in ``tool_calls`` (OpenAI shape), where chat templates render them back as the model wrote them."""
     if mode == "inline" and reasoning is not None:
         start, end = think
-        return {"role": "assistant", "content": f"{start}\n{reasoning}\n{end}\n\n{content}"}
-    turn: dict[str, Any] = {"role": "assistant", "content": content}
-    if mode == "field" and reasoning is not None:
-        turn["reasoning_content"] = reasoning
+        turn: dict[str, Any] = {"role": "assistant", "content": f"{start}\n{reasoning}\n{end}\n\n{content}"}
+    else:
+        turn = {"role": "assistant", "content": content}
+        if mode == "field" and reasoning is not None:
+            turn["reasoning_content"] = reasoning
+    if tool_calls:
+        turn["tool_calls"] = [dict(call) for call in tool_calls]
     return turn
 
 
@@ -213,16 +235,16 @@ def _sharegpt_turn(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _export_record(rec: Mapping[str, Any], options: ExportOptions, think: tuple[str, str]) -> dict[str, Any]:
-    reasoning = None if options.reasoning == "drop" else rec.get("reasoning")
-    turn = _assistant_turn(reasoning, rec["content"], options.reasoning, think)
-    if rec.get("tool_calls"):  # parsed by the run's reasoning parser (worker/toolcalls.py)
-        turn["tool_calls"] = rec["tool_calls"]
+    """One conversation: the prompt messages, then one assistant turn per regenerated turn."""
+    turns = []
+    for t in rec["turns"]:
+        reasoning = None if options.reasoning == "drop" else t.get("reasoning")
+        turns.append(_assistant_turn(reasoning, t["content"], options.reasoning, think, t.get("tool_calls") or ()))
     out: dict[str, Any] = {"id": rec["id"]}
     if options.format == "openai-messages":
-        out["messages"] = [*rec["messages"], turn]
+        out["messages"] = [*rec["messages"], *turns]
     else:
-        gpt = _sharegpt_turn(turn)  # calls appended to the text, reasoning_content kept, as for prompt turns
-        out["conversations"] = [*(_sharegpt_turn(m) for m in rec["messages"]), gpt]
+        out["conversations"] = [*(_sharegpt_turn(m) for m in [*rec["messages"], *turns])]
     if _is_truncated(rec):
         out["truncated"] = True
     return out
@@ -233,32 +255,58 @@ def _write_batch(fh: IO[str], batch: list[tuple[int, dict[str, Any]]], options: 
     if not batch:
         return
     prompts = ids.prompt_ids([rec["messages"] for _n, rec in batch]) if ids else []
-    outputs = ids.output_ids([rec["response"] for _n, rec in batch]) if ids else []
     for i, (number, rec) in enumerate(batch):
-        reasoning = rec.get("reasoning")
-        if options.reasoning == "inline" and reasoning and think[1] in reasoning:
+        turns = rec["turns"]
+        if len(turns) != 1:
+            # The record shape holds several turns (the multi-turn issue fills it); their prompts are the
+            # messages plus the earlier turns and what answered them, which this export does not render yet.
+            raise ExportError(f"{source}:{number}: {len(turns)} turns: only one-turn records can be exported yet")
+        turn = turns[0]
+        reasoning = turn.get("reasoning")
+        if (options.format != "tokens" and options.reasoning == "inline" and reasoning
+                and think[1] in reasoning):
             # Cannot happen with budgetq's split (reasoning ends at the first end marker); if it did, the inline
             # text would be split elsewhere by every template, so refuse rather than write a different answer.
             raise ExportError(f"{source}:{number}: reasoning contains {think[1]!r}: it cannot be inlined")
-        out = _export_record(rec, options, think)
+        prompt: list[int] | None = None
+        output: list[int] | None = None
         if ids is not None:
+            output = turn.get("output_ids")
+            if output is None:
+                report.no_output_ids += 1
+                continue
             prompt = prompts[i]
-            if prompt is None or len(prompt) != rec["prompt_tokens"]:
+            if prompt is None or not _same_prompt(prompt, turn):
                 report.prompt_mismatch += 1
                 if len(report.mismatched_ids) < _MAX_LISTED_IDS:
                     report.mismatched_ids.append(rec["id"])
                 continue
-            # A "stop" is the EOS token: counted by the server, absent from the text.
-            expected = rec["completion_tokens"] - (1 if rec["finish_reason"] == "stop" else 0)
-            if len(outputs[i]) != expected:
-                report.output_len_differs += 1
-            out.update(input_ids=prompt, output_ids=outputs[i], template_hash=ids.template_hash,
-                       tokenizer_revision=ids.revision)
-        exported_reasoning = None if options.reasoning == "drop" else reasoning
-        if not rec["content"] and not exported_reasoning:
-            report.empty_turns += 1
+        if options.format == "tokens":
+            assert ids is not None and prompt is not None and output is not None
+            out: dict[str, Any] = {"id": rec["id"], "turn": 0, "input_ids": prompt + output,
+                                   "loss_mask": [0] * len(prompt) + [1] * len(output)}
+            if _is_truncated(rec):
+                out["truncated"] = True
+            out.update(template_hash=ids.template_hash, tokenizer_revision=ids.revision)
+        else:
+            out = _export_record(rec, options, think)
+            if ids is not None:
+                out.update(input_ids=prompt, output_ids=output, template_hash=ids.template_hash,
+                           tokenizer_revision=ids.revision)
+            exported_reasoning = None if options.reasoning == "drop" else reasoning
+            if not turn["content"] and not exported_reasoning and not turn.get("tool_calls"):
+                report.empty_turns += 1
         fh.write(json.dumps(out, ensure_ascii=False) + "\n")
         report.written += 1
+
+
+def _same_prompt(prompt: list[int], turn: Mapping[str, Any]) -> bool:
+    """The re-rendered prompt is the one the turn was generated from: id by id through the digest the worker
+    took of what it sent (version 2), or by length alone for a record that has no digest."""
+    digest = turn.get("prompt_ids_sha256")
+    if digest is not None:
+        return bool(record.prompt_digest(prompt) == digest)
+    return len(prompt) == turn["prompt_tokens"]
 
 
 class _TokenIds:
@@ -294,10 +342,6 @@ class _TokenIds:
                 out.append(None)
         return out
 
-    def output_ids(self, texts: list[str]) -> list[list[int]]:
-        """``tokenizer.encode(text, add_special_tokens=False)`` for each text, in one batched call."""
-        return [list(row) for row in self._tokenizer(texts, add_special_tokens=False)["input_ids"]]
-
 
 # -- files -----------------------------------------------------------------------------------------------------
 
@@ -320,18 +364,35 @@ class _Results:
                 except ValueError as exc:
                     raise ExportError(f"{self.path}:{number}: not valid JSON ({exc})") from None
                 _check_record(rec, f"{self.path}:{number}")
-                yield number, rec
+                yield number, record.as_v2(rec)
+
+
+def _check_fields(obj: Mapping[str, Any], required: Mapping[str, type], where: str) -> None:
+    for key, kind in required.items():
+        value = obj.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ExportError(f"{where}: {key} missing or not a {kind.__name__}")
+    if obj.get("reasoning") is not None and not isinstance(obj["reasoning"], str):
+        raise ExportError(f"{where}: reasoning must be a string or null")
 
 
 def _check_record(rec: Any, where: str) -> None:
+    """A version 1 or 2 record as written; the error names the file, the line and the field."""
     if not isinstance(rec, dict):
         raise ExportError(f"{where}: expected a JSON object")
-    for key, kind in _REQUIRED.items():
-        value = rec.get(key)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ExportError(f"{where}: {key} missing or not a {kind.__name__}")
-    if rec.get("reasoning") is not None and not isinstance(rec["reasoning"], str):
-        raise ExportError(f"{where}: reasoning must be a string or null")
+    if record.version(rec) < 2:
+        _check_fields(rec, _REQUIRED, where)
+        return
+    _check_fields(rec, _REQUIRED_V2, where)
+    if not rec["turns"]:
+        raise ExportError(f"{where}: turns is empty")
+    for n, turn in enumerate(rec["turns"]):
+        if not isinstance(turn, dict):
+            raise ExportError(f"{where}: turns[{n}]: expected a JSON object")
+        _check_fields(turn, _REQUIRED_TURN, f"{where}: turns[{n}]")
+        out = turn.get("output_ids")
+        if out is not None and (not isinstance(out, list) or not all(type(i) is int for i in out)):
+            raise ExportError(f"{where}: turns[{n}]: output_ids must be a list of integers or null")
 
 
 def _run_settings(dataset_dir: Path) -> dict[str, Any]:
@@ -403,27 +464,32 @@ def _atomic(dest: Path) -> Iterator[IO[str]]:
 
 @dataclass
 class _Stats:
+    """Counts over records in their version 2 view; a record's finish reason is its last turn's."""
+
     samples: int = 0
     truncated: int = 0
     reasoning_truncated: int = 0
     reasoning_unclosed: int = 0
-    tool_calls: int = 0
-    tool_call_errors: int = 0  # calls that did not parse: their text stayed in the content
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    tool_calls: int = 0
+    tool_call_errors: int = 0
     finish_reasons: Counter[str] = field(default_factory=Counter)
+    record_versions: Counter[str] = field(default_factory=Counter)
     lengths: list[int] = field(default_factory=list)
 
     def add(self, rec: Mapping[str, Any]) -> None:
+        turns = rec["turns"]
         self.samples += 1
         self.truncated += _is_truncated(rec)
-        self.reasoning_truncated += bool(rec.get("reasoning_truncated"))
-        self.reasoning_unclosed += bool(rec.get("reasoning_unclosed"))
-        self.tool_calls += len(rec.get("tool_calls") or [])
-        self.tool_call_errors += int(rec.get("tool_call_errors") or 0)
-        self.prompt_tokens += rec["prompt_tokens"]
+        self.reasoning_truncated += any(t.get("reasoning_truncated") for t in turns)
+        self.reasoning_unclosed += any(t.get("reasoning_unclosed") for t in turns)
+        self.prompt_tokens += sum(t["prompt_tokens"] for t in turns)
         self.completion_tokens += rec["completion_tokens"]
-        self.finish_reasons[rec["finish_reason"]] += 1
+        self.tool_calls += sum(len(t.get("tool_calls") or ()) for t in turns)
+        self.tool_call_errors += sum(int(t.get("tool_call_errors") or 0) for t in turns)
+        self.finish_reasons[turns[-1]["finish_reason"]] += 1
+        self.record_versions[str(record.version(rec))] += 1
         self.lengths.append(rec["completion_tokens"])
 
     def completion_length(self) -> dict[str, float | int | None]:
@@ -466,9 +532,9 @@ def _write_manifest(dataset_dir: Path, settings: Mapping[str, Any], stats: _Stat
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
         "budgetq_version": _budgetq_version(),
         "counts": {"samples": stats.samples, "failed": failed, "truncated": stats.truncated,
-                   "reasoning_truncated": stats.reasoning_truncated,
-                   "reasoning_unclosed": stats.reasoning_unclosed, "tool_calls": stats.tool_calls,
-                   "tool_call_errors": stats.tool_call_errors},
+                   "reasoning_truncated": stats.reasoning_truncated, "reasoning_unclosed": stats.reasoning_unclosed,
+                   "tool_calls": stats.tool_calls, "tool_call_errors": stats.tool_call_errors},
+        "record_versions": dict(sorted(stats.record_versions.items())),
         "tokens": {"prompt": stats.prompt_tokens, "completion": stats.completion_tokens},
         "finish_reasons": dict(sorted(stats.finish_reasons.items())),
         "completion_length": stats.completion_length(),

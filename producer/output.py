@@ -12,14 +12,15 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from budget import record
 from budget.runstate import RESULTS_BATCH, RunState
 
 RESULTS = "raw_responses.jsonl"
 FAILED = "failed.jsonl"
 RUN = "run.json"
 
-FIELD_ORDER = ("id", "dataset", "messages", "response", "reasoning", "content", "reasoning_truncated",
-               "prompt_tokens", "completion_tokens", "finish_reason", "sampling_params")
+#: Version 1's field order; records are written in budget.record's order (version 2, or 1 for an old record).
+FIELD_ORDER = record.V1_FIELDS
 
 
 class ResultsFile:
@@ -63,9 +64,7 @@ class ResultsFile:
             if sid in self.tokens:
                 continue
             self.tokens[sid] = int(rec["completion_tokens"])
-            ordered = {k: rec.get(k) for k in FIELD_ORDER}
-            ordered.update({k: v for k, v in rec.items() if k not in ordered})
-            lines.append(json.dumps(ordered, ensure_ascii=False) + "\n")
+            lines.append(json.dumps(record.ordered(rec), ensure_ascii=False) + "\n")
         if lines:
             self._fh.write("".join(lines).encode())
             self._fh.flush()
@@ -82,7 +81,8 @@ class ResultsFile:
 
 def collect(store: RunState, dataset: str, out: ResultsFile,
             messages_for: Callable[[str], Any], batch: int = RESULTS_BATCH) -> list[dict[str, Any]]:
-    """Move every committed result of ``dataset`` from its Redis stream into ``out``. Returns the records newly
+    """Move every committed result of ``dataset`` from its Redis stream into ``out``, adding each record's prompt
+    ``messages`` (the worker's record has every other field: the data flows one way). Returns the records newly
     written. Ids read from the stream that were already on disk (a retry after a Redis error between the
     fsync and the XDEL) are not returned: callers treat ``out.tokens`` as the set of samples done."""
     written: list[dict[str, Any]] = []

@@ -62,7 +62,13 @@ def test_budget_hit_and_unbudgeted_complete(redis_url: str, r: "redis.Redis", to
 
     glaive = check_exact(r, out, "glaive_fc")
     assert sorted(x["id"] for x in glaive) == sorted({str(x["id"]) for x in read_jsonl(GLAIVE)})
-    assert all(x["finish_reason"] in ("stop", "length") for x in glaive + code)
+    assert all(x["record_version"] == 2 and len(x["turns"]) == 1 for x in glaive + code)
+    assert all(x["turns"][0]["finish_reason"] in ("stop", "length") for x in glaive + code)
+    for x in glaive + code:  # the server's ids are kept: EOS last on a stop, the budget counts them all
+        turn = x["turns"][0]
+        assert len(turn["output_ids"]) == turn["completion_tokens"] == x["completion_tokens"]
+        assert (turn["finish_reason"] == "stop") == (turn["output_ids"][-1] == 2)  # the simulator's EOS id
+        assert x["incomplete"] == (turn["finish_reason"] == "length")
     assert all(x["messages"] and x["sampling_params"]["max_new_tokens"] == 1024 for x in glaive)
 
     # Every response the simulator produced is in a file (no faults: nothing was retried or aborted).
@@ -98,13 +104,15 @@ def test_reasoning_split_from_open_think_prompt(redis_url: str, r: "redis.Redis"
     assert res.returncode == 0, res.stderr
     recs = check_exact(r, out, "agent_traces")
     assert len(recs) == 30
-    for x in recs:
+    for rec in recs:
+        x = rec["turns"][0]
         if x["finish_reason"] == "stop":
             assert x["reasoning"] and x["content"] and not x["reasoning_truncated"]
             assert x["response"].startswith(x["reasoning"].split()[0])
         elif "</think>" not in x["response"]:
             assert x["reasoning_truncated"] and x["reasoning"] and x["content"] == ""
-        assert x["messages"][-1]["role"] != "assistant"  # the old answer was dropped
+            assert rec["incomplete"] and rec["stopped_by"] == "max_new_tokens"
+        assert rec["messages"][-1]["role"] != "assistant"  # the old answer was dropped
 
 
 def test_kill9_worker_mid_run_exactly_once(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,

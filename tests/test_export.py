@@ -15,7 +15,8 @@ import pytest
 
 from demo.run import find_redis_server
 from demo.tokenizer import build_tokenizer
-from producer.export import (FORMATS, ExportError, ExportOptions, export_dataset, template_hash,
+from budget.record import as_v2, make_record as make_v2_record, make_turn, prompt_digest
+from producer.export import (CONVERSATION_FORMATS, ExportError, ExportOptions, export_dataset, template_hash,
                              write_manifest)
 from producer.render import Renderer, load_tokenizer
 
@@ -71,7 +72,24 @@ def make_record(tok: Any, sid: str, prompt: str, *, reasoning: str | None = "Let
             "completion_tokens": completion, "finish_reason": finish, "sampling_params": {"max_new_tokens": 64}}
 
 
-def standard_records(tok: Any) -> list[dict[str, Any]]:
+def to_v2(tok: Any, rec: dict[str, Any], kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The version 2 record a worker would have written for the version 1 record ``rec``: the server's ids are
+    the response's tokens, plus the EOS on a stop; the prompt digest is of the ids the producer rendered."""
+    prompt_ids = Renderer(tok, chat_template_kwargs=kwargs).render(rec["messages"]).input_ids
+    output_ids = tok.encode(rec["response"], add_special_tokens=False)
+    if rec["finish_reason"] == "stop":
+        output_ids.append(tok.convert_tokens_to_ids("<|im_end|>"))
+    turn = make_turn(response=rec["response"], reasoning=rec["reasoning"], content=rec["content"],
+                     reasoning_truncated=rec["reasoning_truncated"], reasoning_unclosed=False, tool_calls=[],
+                     prompt_tokens=len(prompt_ids), cached_tokens=0, completion_tokens=len(output_ids),
+                     finish_reason=rec["finish_reason"], prompt_ids=prompt_ids, output_ids=output_ids)
+    return make_v2_record(sample_id=rec["id"], dataset=rec["dataset"], turns=[turn], reasoning_parser=None,
+                          sampling_params=rec["sampling_params"], messages=rec["messages"])
+
+
+def standard_records(tok: Any, version: int = 1) -> list[dict[str, Any]]:
+    if version == 2:
+        return [to_v2(tok, rec) for rec in standard_records(tok)]
     return [
         make_record(tok, "a-plain", "plain"),
         make_record(tok, "b-tools", "tools", content="It is 21 degrees."),
@@ -102,9 +120,25 @@ def write_dataset(root: Path, tok: Any, records: list[dict[str, Any]], *, failed
     return out
 
 
+@pytest.fixture(params=[1, 2], ids=["v1", "v2"])
+def dataset(request: pytest.FixtureRequest, tmp_path: Path, tok: Any) -> Path:
+    """The standard records, as version 1 (runs made before record version 2) and as version 2."""
+    return write_dataset(tmp_path, tok, standard_records(tok, request.param),
+                         failed=("i-failed-too", "z-never-answered"))
+
+
 @pytest.fixture
-def dataset(tmp_path: Path, tok: Any) -> Path:
-    return write_dataset(tmp_path, tok, standard_records(tok), failed=("i-failed-too", "z-never-answered"))
+def dataset_v2(tmp_path: Path, tok: Any) -> Path:
+    return write_dataset(tmp_path, tok, standard_records(tok, 2), failed=("i-failed-too", "z-never-answered"))
+
+
+def source_turns(path: Path) -> dict[str, dict[str, Any]]:
+    """id -> the record in its version 2 view, with its one turn's fields on it (what the tests compare)."""
+    out = {}
+    for rec in read_jsonl(path):
+        view = as_v2(rec)
+        out[view["id"]] = {**view["turns"][0], **view}
+    return out
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -162,7 +196,7 @@ def without_null_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 
 def assert_round_trip(source: Path, exported: Path, fmt: str, reasoning_mode: str) -> None:
-    by_id = {r["id"]: r for r in read_jsonl(source)}
+    by_id = source_turns(source)
     records = read_jsonl(exported)
     assert records
     for record in records:
@@ -177,7 +211,7 @@ def assert_round_trip(source: Path, exported: Path, fmt: str, reasoning_mode: st
 # -- formats and round trip ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", CONVERSATION_FORMATS)
 @pytest.mark.parametrize("reasoning", ["inline", "field", "drop"])
 def test_round_trip(dataset: Path, tmp_path: Path, fmt: str, reasoning: str) -> None:
     dest = tmp_path / "export" / f"{fmt}.jsonl"
@@ -220,7 +254,7 @@ def test_exported_turn_renders_as_the_model_generated_it(dataset: Path, tmp_path
     """Through the chat template, prompt + exported turn is exactly rendered prompt + response + end of turn."""
     dest = tmp_path / "x.jsonl"
     export_dataset(dataset, dest, ExportOptions("openai-messages", reasoning=reasoning))
-    by_id = {r["id"]: r for r in read_jsonl(dataset / "raw_responses.jsonl")}
+    by_id = source_turns(dataset / "raw_responses.jsonl")
     for record in read_jsonl(dest):
         src = by_id[record["id"]]
         whole = tok.apply_chat_template(record["messages"], tokenize=False)
@@ -286,47 +320,98 @@ def test_failed_samples_are_never_exported(dataset: Path, tmp_path: Path) -> Non
 # -- token ids -------------------------------------------------------------------------------------------------
 
 
-def test_token_ids_are_the_runs(dataset: Path, tmp_path: Path, tok: Any) -> None:
+def test_token_ids_are_the_servers(dataset_v2: Path, tmp_path: Path, tok: Any) -> None:
+    """--token-ids: input_ids are the prompt the producer rendered (checked id by id against the worker's digest),
+    output_ids the server's own ids verbatim (EOS of a stop included), never re-encoded text."""
     dest = tmp_path / "x.jsonl"
-    report = export_dataset(dataset, dest, ExportOptions("openai-messages", truncated="keep", token_ids=True),
+    report = export_dataset(dataset_v2, dest, ExportOptions("openai-messages", truncated="keep", token_ids=True),
                             tokenizer=tok)
-    revision = json.loads((dataset / "run.json").read_text())["tokenizer"]
+    revision = json.loads((dataset_v2 / "run.json").read_text())["tokenizer"]
     expected_hash = hashlib.sha256(tok.chat_template.encode()).hexdigest()
     assert (report.template_hash, report.tokenizer_revision) == (expected_hash, revision)
-    assert (report.written, report.prompt_mismatch, report.output_len_differs) == (8, 0, 0)
-    by_id = {r["id"]: r for r in read_jsonl(dataset / "raw_responses.jsonl")}
+    assert (report.written, report.prompt_mismatch, report.no_output_ids) == (8, 0, 0)
+    by_id = source_turns(dataset_v2 / "raw_responses.jsonl")
     for record in read_jsonl(dest):
         src = by_id[record["id"]]
         assert record["input_ids"] == tok.apply_chat_template(src["messages"], add_generation_prompt=True,
                                                               tokenize=True, return_dict=False)
-        assert len(record["input_ids"]) == src["prompt_tokens"]
-        assert record["output_ids"] == tok.encode(src["response"], add_special_tokens=False)
+        assert prompt_digest(record["input_ids"]) == src["prompt_ids_sha256"]
+        assert record["output_ids"] == src["output_ids"]
         assert (record["template_hash"], record["tokenizer_revision"]) == (expected_hash, revision)
     assert template_hash(tok) == expected_hash
 
 
+def test_tokens_format_is_prompt_ids_then_output_ids_with_the_loss_on_the_output(dataset_v2: Path, tmp_path: Path,
+                                                                                 tok: Any) -> None:
+    dest = tmp_path / "tokens.jsonl"
+    report = export_dataset(dataset_v2, dest, ExportOptions("tokens", truncated="keep"), tokenizer=tok)
+    assert (report.written, report.prompt_mismatch, report.no_output_ids) == (8, 0, 0)
+    by_id = source_turns(dataset_v2 / "raw_responses.jsonl")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    for row in read_jsonl(dest):
+        src = by_id[row["id"]]
+        prompt = tok.apply_chat_template(src["messages"], add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+        assert row["turn"] == 0
+        assert row["input_ids"] == prompt + src["output_ids"]
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * src["completion_tokens"]
+        assert len(src["output_ids"]) == src["completion_tokens"]
+        # EOS as the server returned it: the last id of a stop, absent from a cut turn
+        assert (row["input_ids"][-1] == im_end) == (src["finish_reason"] == "stop")
+        assert row.get("truncated", False) == (src["finish_reason"] == "length")
+    # Through the template, the openai-messages export renders to exactly these ids, except where the tokenizer
+    # merges across the prompt/answer boundary: "f-no-thinking"'s answer starts with "\n" right after the
+    # prompt's "<think>\n", and re-tokenizing the whole text makes one "\n\n" of them. The text is the same;
+    # only the tokens row has the ids the model saw and produced (docs/export.md, "Which export is exact").
+    conversations = tmp_path / "messages.jsonl"
+    export_dataset(dataset_v2, conversations, ExportOptions("openai-messages", reasoning="field"))
+    rows = {r["id"]: r for r in read_jsonl(dest)}
+    for conversation in read_jsonl(conversations):
+        whole = tok.apply_chat_template(conversation["messages"], tokenize=True, return_dict=False)
+        ids = rows[conversation["id"]]["input_ids"]
+        assert tok.decode(whole).startswith(tok.decode(ids)), conversation["id"]
+        assert (whole[:len(ids)] == ids) == (conversation["id"] != "f-no-thinking"), conversation["id"]
+    dropped = export_dataset(dataset_v2, dest, ExportOptions("tokens"), tokenizer=tok)
+    assert (dropped.written, dropped.dropped_truncated) == (6, 2)
+
+
+def test_tokens_format_needs_the_runs_tokenizer(dataset_v2: Path, tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match="tokenizer"):
+        export_dataset(dataset_v2, tmp_path / "x.jsonl", ExportOptions("tokens"))
+
+
 def test_prompt_mismatch_is_reported_not_written(tmp_path: Path, tok: Any) -> None:
-    records = standard_records(tok)[:3]
-    records[1]["prompt_tokens"] += 1
+    records = standard_records(tok, 2)[:3]
+    records[1]["turns"][0]["prompt_ids_sha256"] = prompt_digest([1, 2, 3])  # another prompt, id by id
     ds = write_dataset(tmp_path, tok, records)
     dest = tmp_path / "x.jsonl"
-    report = export_dataset(ds, dest, ExportOptions("sharegpt", token_ids=True), tokenizer=tok)
-    assert (report.written, report.prompt_mismatch, report.mismatched_ids) == (2, 1, ["b-tools"])
-    assert [r["id"] for r in read_jsonl(dest)] == ["a-plain", "c-null"]
+    for fmt in ("sharegpt", "tokens"):
+        report = export_dataset(ds, dest, ExportOptions(fmt, token_ids=True), tokenizer=tok)
+        assert (report.written, report.prompt_mismatch, report.mismatched_ids) == (2, 1, ["b-tools"])
+        assert [r["id"] for r in read_jsonl(dest)] == ["a-plain", "c-null"]
 
 
-def test_output_length_difference_is_counted_and_written(tmp_path: Path, tok: Any) -> None:
-    records = standard_records(tok)[:3]
-    records[0]["completion_tokens"] += 5  # the server's ids and the re-encoded text may legitimately differ
-    ds = write_dataset(tmp_path, tok, records)
-    report = export_dataset(ds, tmp_path / "x.jsonl", ExportOptions("sharegpt", token_ids=True), tokenizer=tok)
-    assert (report.written, report.prompt_mismatch, report.output_len_differs) == (3, 0, 1)
+def test_version_1_records_are_left_out_of_token_exports_and_counted(tmp_path: Path, tok: Any) -> None:
+    """A resumed old run holds both versions: the old records have no server ids and are counted, not guessed."""
+    v1, v2 = standard_records(tok, 1)[:3], standard_records(tok, 2)[3:6]
+    ds = write_dataset(tmp_path, tok, v1 + v2)
+    dest = tmp_path / "x.jsonl"
+    report = export_dataset(ds, dest, ExportOptions("tokens"), tokenizer=tok)
+    assert (report.written, report.no_output_ids) == (3, 3)
+    assert [r["id"] for r in read_jsonl(dest)] == [r["id"] for r in v2]
+    only_v1 = write_dataset(tmp_path / "old", tok, v1)
+    dest.write_text("old\n")
+    with pytest.raises(ExportError, match=r"raw_responses\.jsonl: none of its 3 records has the server's token ids"):
+        export_dataset(only_v1, dest, ExportOptions("openai-messages", token_ids=True), tokenizer=tok)
+    assert dest.read_text() == "old\n"
+    # the conversations still export from version 1 records, as before
+    assert export_dataset(only_v1, dest, ExportOptions("openai-messages")).written == 3
 
 
 def test_token_ids_use_the_runs_template_kwargs(tmp_path: Path) -> None:
     hybrid = load_tokenizer(build_tokenizer(tmp_path / "hybrid", thinking="hybrid"))
     kwargs = {"enable_thinking": False}
-    record = make_record(hybrid, "k", "plain", reasoning="", kwargs=kwargs)
+    record = to_v2(hybrid, make_record(hybrid, "k", "plain", reasoning="", kwargs=kwargs), kwargs)
     ds = write_dataset(tmp_path, hybrid, [record], kwargs=kwargs)
     dest = tmp_path / "x.jsonl"
     report = export_dataset(ds, dest, ExportOptions("openai-messages", token_ids=True), tokenizer=hybrid)
@@ -361,7 +446,9 @@ def test_manifest(dataset: Path, tok: Any) -> None:
     assert manifest["counts"] == {"samples": 9, "failed": 2, "truncated": 2, "reasoning_truncated": 1,
                                   "reasoning_unclosed": 0, "tool_calls": 0, "tool_call_errors": 0}
     assert manifest["reasoning_parser"] is None  # these records come from a run stored before parsers
-    assert manifest["tokens"] == {"prompt": sum(r["prompt_tokens"] for r in records),
+    version = str(records[0].get("record_version", 1))
+    assert manifest["record_versions"] == {version: 9}
+    assert manifest["tokens"] == {"prompt": sum(as_v2(r)["turns"][0]["prompt_tokens"] for r in records),
                                   "completion": sum(lengths)}
     assert manifest["finish_reasons"] == {"length": 2, "stop": 7}
     assert manifest["completion_length"] == {"mean": round(sum(lengths) / 9, 2), "p50": lengths[4],
@@ -433,7 +520,7 @@ def test_refuses_to_overwrite_the_datasets_own_files(dataset: Path) -> None:
 
 
 def test_user_errors(tmp_path: Path) -> None:
-    with pytest.raises(ExportError, match="format must be one of sharegpt, openai-messages"):
+    with pytest.raises(ExportError, match="format must be one of sharegpt, openai-messages, tokens"):
         ExportOptions("csv")
     with pytest.raises(ExportError, match="reasoning must be one of"):
         ExportOptions("sharegpt", reasoning="hide")
@@ -462,7 +549,7 @@ def demo_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", CONVERSATION_FORMATS)
 def test_demo_output_round_trips_with_token_ids(demo_out: Path, tmp_path: Path, fmt: str) -> None:
     tok = load_tokenizer(demo_out.parent / "tokenizer")
     for name in ("glaive_fc", "code_instruct", "agent_traces"):
@@ -474,10 +561,11 @@ def test_demo_output_round_trips_with_token_ids(demo_out: Path, tmp_path: Path, 
         assert_round_trip(source, dest, fmt, "inline")
 
 
-def test_produce_export_command(dataset: Path, tmp_path: Path, tokenizer_dir: Path) -> None:
+def test_produce_export_command(dataset_v2: Path, tmp_path: Path, tokenizer_dir: Path) -> None:
     from click.testing import CliRunner
 
     from producer.cli import main
+    dataset = dataset_v2
     out_dir, name = dataset.parent, dataset.name
     dest = tmp_path / "train.jsonl"
     res = CliRunner().invoke(main, ["export", name, "--out", str(out_dir), "--format", "openai-messages",
@@ -488,6 +576,12 @@ def test_produce_export_command(dataset: Path, tmp_path: Path, tokenizer_dir: Pa
     assert_round_trip(dataset / "raw_responses.jsonl", dest, "openai-messages", "field")
     assert (dataset / "manifest.json").exists()
     bad = CliRunner().invoke(main, ["export", name, "--out", str(out_dir), "--token-ids"])
+    assert bad.exit_code == 2 and "--tokenizer" in bad.output
+    res = CliRunner().invoke(main, ["export", name, "--out", str(out_dir), "--format", "tokens", "--tokenizer",
+                                    str(tokenizer_dir)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert len(read_jsonl(out_dir / name / "tokens.jsonl")) == 6
+    bad = CliRunner().invoke(main, ["export", name, "--out", str(out_dir), "--format", "tokens"])
     assert bad.exit_code == 2 and "--tokenizer" in bad.output
 
 

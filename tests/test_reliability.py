@@ -138,7 +138,7 @@ def test_malformed_answers_are_never_counted(redis_url: str, r: "redis.Redis", t
     assert len(recs) + len(failed) == 80
     for x in recs:  # every written record is a valid one
         assert isinstance(x["completion_tokens"], int) and 0 <= x["completion_tokens"] <= 300
-        assert x["finish_reason"] in ("stop", "length")
+        assert x["turns"][0]["finish_reason"] in ("stop", "length")
     assert all("malformed" in f["reason"] or "Payload" in f["reason"] or "502" in f["reason"] for f in failed)
     assert sim_stats(sim.url)["malformed"]
 

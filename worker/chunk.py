@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from budget.payload import ChunkPayload, SamplePayload, request_id
+from budget.record import make_record, make_turn
 from worker.config import WorkerConfig
 from worker.reasoning import parse_turn, split_reasoning
 from worker.sglang import Generation, GenerateError, SGLangClient
@@ -89,22 +90,32 @@ async def generate_sample(client: SGLangClient, config: WorkerConfig, dataset: s
             await asyncio.sleep(backoff(tries, config.backoff_cap, err.retry_after))
 
 
-def result_record(dataset: str, sample: SamplePayload, gen: Generation, chunk: ChunkPayload) -> dict[str, Any]:
+def parse_response(dataset: str, chunk: ChunkPayload, sample: SamplePayload, gen: Generation) -> dict[str, Any]:
+    """The turn's parse: the run's reasoning parser when the chunk names one, else the think-marker split that
+    runs made before parsers existed used (an old chunk, or a resumed old run: the old behaviour)."""
     parser = chunk.get("reasoning_parser")
-    record: dict[str, Any] = {"id": sample["id"], "dataset": dataset, "response": gen.text}
     if parser is not None:
         turn = parse_turn(parser, gen.text, opens_think=sample["opens_think"], finish_reason=gen.finish_reason,
                           call_id_seed=f"{dataset}\0{sample['id']}")
-        record.update(reasoning=turn.reasoning, content=turn.content, reasoning_truncated=turn.reasoning_truncated,
-                      reasoning_unclosed=turn.reasoning_unclosed, tool_calls=turn.tool_calls,
-                      tool_call_errors=turn.tool_call_errors, reasoning_parser=parser)
-    else:  # a chunk queued before parsers existed: the think-marker split it was queued for
-        think = chunk["think"]
-        split = split_reasoning(gen.text, start=think["start"] if think else None,
-                                end=think["end"] if think else None, opens_think=sample["opens_think"],
-                                finish_reason=gen.finish_reason)
-        record.update(reasoning=split.reasoning, content=split.content,
-                      reasoning_truncated=split.reasoning_truncated)
-    record.update(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-                  finish_reason=gen.finish_reason, sampling_params=chunk["sampling_params"])
-    return record
+        return {"reasoning": turn.reasoning, "content": turn.content,
+                "reasoning_truncated": turn.reasoning_truncated, "reasoning_unclosed": turn.reasoning_unclosed,
+                "tool_calls": list(turn.tool_calls), "tool_call_errors": turn.tool_call_errors}
+    think = chunk["think"]
+    split = split_reasoning(gen.text, start=think["start"] if think else None, end=think["end"] if think else None,
+                            opens_think=sample["opens_think"], finish_reason=gen.finish_reason)
+    return {"reasoning": split.reasoning, "content": split.content, "reasoning_truncated": split.reasoning_truncated,
+            "reasoning_unclosed": False, "tool_calls": [], "tool_call_errors": 0}
+
+
+def result_record(dataset: str, sample: SamplePayload, gen: Generation, chunk: ChunkPayload) -> dict[str, Any]:
+    """The version 2 record (budget/record.py) of a one-turn sample, without ``messages``: the producer holds the
+    prompt messages and adds them when it writes the line. The prompt ids are hashed, not sent back."""
+    parsed = parse_response(dataset, chunk, sample, gen)
+    turn = make_turn(response=gen.text, prompt_tokens=gen.prompt_tokens, cached_tokens=gen.cached_tokens,
+                     completion_tokens=gen.completion_tokens, finish_reason=gen.finish_reason,
+                     prompt_ids=sample["input_ids"], output_ids=gen.output_ids, **parsed)
+    rec = make_record(sample_id=sample["id"], dataset=dataset, turns=[turn],
+                      reasoning_parser=chunk.get("reasoning_parser"),
+                      sampling_params=chunk["sampling_params"])
+    del rec["messages"]
+    return rec

@@ -5,7 +5,8 @@ request itself is wrong and will be wrong again); a refused key (401, 403: not t
 worker's own configuration, ``SGLANG_API_KEY``; worker/dispatch.py stops the worker); a retryable error (5xx,
 429, resets, timeouts, an aborted generation, a body that breaks the contract). Retry policy lives with the caller (worker/chunk.py).
 Only the fields the contract guarantees are relied on: ``meta_info.id``, ``finish_reason``,
-``prompt_tokens``, ``completion_tokens``, ``cached_tokens``.
+``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, and the top-level ``output_ids`` (checked against
+``completion_tokens`` when present, and kept in the record).
 """
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ class Generation:
     cached_tokens: int
     finish_reason: str  # 'stop' or 'length'
     server: str
+    # The server's token ids of the completion, EOS included on a stop (None: a server that sent none). Kept in
+    # the record: they are what the model produced, which re-tokenizing ``text`` need not give back.
+    output_ids: list[int] | None = None
 
 
 def _is_int(value: Any) -> bool:
@@ -87,14 +91,16 @@ def parse_generation(body: Any, max_new_tokens: int, server: str) -> Generation:
         raise GenerateError(f"malformed response: completion_tokens {tokens!r} "
                             f"(expected 0..{max_new_tokens})", retryable=True)
     output_ids = body.get("output_ids")
-    if output_ids is not None and (not isinstance(output_ids, list) or len(output_ids) != tokens):
+    if output_ids is not None and (not isinstance(output_ids, list) or len(output_ids) != tokens
+                                   or not all(type(i) is int for i in output_ids)):
         raise GenerateError("malformed response: output_ids do not match completion_tokens", retryable=True)
     prompt_tokens: Any = meta.get("prompt_tokens")
     if not _is_int(prompt_tokens) or prompt_tokens < 0:
         raise GenerateError(f"malformed response: prompt_tokens {prompt_tokens!r}", retryable=True)
     cached = meta.get("cached_tokens", 0)
     return Generation(text=text, completion_tokens=tokens, prompt_tokens=prompt_tokens,
-                      cached_tokens=cached if _is_int(cached) else 0, finish_reason=kind, server=server)
+                      cached_tokens=cached if _is_int(cached) else 0, finish_reason=kind, server=server,
+                      output_ids=output_ids)
 
 
 def _error_message(raw: bytes) -> str:
