@@ -50,6 +50,8 @@ SERVER_INFO_KEYS: Final = (
     "version", "model_path", "served_model_name", "tokenizer_path", "revision", "dtype", "quantization",
     "kv_cache_dtype", "context_length", "max_total_num_tokens", "max_req_input_len", "tp_size", "dp_size",
     "pp_size", "ep_size", "random_seed", "speculative_algorithm", "reasoning_parser", "tool_call_parser",
+    # SGLang honours sampling_seed only with --enable-deterministic-inference (sampling_batch_info.py)
+    "enable_deterministic_inference",
 )
 #: Each entry's own fields besides SERVER_INFO_KEYS: ``via`` (the router it was found behind) and ``router``
 #: (true: this URL is a router whose servers could not be asked) only when they apply.
@@ -65,6 +67,18 @@ _MAX_BODY: Final = 4 << 20  # /get_server_info is a few KB; never read an unboun
 
 class ServerInfoError(Exception):
     """The server could not be asked, or did not answer with a JSON object. The message holds no secret."""
+
+
+def seed_honoured(entries: Sequence[Mapping[str, Any]]) -> bool | None:
+    """Whether these servers honour ``sampling_seed``: True when every one runs with
+    ``--enable-deterministic-inference``, False when one says it does not, None when none says (no entries, or
+    servers too old to report it)."""
+    said = [e.get("enable_deterministic_inference") for e in entries]
+    if any(v is False for v in said):
+        return False
+    if said and all(v is True for v in said):
+        return True
+    return None
 
 
 def pick(info: Mapping[str, Any]) -> dict[str, Any]:

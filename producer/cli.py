@@ -178,7 +178,12 @@ def _connect(redis_url: str) -> "redis.Redis":
 @opt("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
      help="Nucleus sampling p, in (0, 1]. Default: not sent.")
 @opt("--top-k", type=int, default=None, help="Top-k: -1 (off) or >= 1. Default: not sent.")
-@opt("--seed", type=int, default=None, help="Sampling seed, sent to SGLang as sampling_seed.")
+@opt("--seed", type=int, default=None,
+     help="Sampling seed, sent to SGLang as sampling_seed (honoured only by servers started with "
+          "--enable-deterministic-inference: produce warns otherwise).")
+@opt("--skip-special-tokens/--no-skip-special-tokens", "skip_special_tokens", default=None,
+     help="Sent as skip_special_tokens: whether special tokens are left out of the text SGLang returns. Default: "
+          "what the run's reasoning parser needs (false for gpt-oss, whose channels are special tokens).")
 @opt("--chat-template-kwargs", default=None, metavar="JSON",
      help='Extra chat template arguments, e.g. \'{"enable_thinking": true}\'.')
 @opt("--reasoning-parser", type=click.Choice(("auto", *REASONING_PARSERS)), default="auto", show_default=True,
@@ -229,7 +234,8 @@ def run_cmd(**options: Any) -> None:
 def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes: tuple[str, ...],
          max_tokens: int, max_context: int | None, max_samples: int | None, out_dir: Path, redis_url: str,
          temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-         chat_template_kwargs: str | None, reasoning_parser: str, skip_invalid: bool, messages_field: str, prompt_field: str,
+         skip_special_tokens: bool | None, chat_template_kwargs: str | None, reasoning_parser: str,
+         skip_invalid: bool, messages_field: str, prompt_field: str,
          conversations_field: str, id_field: str, system_prompt: str | None, expect_mean: float | None, dry_run: bool,
          pilot: int | None, throughput: float | None, as_json: bool, chunk_size: int, queue_depth: int,
          new_run: bool, detach: bool, job_timeout: int, allow_eviction: bool, require_aof: bool,
@@ -273,6 +279,11 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
                          warn=_warn, reasoning_parser=reasoning_parser)
     log.debug("read, validated and rendered %d dataset(s) in %.1f s", len(inputs.prepared),
               time.monotonic() - started)
+    # Known once the template is read (the parser is detected from it); stored with the run like every parameter.
+    parser = inputs.settings.get("reasoning_parser")
+    inputs.sampling_params["skip_special_tokens"] = (skip_special_tokens if skip_special_tokens is not None
+                                                     else skip_special_tokens_default(parser))
+    inputs.settings["sampling_params"] = inputs.sampling_params
     names = {p.name for p in inputs.prepared}
     unknown = sorted((set(named) | set(named_modes)) - names)
     if unknown:
@@ -303,6 +314,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     check_redis(client, allow_eviction=allow_eviction, require_aof=require_aof, warn=_warn)
     _check_server_parsers(client, inputs.reasoning_parser)
     _recheck_context(client, inputs, max_tokens)
+    _check_seed(client, inputs.sampling_params)
     producer = Producer(client, inputs.prepared, options, echo=echo)
     try:
         producer.attach()
@@ -310,7 +322,9 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     except redis.RedisError as exc:
         raise RuntimeProblem(f"Redis error: {exc}") from None
     if not detach:
-        _write_run_manifests(client, out_dir, [s.name for s in summaries])
+        servers = _write_run_manifests(client, out_dir, [s.name for s in summaries])
+        if servers:
+            _check_seed(client, inputs.sampling_params, servers)
     click.echo(summary_table(summaries, detached=detach))
 
 
@@ -338,10 +352,37 @@ def _recheck_context(client: "redis.Redis", inputs: Any, max_tokens: int) -> Non
     recheck(servers, inputs.prepared, inputs.context, max_tokens, echo=log.info, warn=_warn)
 
 
-def _write_run_manifests(client: "redis.Redis", out_dir: Path, names: list[str]) -> None:
+def skip_special_tokens_default(parser: Any) -> bool:
+    """What a reasoning parser needs from the server's detokenizer: SGLang's default (true: special tokens left
+    out of ``text``) for every family but harmony (gpt-oss), whose channel markers are special tokens that the
+    parser reads. The same rule as worker.reasoning.skip_special_tokens_for (the producer does not import the
+    worker; tests/test_record.py checks that they agree)."""
+    return parser != "gpt-oss"
+
+
+def _check_seed(client: "redis.Redis", sampling_params: dict[str, Any], servers: Any = None) -> None:
+    """Warn when --seed is given and no server the workers recorded honours it. Before any worker has recorded
+    its servers there is nothing to check: the end of the run checks again."""
+    from budget import serverinfo
+    from producer.preflight import seed_warning
+    if sampling_params.get("sampling_seed") is None:
+        return
+    try:
+        entries = servers if servers is not None else serverinfo.load(client)
+    except redis.RedisError:
+        return
+    message = seed_warning(entries, sampling_params)
+    if message:
+        _warn(message)
+    elif not entries:
+        log.info("--seed: no worker has recorded its SGLang servers yet; whether they honour the seed is checked "
+                 "at the end of the run (manifest: sampling_seed_honoured)")
+
+
+def _write_run_manifests(client: "redis.Redis", out_dir: Path, names: list[str]) -> list[dict[str, Any]] | None:
     """At the end of a run: each dataset's manifest.json, with what the workers recorded of their SGLang
-    servers (bq:server_info) and the dataset's budget state. Best effort: a failure is a warning, never an exit
-    code (the responses are on disk; ``produce export`` writes the manifest again)."""
+    servers (bq:server_info) and the dataset's budget state; returns those servers. Best effort: a failure is a
+    warning, never an exit code (the responses are on disk; ``produce export`` writes the manifest again)."""
     from budget import serverinfo
     from producer.export import ExportError, write_manifest
     try:
@@ -360,6 +401,7 @@ def _write_run_manifests(client: "redis.Redis", out_dir: Path, names: list[str])
             continue
         log.info("%s: manifest %s%s", name, path, _describe_servers(servers), extra={
             "dataset": name, "manifest": str(path), "servers": len(servers or [])})
+    return servers
 
 
 def _describe_servers(servers: list[dict[str, Any]] | None) -> str:

@@ -556,6 +556,11 @@ def _write_manifest(dataset_dir: Path, settings: Mapping[str, Any], stats: _Stat
         for key in ("server", "server_unknown", "servers"):
             if previous.get(key) is not None:
                 manifest[key] = previous[key]
+    if (settings.get("sampling_params") or {}).get("sampling_seed") is not None:
+        # A seed is reproducible only where the servers honour it (--enable-deterministic-inference).
+        known = manifest.get("servers")
+        manifest["sampling_seed_honoured"] = (serverinfo.seed_honoured(known) if isinstance(known, list)
+                                              else previous.get("sampling_seed_honoured"))
     kept_extra = dict(extra) if extra is not None else previous.get("extra")
     if kept_extra is not None:
         manifest["extra"] = kept_extra

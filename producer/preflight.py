@@ -5,7 +5,7 @@ everything since its last snapshot on a crash (with AOF everysec, a kill -9 lost
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import redis
 
@@ -34,6 +34,23 @@ def check_redis(client: "redis.Redis", *, allow_eviction: bool, require_aof: boo
                                "last snapshot. Enable appendonly yes (appendfsync everysec).", 1)
         warn("warning: Redis runs without AOF (appendonly no): a Redis crash loses recent commits from Redis; "
              "the output files keep them and a rerun recounts them, but enable appendonly yes")
+
+
+def seed_warning(servers: Sequence[Mapping[str, Any]], sampling_params: Mapping[str, Any]) -> str | None:
+    """A warning when ``sampling_seed`` is sent to servers that ignore it; None when there is nothing to say.
+
+    SGLang applies the per-request seed only when the server runs with ``--enable-deterministic-inference``
+    (sglang/srt/sampling/sampling_batch_info.py), otherwise the seed is accepted and silently unused."""
+    seed = sampling_params.get("sampling_seed")
+    if seed is None or not servers:
+        return None
+    from budget.serverinfo import seed_honoured
+    if seed_honoured(servers):
+        return None
+    without = sum(1 for s in servers if s.get("enable_deterministic_inference") is not True)
+    return (f"warning: --seed {seed} is sent as sampling_seed, but {without} of the {len(servers)} SGLang servers "
+            "the workers recorded do not report running with --enable-deterministic-inference: SGLang ignores "
+            "the seed without it, so the run is not reproducible")
 
 
 def _text(value: Any) -> str:

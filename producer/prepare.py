@@ -11,7 +11,7 @@ from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Final, Sequence
 
 from producer.errors import input_error
 from producer.modeldir import Context, ModelDirError, config_context
@@ -148,6 +148,34 @@ def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             else:
                 out.append(f"{key}: stored {old.get(key)!r}, now {new.get(key)!r}")
     return out
+
+
+#: Sampling parameters runs send since a later version, with the value that means what a stored run without them
+#: did: before them nothing was sent, which is SGLang's default. A resumed run that lacks one goes on as it ran (a
+#: missing setting is never a change of settings; mixing two behaviours in one dataset is what the settings check
+#: exists to prevent). ``reasoning_parser``, the other setting added since, is handled the same way by
+#: ``Producer._settings_for`` (where an explicit --reasoning-parser on an old run is a change).
+ADDED_SAMPLING_PARAMS: Final[dict[str, Any]] = {"skip_special_tokens": True}
+
+
+def resume_settings(stored: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The settings a dataset resumed from ``stored`` goes on with, and notes on what it kept from before.
+
+    ``new`` less every added sampling parameter (ADDED_SAMPLING_PARAMS) that ``stored`` lacks: the run keeps its
+    old behaviour for them. A note names each one whose new value differs from that old behaviour, so the user
+    knows an option was not applied. What remains is compared with ``stored`` as before."""
+    effective = dict(new)
+    notes: list[str] = []
+    params = dict(new.get("sampling_params") or {})
+    stored_params = stored.get("sampling_params") or {}
+    for key, old in ADDED_SAMPLING_PARAMS.items():
+        if key in params and key not in stored_params:
+            if params.pop(key) != old:
+                notes.append(f"{key}: {new['sampling_params'][key]!r} not applied, the run predates it "
+                             f"(kept: not sent, SGLang's default {old!r})")
+    if "sampling_params" in new:
+        effective["sampling_params"] = params
+    return effective, notes
 
 
 def chunked(ids: Sequence[str], size: int) -> list[list[str]]:

@@ -35,7 +35,7 @@ from budget.runstate import RunState
 from producer.errors import ProduceError
 from producer.enqueue import BATCH_CHUNKS, COMPRESS_THREADS, Item, JobSettings, enqueue_chunks, make_queue
 from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, write_failed
-from producer.prepare import Prepared, settings_diff
+from producer.prepare import Prepared, resume_settings, settings_diff
 from producer.progress import progress_bar
 
 log = logging.getLogger("budgetq.produce")
@@ -99,6 +99,7 @@ class DatasetRun:
     rate: deque[tuple[float, int]] = field(default_factory=deque)
     enqueued_samples: int = 0
     reasoning_parser: str | None = None  # None: a run stored before parsers, resumed with the think-marker split
+    sampling_params: dict[str, Any] = field(default_factory=dict)  # what its chunks send (resume_settings)
 
     @property
     def name(self) -> str:
@@ -132,6 +133,8 @@ class Producer:
         self.opt = options
         self.echo = echo
         self.runs: list[DatasetRun] = []
+        # A resumed dataset's settings: the run's, less what a run stored before they existed lacks (resume_settings)
+        self.effective: dict[str, dict[str, Any]] = {}
         self._last_progress = 0.0
         self._last_stale_check = 0.0
         self._grace_until = 0.0
@@ -146,8 +149,13 @@ class Producer:
         if not self.opt.new_run:
             for prepared in self.datasets:
                 stored = self._stored_settings(prepared.name, self.opt.out_dir / prepared.name)
-                settings = self._settings_for(stored)
-                if stored is not None and stored != settings:
+                if stored is None:
+                    continue
+                settings, notes = resume_settings(stored, self._settings_for(stored))
+                for note in notes:
+                    self.echo(f"{prepared.name}: {note}")
+                self.effective[prepared.name] = settings
+                if stored != settings:
                     diff = "; ".join(settings_diff(stored, settings))
                     raise ProduceError(
                         f"dataset {prepared.name}: this run's settings differ from the stored run ({diff}). "
@@ -186,6 +194,8 @@ class Producer:
                                "died", 1)
         if self.opt.new_run and (stored is not None or self.store.exists(p.name)):
             self._start_over(p.name, out_dir)
+        if not self.opt.new_run:
+            settings = self.effective.get(p.name, settings)  # less the sampling params a stored run predates
         self.store.register(p.name, json.dumps(settings, sort_keys=True), created_at=time.time())
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / RUN).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
@@ -234,7 +244,8 @@ class Producer:
         done_ids = set(done) | set(out.tokens)
         todo = deque(s.id for s in p.samples if s.id not in done_ids and s.id not in held)
         return DatasetRun(prepared=p, out=out, lock_token=token, todo=todo, chunk_samples=chunk_samples,
-                          done=done_ids, budget=budget, reasoning_parser=settings.get("reasoning_parser"))
+                          done=done_ids, budget=budget, reasoning_parser=settings.get("reasoning_parser"),
+                          sampling_params=dict(settings.get("sampling_params") or self.opt.sampling_params))
 
     def _take_lock(self, name: str, token: str) -> bool:
         """The dataset's collector lock; a lock left by a dead produce on this host is taken over at once
@@ -447,8 +458,8 @@ class Producer:
             for chunks in self._batches(d, max_chunks, max_samples):
                 try:
                     cids = enqueue_chunks(self.r, self.queue, d.name, chunks,
-                                          sampling_params=self.opt.sampling_params, think=self.opt.think,
-                                          settings=self.opt.job, compress=pool,
+                                          sampling_params=d.sampling_params or self.opt.sampling_params,
+                                          think=self.opt.think, settings=self.opt.job, compress=pool,
                                           reasoning_parser=d.reasoning_parser)
                 except BaseException:
                     # Not enqueued (or, after a lost EXEC reply, perhaps enqueued): the samples go back to the

@@ -292,3 +292,78 @@ def test_sigterm_right_after_start_stops_the_worker_cleanly(r: "redis.Redis", si
         assert proc.wait(30) == 0, pool.log(name)
         assert "Traceback" not in pool.log(name, partial=True)
         assert not r.sismember("rq:workers", f"rq:worker:{name}")
+
+
+def test_a_run_made_before_record_version_2_resumes_counts_and_exports(
+        redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
+        workers: Any) -> None:
+    """An old run on disk: flat version 1 records and a run.json without the settings added since. It resumes
+    without a settings refusal, keeps its old behaviour (no skip_special_tokens sent), counts the old records
+    toward the budget, and both versions export; the token export leaves the old records out and counts them."""
+    sim = sim_factory("--time-scale", "50", "--mean-tokens", "100", "--seed", "6")
+    workers(sim.url, BUDGETQ_CONCURRENCY="8").start("w0")
+    out = tmp_path / "out"
+    base = [str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "512", "--chunk-size", "8",
+            "--out", str(out)]
+    first = produce([*base, "--max-samples", "20"], redis_url)
+    assert first.returncode == 0, first.stderr
+    ds = out / "code_instruct"
+    made = read_jsonl(ds / "raw_responses.jsonl")
+    assert made and all(x["turns"][0]["output_ids"] for x in made)
+    assert all(x["sampling_params"]["skip_special_tokens"] is True for x in made)
+    # Make it the run an older budgetq wrote: flat records, and no setting it did not know.
+    old_lines = []
+    for x in made:
+        t = x["turns"][0]
+        old_lines.append(json.dumps({"id": x["id"], "dataset": x["dataset"], "messages": x["messages"],
+                                     "response": t["response"], "reasoning": t["reasoning"], "content": t["content"],
+                                     "reasoning_truncated": t["reasoning_truncated"],
+                                     "prompt_tokens": t["prompt_tokens"], "completion_tokens": t["completion_tokens"],
+                                     "finish_reason": t["finish_reason"],
+                                     "sampling_params": {"max_new_tokens": 512}}) + "\n")
+    (ds / "raw_responses.jsonl").write_text("".join(old_lines))
+    settings = json.loads((ds / "run.json").read_text())
+    settings["sampling_params"].pop("skip_special_tokens")
+    settings.pop("reasoning_parser", None)
+    (ds / "run.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    r.flushall()  # and a fresh Redis: the files are the truth
+
+    second = produce([*base, "--max-samples", "30"], redis_url)
+    assert second.returncode == 0, second.stderr
+    assert "counted 20 responses" in second.stderr
+    recs = check_exact(r, out, "code_instruct")
+    assert len(recs) == 30
+    assert [x.get("record_version", 1) for x in recs] == [1] * 20 + [2] * 10
+    assert all("skip_special_tokens" not in x["sampling_params"] for x in recs[20:])  # the old behaviour
+    assert json.loads((ds / "run.json").read_text()) == settings
+
+    export = subprocess.run([*produce_cmd(), "export", "code_instruct", "--out", str(out), "--format", "tokens",
+                             "--tokenizer", str(tokenizer_dir), "--truncated", "keep"],
+                            capture_output=True, text=True, timeout=120)
+    assert export.returncode == 0, export.stderr
+    assert "20 records" in export.stderr and "record version 2" in export.stderr
+    assert len(read_jsonl(ds / "tokens.jsonl")) == 10
+    messages = subprocess.run([*produce_cmd(), "export", "code_instruct", "--out", str(out), "--format",
+                               "openai-messages", "--truncated", "keep"], capture_output=True, text=True, timeout=120)
+    assert messages.returncode == 0, messages.stderr
+    assert len(read_jsonl(ds / "openai-messages.jsonl")) == 30
+    manifest = json.loads((ds / "manifest.json").read_text())
+    assert manifest["record_versions"] == {"1": 20, "2": 10} and manifest["counts"]["samples"] == 30
+
+
+def test_seed_without_deterministic_inference_is_warned_and_recorded(
+        redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
+        workers: Any) -> None:
+    sim = sim_factory("--time-scale", "50", "--mean-tokens", "50")
+    workers(sim.url).start("w0")
+    wait_for(lambda: r.hlen(keys.SERVER_INFO) > 0, 60, "the worker recorded its server")
+    out = tmp_path / "out"
+    res = produce([str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "64", "--max-samples", "8",
+                   "--seed", "3", "--out", str(out)], redis_url)
+    assert res.returncode == 0, res.stderr
+    assert "--seed 3 is sent as sampling_seed, but 1 of the 1 SGLang servers" in res.stderr
+    manifest = json.loads((out / "agent_traces" / "manifest.json").read_text())
+    assert manifest["sampling_params"]["sampling_seed"] == 3
+    assert manifest["sampling_seed_honoured"] is None  # the simulator does not report the setting
+    recs = read_jsonl(out / "agent_traces" / "raw_responses.jsonl")
+    assert all(x["sampling_params"]["sampling_seed"] == 3 for x in recs)

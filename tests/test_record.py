@@ -1,0 +1,141 @@
+"""The output record (version 2, and the one reader of version 1), the settings a resumed old run goes on with,
+and the --seed / --skip-special-tokens decisions. Pure functions: no Redis, no server."""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import pytest
+
+from budget import record, serverinfo
+from budget.payload import ChunkPayload, SamplePayload
+from producer.cli import skip_special_tokens_default
+from producer.output import FIELD_ORDER
+from producer.preflight import seed_warning
+from producer.prepare import resume_settings
+from worker.chunk import result_record
+from worker.sglang import GenerateError, parse_generation
+
+V1 = {"id": "s1", "dataset": "ds", "messages": [{"role": "user", "content": "hi"}], "response": "a</think>b",
+      "reasoning": "a", "content": "b", "reasoning_truncated": False, "prompt_tokens": 7, "completion_tokens": 4,
+      "finish_reason": "stop", "sampling_params": {"max_new_tokens": 64}}
+
+
+def chunk(**extra: Any) -> ChunkPayload:
+    return {"v": 1, "dataset": "ds", "chunk": "c1", "sampling_params": {"max_new_tokens": 64},  # type: ignore
+            "think": {"start": "<think>", "end": "</think>"}, "samples": [], **extra}
+
+
+def sample(ids: list[int]) -> SamplePayload:
+    return {"id": "s1", "input_ids": ids, "opens_think": True}
+
+
+def body(text: str, ids: list[int], finish: dict[str, Any]) -> dict[str, Any]:
+    return {"text": text, "output_ids": ids, "meta_info": {"id": "r", "finish_reason": finish, "prompt_tokens": 3,
+                                                          "completion_tokens": len(ids), "cached_tokens": 1}}
+
+
+def test_v1_fields_are_the_old_writer_order() -> None:
+    assert FIELD_ORDER == tuple(V1)
+
+
+def test_a_version_1_record_reads_as_one_turn() -> None:
+    view = record.as_v2(V1)
+    assert view["record_version"] == 1 and record.version(V1) == 1
+    assert (view["id"], view["dataset"], view["messages"], view["completion_tokens"]) == (
+        "s1", "ds", V1["messages"], 4)
+    assert (view["incomplete"], view["stopped_by"], view["reasoning_parser"]) == (False, None, None)
+    (turn,) = view["turns"]
+    assert turn == {"response": "a</think>b", "reasoning": "a", "content": "b", "reasoning_truncated": False,
+                    "reasoning_unclosed": False, "tool_calls": [], "tool_call_errors": 0, "prompt_tokens": 7,
+                    "cached_tokens": 0, "completion_tokens": 4, "finish_reason": "stop",
+                    "prompt_ids_sha256": None, "output_ids": None}
+    cut = record.as_v2({**V1, "finish_reason": "length", "extra_key": 1})
+    assert (cut["incomplete"], cut["stopped_by"], cut["extra_key"]) == (True, "max_new_tokens", 1)
+    assert record.ordered(V1) == V1 and list(record.ordered(V1)) == list(V1)  # an old line is written unchanged
+
+
+def test_the_worker_builds_a_version_2_record_from_the_servers_answer() -> None:
+    gen = parse_generation(body("R\n</think>\n\nA", [11, 12, 13, 2], {"type": "stop", "matched": 2}), 64, "u")
+    assert gen.output_ids == [11, 12, 13, 2]
+    rec = result_record("ds", sample([5, 6, 7]), gen, chunk())
+    assert "messages" not in rec  # the producer adds them when it writes the line
+    assert list(rec) == [f for f in record.RECORD_FIELDS if f != "messages"]
+    assert (rec["record_version"], rec["id"], rec["completion_tokens"], rec["incomplete"]) == (2, "s1", 4, False)
+    (turn,) = rec["turns"]
+    assert list(turn) == list(record.TURN_FIELDS)
+    assert (turn["reasoning"], turn["content"], turn["output_ids"], turn["cached_tokens"]) == (
+        "R", "A", [11, 12, 13, 2], 1)
+    assert turn["prompt_ids_sha256"] == hashlib.sha256(b"5,6,7").hexdigest() == record.prompt_digest([5, 6, 7])
+    assert record.prompt_digest([5, 6, 7]) != record.prompt_digest([5, 6, 8])
+    line = record.ordered({**rec, "messages": [{"role": "user", "content": "q"}]})
+    assert list(line) == list(record.RECORD_FIELDS)
+    assert json.loads(json.dumps(line)) == line
+
+
+def test_a_turn_cut_while_thinking_is_incomplete() -> None:
+    gen = parse_generation(body("R R", [11, 11], {"type": "length", "length": 2}), 2, "u")
+    rec = result_record("ds", sample([5]), gen, chunk())
+    assert (rec["incomplete"], rec["stopped_by"], rec["turns"][0]["reasoning_truncated"]) == (
+        True, "max_new_tokens", True)
+    unclosed = record.make_record(sample_id="x", dataset="d", turns=[{**rec["turns"][0], "finish_reason": "stop",
+                                                                      "reasoning_truncated": False,
+                                                                      "reasoning_unclosed": True}],
+                                  reasoning_parser="qwen3", sampling_params={})
+    assert (unclosed["incomplete"], unclosed["stopped_by"]) == (True, "reasoning_unclosed")
+
+
+@pytest.mark.parametrize("ids", [[1, 2], ["1", 2, 3], [1.5, 2, 3]])
+def test_output_ids_that_break_the_contract_are_retried(ids: list[Any]) -> None:
+    with pytest.raises(GenerateError, match="output_ids") as err:
+        parse_generation(body("abc", [1, 2, 3], {"type": "stop", "matched": 2}) | {"output_ids": ids}, 64, "u")
+    assert err.value.retryable
+
+
+def test_a_stored_run_without_the_new_settings_resumes_as_it_ran() -> None:
+    old = {"tokenizer": "t", "sampling_params": {"max_new_tokens": 64}, "think": None}
+    new = {"tokenizer": "t", "sampling_params": {"max_new_tokens": 64, "skip_special_tokens": True},
+           "think": None, "reasoning_parser": "qwen3"}
+    effective, notes = resume_settings(old, new)
+    # nothing new sent: the old behaviour (reasoning_parser is Producer._settings_for's, tests/test_parsers.py)
+    assert effective == {**old, "reasoning_parser": "qwen3"} and notes == []
+    harmony = {**new, "sampling_params": {"max_new_tokens": 64, "skip_special_tokens": False}}
+    effective, notes = resume_settings(old, harmony)
+    assert effective["sampling_params"] == old["sampling_params"]
+    assert notes == ["skip_special_tokens: False not applied, the run predates it (kept: not sent, SGLang's "
+                     "default True)"]
+    # a run that stored them compares them as any other setting
+    assert resume_settings(new, harmony)[0] == harmony
+    changed = {**old, "sampling_params": {"max_new_tokens": 128}}
+    assert resume_settings(old, changed)[0] != old
+
+
+def test_skip_special_tokens_default_is_the_parsers_rule() -> None:
+    assert skip_special_tokens_default("gpt-oss") is False
+    assert all(skip_special_tokens_default(p) for p in (None, "qwen3", "deepseek-r1", "glm45", "kimi_k2"))
+    from worker import reasoning
+    rule = getattr(reasoning, "skip_special_tokens_for", None)
+    parsers = getattr(reasoning, "PARSERS", ())
+    if rule is None:
+        pytest.skip("worker.reasoning has no skip_special_tokens_for yet")
+    for parser in parsers:
+        assert skip_special_tokens_default(parser) == rule(parser), parser
+
+
+def test_a_seed_is_honoured_only_with_deterministic_inference() -> None:
+    seeded = {"max_new_tokens": 8, "sampling_seed": 3}
+    on = {"url": "http://a", "enable_deterministic_inference": True}
+    off = {"url": "http://b", "enable_deterministic_inference": False}
+    old = {"url": "http://c"}
+    assert serverinfo.seed_honoured([on, on]) is True
+    assert serverinfo.seed_honoured([on, off]) is False
+    assert serverinfo.seed_honoured([old]) is None and serverinfo.seed_honoured([]) is None
+    assert seed_warning([on], seeded) is None
+    assert seed_warning([], seeded) is None  # nothing recorded yet: checked again at the end of the run
+    assert seed_warning([on, off], {"max_new_tokens": 8}) is None  # no seed, nothing to say
+    message = seed_warning([on, off, old], seeded)
+    assert message and "--seed 3" in message and "2 of the 3" in message
+    assert "--enable-deterministic-inference" in message
+    assert serverinfo.pick({"enable_deterministic_inference": False, "api_key": "x"}) == {
+        "enable_deterministic_inference": False}
