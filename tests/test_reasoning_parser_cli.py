@@ -93,8 +93,8 @@ def test_stored_in_run_json_chunks_and_records_and_an_old_run_resumes_as_it_bega
     assert res.returncode == 0, res.stderr
     recs = check_exact(r, out, "agent_traces")
     assert len(recs) == 4
-    assert all(x["reasoning_parser"] == "qwen3-thinking" and "reasoning_unclosed" in x and x["tool_calls"] == []
-               for x in recs)
+    assert all(x["reasoning_parser"] == "qwen3-thinking" and "reasoning_unclosed" in x["turns"][0]
+               and x["turns"][0]["tool_calls"] == [] for x in recs)
     manifest = json.loads((out / "agent_traces" / "manifest.json").read_text())
     assert manifest["reasoning_parser"] == "qwen3-thinking"
 
@@ -111,7 +111,7 @@ def test_stored_in_run_json_chunks_and_records_and_an_old_run_resumes_as_it_bega
     assert "reasoning_parser" not in json.loads(run_json.read_text())
     recs = read_jsonl(out / "agent_traces" / "raw_responses.jsonl")
     assert len(recs) == 8
-    assert all("reasoning_unclosed" not in x and "tool_calls" not in x for x in recs[4:])  # the old split
+    assert all(x["reasoning_parser"] is None for x in recs[4:])  # the old split (record version 2, no parser)
 
     named = produce([*base, "--max-samples", "8", "--reasoning-parser", "qwen3-thinking"], redis_url)
     assert named.returncode == 2, named.stderr
