@@ -84,6 +84,8 @@ QUEUE_NAME = "budgetq"
 
 # RQ 3.x key layout (rq/queue.py, rq/job.py, rq/registry.py).
 RQ_QUEUE = "rq:queue:" + QUEUE_NAME
+#: Where RQ 3 moves a job it dequeues (BLMOVE) until the worker marks it started (rq/intermediate_queue.py).
+RQ_INTERMEDIATE = RQ_QUEUE + ":intermediate"
 RQ_JOB_PREFIX = "rq:job:"
 RQ_CANCELED = "rq:canceled:" + QUEUE_NAME
 

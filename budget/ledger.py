@@ -213,7 +213,7 @@ class Ledger:
         starts meanwhile is never taken (budget/scripts.py RECLAIM_QUEUED). Returns (reclaimed chunk ids, ids
         still queued whose job a worker has popped: the caller times them and passes them back as overdue)."""
         k = keys.DatasetKeys(name)
-        stale, popped = self._reclaim_queued(keys=[k.chunks], args=[keys.RQ_JOB_PREFIX, *overdue])
+        stale, popped = self._reclaim_queued(keys=[k.chunks, keys.RQ_INTERMEDIATE], args=[keys.RQ_JOB_PREFIX, *overdue])
         return [_s(x) for x in stale], [_s(x) for x in popped]
 
     def discard(self, name: str, reason: str, keep_s: int = DISCARDED_TTL_S, mark_batch: int = MARK_BATCH) -> int:

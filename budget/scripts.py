@@ -353,9 +353,12 @@ return ids
 
 RECLAIM_QUEUED = """
 -- reclaim_queued: take back queued chunks that no worker will ever start: their RQ job is gone or ended
--- (failed, finished, stopped, canceled) while the chunk is still queued, or a worker popped the job (status
--- started) and never started the chunk for as long as the caller allows (ARGV[2..], from earlier calls).
--- KEYS[1] chunks zset
+-- (failed, finished, stopped, canceled) while the chunk is still queued, or a worker popped the job and never
+-- started the chunk for as long as the caller allows (ARGV[2..], from earlier calls). Popped means status
+-- started, or status still queued while the id sits in RQ's intermediate list: RQ moves a job there when it
+-- dequeues it and marks it started only later, so a worker stopped or killed in between leaves it there (RQ's
+-- own cleanup fails it only at its next maintenance, up to 10 minutes later).
+-- KEYS[1] chunks zset, KEYS[2] RQ's intermediate queue list
 -- ARGV[1] RQ job key prefix, ARGV[2..] chunk ids popped so long ago that they are taken back if still queued
 -- returns {reclaimed ids, ids queued whose job a worker popped and has not started (the caller times them)}
 -- One script because the decision reads two things that move: a worker may start a chunk (its score turns
@@ -369,9 +372,11 @@ local ended = {failed = true, finished = true, stopped = true, canceled = true}
 local stale, popped = {}, {}
 for _, id in ipairs(ids) do
   local status = redis.call('HGET', ARGV[1] .. id, 'status')
-  if not status or ended[status] or (status == 'started' and forced[id]) then
+  local taken = status == 'started'
+      or (status == 'queued' and redis.call('LPOS', KEYS[2], id) ~= false)
+  if not status or ended[status] or (taken and forced[id]) then
     stale[#stale + 1] = id
-  elseif status == 'started' then
+  elseif taken then
     popped[#popped + 1] = id
   end
 end

@@ -185,6 +185,25 @@ def test_reclaim_queued_never_takes_a_chunk_started_after_the_read(r: "redis.Red
     assert ledger.start_chunk("ds", popped) == "revoked"  # its late worker does nothing with it
 
 
+def test_reclaim_queued_takes_back_a_job_popped_by_a_worker_that_never_ran_it(r: "redis.Redis") -> None:
+    """RQ 3 dequeues by moving the job id to its intermediate list and marks it started only later: a worker
+    stopped or killed in between leaves the job "queued" but in no queue, and RQ's own cleanup fails it only at
+    its next maintenance (up to 10 minutes). The reclaim times such a chunk like a popped one and takes it back
+    after the caller's grace, while a chunk whose job is still in the queue is never touched."""
+    ledger = Ledger(r)
+    ledger.set_budget("ds", None)
+    lost, waiting = enqueue(r, "ds", 2)
+    assert r.lmove(keys.RQ_QUEUE, keys.RQ_INTERMEDIATE, "LEFT", "RIGHT") == lost.encode()  # RQ's dequeue
+    assert Job.fetch(lost, connection=r, serializer=JSONSerializer).get_status() == "queued"
+
+    stale, popped = ledger.reclaim_queued("ds")
+    assert stale == [] and popped == [lost], "popped but not started: timed by the caller, not yet taken"
+    stale, popped = ledger.reclaim_queued("ds", overdue=[lost, waiting])
+    assert stale == [lost] and popped == [], "overdue: taken back; the job still in the queue is not"
+    assert ledger.live_chunks("ds") == {waiting}
+    assert ledger.start_chunk("ds", lost) == "revoked"  # should its worker come back, it does nothing with it
+
+
 def test_reconcile_and_uncommit(r: "redis.Redis") -> None:
     ledger = Ledger(r)
     ledger.set_budget("ds", 100)
