@@ -21,10 +21,14 @@ from sglang_sim.faults import (
 )
 
 LengthDist = Literal["lognormal", "exponential", "fixed"]
-ReasoningStyle = Literal["open", "full", "none"]
+ReasoningStyle = Literal["open", "full", "none", "qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45",
+                         "kimi", "kimi_k2", "gpt-oss"]
 
 LENGTH_DISTS: tuple[LengthDist, ...] = ("lognormal", "exponential", "fixed")
-REASONING_STYLES: tuple[ReasoningStyle, ...] = ("open", "full", "none")
+REASONING_STYLES: tuple[ReasoningStyle, ...] = ("open", "full", "none", "qwen3", "qwen3-thinking", "deepseek-r1",
+                                                "deepseek-v3", "glm45", "kimi", "kimi_k2", "gpt-oss")
+#: The styles named after a model family (sglang_sim/families.py): they need --tokenizer.
+FAMILY_STYLES: tuple[ReasoningStyle, ...] = REASONING_STYLES[3:]
 
 # Token ids of the thinking markers, as in the Qwen3 vocabulary, so output_ids look like a real model's.
 THINK_OPEN_ID = 151667
@@ -52,6 +56,8 @@ class SimConfig:
     sigma: float = 0.8
     reasoning_style: ReasoningStyle = "open"
     reasoning_fraction: float = 0.6
+    # A tokenizer directory: output_ids are the real ids of the generated text (sglang_sim/families.py)
+    tokenizer: str | None = None
     # Speed model (simulated seconds; all divided by time_scale on the wall clock)
     tokens_per_second_per_request: float = 1000.0
     saturation_batch: int = 64
@@ -100,6 +106,8 @@ def validate(cfg: SimConfig) -> list[str]:
         problems.append(f"length_dist must be one of {LENGTH_DISTS}")
     if cfg.reasoning_style not in REASONING_STYLES:
         problems.append(f"reasoning_style must be one of {REASONING_STYLES}")
+    if cfg.reasoning_style in FAMILY_STYLES and cfg.tokenizer is None:
+        problems.append(f"reasoning_style {cfg.reasoning_style} needs --tokenizer (its markers are real tokens)")
     if not 0.0 <= cfg.reasoning_fraction <= 1.0:
         problems.append("reasoning_fraction must be in [0, 1]")
     if cfg.mean_tokens < 1:
@@ -159,7 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning", action=argparse.BooleanOptionalAction, default=True,
                    help="emit a reasoning part closed by </think> (default on; --no-reasoning = style none)")
     p.add_argument("--reasoning-style", choices=REASONING_STYLES, default=d.reasoning_style,
-                   help="open: 'r</think>a' (prompt ends with <think>), full: '<think>r</think>a', none (default %(default)s)")
+                   help="open: 'r</think>a' (prompt ends with <think>), full: '<think>r</think>a', none, or a model "
+                        "family (qwen3, qwen3-thinking, deepseek-r1, deepseek-v3, glm45, kimi, kimi_k2, gpt-oss: "
+                        "its format and tool calls; needs --tokenizer) (default %(default)s)")
+    p.add_argument("--tokenizer", default=d.tokenizer, metavar="DIR",
+                   help="tokenizer directory: output_ids are the real ids of the text, and skip_special_tokens "
+                        "decides whether special tokens stay in text (default: pseudo-word ids)")
     p.add_argument("--reasoning-fraction", type=float, default=d.reasoning_fraction,
                    help="share of output tokens spent reasoning (default %(default)s)")
     p.add_argument("--tokens-per-second-per-request", type=float, default=d.tokens_per_second_per_request,

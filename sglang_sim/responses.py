@@ -31,21 +31,22 @@ def generate_body(
     outcome: Outcome,
     e2e_latency: float,
     abort_message: str | None = None,
+    skip_special_tokens: bool = True,
 ) -> dict[str, Any]:
     """The 200 body of one /generate request (finished or aborted; `abort_message` overrides SGLang's)."""
     finish: dict[str, Any]
     if outcome.aborted:
         message = abort_message or (ABORT_RUNNING_MESSAGE if outcome.started else ABORT_QUEUED_MESSAGE)
         finish = {"type": "abort", "message": message, "status_code": None, "err_type": None}
-        text, output_ids = render(lexicon, plan, outcome.generated, None)
+        text, output_ids = render(lexicon, plan, outcome.generated, None, skip_special_tokens)
         if not outcome.started:
             prompt_tokens = 0  # SGLang reports a request aborted in the queue with zero counts
     elif stops:
-        finish = {"type": "stop", "matched": cfg.eos_id}
-        text, output_ids = render(lexicon, plan, plan.body_len(), cfg.eos_id)
+        text, output_ids = render(lexicon, plan, plan.body_len(), cfg.eos_id, skip_special_tokens)
+        finish = {"type": "stop", "matched": output_ids[-1]}
     else:
         finish = {"type": "length", "length": max_new_tokens}
-        text, output_ids = render(lexicon, plan, max_new_tokens, None)
+        text, output_ids = render(lexicon, plan, max_new_tokens, None, skip_special_tokens)
     return {
         "text": text,
         "output_ids": output_ids,

@@ -19,7 +19,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -31,7 +31,7 @@ from sglang_sim.fault_http import ABORT_INJECTED_MESSAGE, FaultState, mangled_re
 from sglang_sim.faults import FaultSettings, OutageMode
 from sglang_sim.prefix_cache import PrefixCache
 from sglang_sim.responses import MODEL_PATH, generate_body, metrics_text, server_info, stats_body
-from sglang_sim.textgen import Lexicon, input_digest, lexicon_for, plan_output, request_rng
+from sglang_sim.textgen import Lexicon, input_digest, lexicon_for, plan_output, plan_with_tokenizer, request_rng
 from sglang_sim.validation import ApiError, parse_generate, type_error, value_error
 
 
@@ -55,6 +55,7 @@ class SimState:
     inflight: dict[str, InFlight] = field(default_factory=dict)
     ready_at: float = 0.0  # time.monotonic() from which /health answers 200 (cfg.warmup_seconds after start)
     unauthorized: int = 0  # requests refused with 401 (--api-key): a worker's wrong key, counted for tests
+    tokenizer: Any = None  # sglang_sim.families.SimTokenizer with --tokenizer: real output_ids
 
     def cut_inflight(self, mode: OutageMode) -> None:
         """An outage began: end every in-flight request now (each handler answers per `mode`)."""
@@ -104,6 +105,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     keyed = spec.sampling_seed is not None or spec.greedy
     rng = request_rng(st.cfg, seq, input_digest(spec.raw_prompt) if keyed else "", spec.sampling_seed, spec.greedy)
     plan = plan_output(st.cfg, rng, spec.min_new_tokens)
+    if st.tokenizer is not None:  # real ids of the family's text (sglang_sim/families.py)
+        plan = plan_with_tokenizer(st.cfg, st.lexicon, plan, rng, st.tokenizer, spec.prompt)
     # SGLang (schedule_batch.update_finish_state) checks EOS before the length limit, so an EOS drawn on the
     # last allowed token is a stop.
     stops = not spec.ignore_eos and plan.natural_len <= spec.max_new_tokens
@@ -128,6 +131,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = generate_body(
         st.lexicon, st.cfg, rid, plan, stops, spec.max_new_tokens, len(spec.prompt), outcome, time.monotonic() - t0,
         abort_message=ABORT_INJECTED_MESSAGE if injected_abort else None,
+        skip_special_tokens=spec.skip_special_tokens,
     )
     if fault is not None and fault.kind == "malformed":
         faults.counters.malformed[fault.malformed] = faults.counters.malformed.get(fault.malformed, 0) + 1
@@ -248,6 +252,9 @@ def make_app(cfg: SimConfig) -> web.Application:
     cache = PrefixCache(cfg.prefix_cache_page, cfg.prefix_cache_pages)
     faults = FaultState(FaultSettings.from_config(cfg), cfg.outages)
     st = app[STATE] = SimState(cfg=cfg, engine=Engine(cfg, cache), lexicon=lexicon_for(cfg.seed), faults=faults)
+    if cfg.tokenizer is not None:
+        from sglang_sim.families import SimTokenizer
+        st.tokenizer = SimTokenizer(cfg.tokenizer)
     faults.on_outage_start.append(st.cut_inflight)
     fault_http.install(app, faults)
     app.router.add_route("POST", "/generate", generate)

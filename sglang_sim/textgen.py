@@ -12,8 +12,8 @@ import functools
 import hashlib
 import math
 import random
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
 
 from sglang_sim.config import (
     LEXICON_SIZE,
@@ -85,6 +85,10 @@ class OutputPlan:
     reasoning_words: int
     offset: int
     style: ReasoningStyle
+    # With --tokenizer: the real ids of the whole body (EOS excluded), the EOS, and the tokenizer to decode them
+    ids: tuple[int, ...] | None = None
+    eos: int | None = None
+    tokenizer: Any = field(default=None, compare=False, repr=False)
 
     def body_len(self) -> int:
         """Tokens before EOS."""
@@ -133,16 +137,44 @@ def plan_output(cfg: SimConfig, rng: random.Random, min_new_tokens: int = 0) -> 
 
 
 def _marker_count(style: ReasoningStyle) -> int:
-    return {"open": 1, "full": 2, "none": 0}[style]
+    return {"open": 1, "full": 2}.get(style, 0)
 
 
-def render(lexicon: Lexicon, plan: OutputPlan, n_tokens: int, eos_id: int | None) -> tuple[str, list[int]]:
+def plan_with_tokenizer(cfg: SimConfig, lexicon: Lexicon, plan: OutputPlan, rng: random.Random, tok: Any,
+                        prompt: Sequence[int] | Sequence[str]) -> OutputPlan:
+    """The plan's text in its family's format (sglang_sim/families.py), tokenized: about the drawn length (the
+    words are chosen for it), exactly the tokenized length plus the EOS."""
+    from sglang_sim.families import family_text, find_call
+    style = {"open": "qwen3-thinking", "full": "qwen3"}.get(plan.style, plan.style)
+    n_words = max(2, round(plan.body_len() / tok.tokens_per_word))
+    n_reason = 0 if style in ("none", "deepseek-v3") else int(round(cfg.reasoning_fraction * n_words))
+    words, _ = lexicon.take(plan.offset, n_words)
+    reasoning, answer = " ".join(words[:n_reason]), " ".join(words[n_reason:])
+    prompt_text = (tok.decode(prompt, skip_special_tokens=False) if prompt and isinstance(prompt[0], int)
+                   else " ".join(str(p) for p in prompt))
+    call = find_call(prompt_text, words[n_reason:], rng.random() < 0.5)
+    text = answer if style == "none" and call is None else family_text(
+        "qwen3-thinking" if style == "none" else style, reasoning, answer, call)
+    ids = tok.encode(text)
+    return replace(plan, natural_len=len(ids) + 1, reasoning_words=n_reason, ids=tuple(ids),
+                   eos=tok.eos_for(style, call is not None), tokenizer=tok)
+
+
+def render(lexicon: Lexicon, plan: OutputPlan, n_tokens: int, eos_id: int | None,
+           skip_special_tokens: bool = True) -> tuple[str, list[int]]:
     """Text and output_ids of the first `n_tokens` body tokens, plus `eos_id` when given.
+
+    With a tokenizer (``plan.ids``) the ids are a prefix of the planned ones, the EOS is the family's
+    (``plan.eos``) and the text is their decode, special tokens kept only when ``skip_special_tokens`` is false.
 
     The body is `[<think>] reasoning-words </think> answer-words` (markers per style); a cut inside
     the reasoning therefore has no `</think>`. EOS is a special token: it ends output_ids but never
     appears in the text, as with skip_special_tokens=true.
     """
+    if plan.ids is not None:
+        body = list(plan.ids[:n_tokens])
+        text = plan.tokenizer.decode(body, skip_special_tokens=skip_special_tokens)
+        return text, body + ([plan.eos if plan.eos is not None else eos_id] if eos_id is not None else [])
     left = n_tokens
     opened = plan.style == "full" and left > 0
     left -= opened

@@ -68,6 +68,7 @@ class GenerateSpec:
     ignore_eos: bool
     sampling_seed: int | None
     greedy: bool
+    skip_special_tokens: bool = True  # SGLang's default: special tokens left out of `text`
 
 
 def _is_int(v: object) -> bool:
@@ -162,6 +163,7 @@ def _check_sampling(sp: Mapping[str, Any]) -> dict[str, Any]:
         "ignore_eos": bool(sp.get("ignore_eos")),
         "sampling_seed": sp.get("sampling_seed"),
         "greedy": temperature == 0.0,
+        "skip_special_tokens": sp.get("skip_special_tokens", True) is not False,
     }
 
 
@@ -213,4 +215,5 @@ def parse_generate(body: object, cfg: SimConfig) -> GenerateSpec:
         ignore_eos=sampling["ignore_eos"],
         sampling_seed=sampling["sampling_seed"],
         greedy=sampling["greedy"],
+        skip_special_tokens=sampling["skip_special_tokens"],
     )

@@ -545,3 +545,60 @@ def test_console_script_subprocess() -> None:
         run(go())
         proc = sim.proc
     assert proc is not None and proc.returncode == 0  # SIGTERM is a clean shutdown
+
+
+# -- model families with a real tokenizer (sglang_sim/families.py) -------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen3-thinking", "glm45", "kimi_k2", "gpt-oss"])
+def test_a_family_style_returns_the_real_ids_of_its_text(tmp_path: Any, family: str) -> None:
+    """output_ids are the tokenizer's ids of the family's text, EOS last on a stop; text is their decode with
+    special tokens left out (skip_special_tokens true, SGLang's default) or kept (false); a cut is a prefix."""
+    from transformers import AutoTokenizer
+
+    from tests.families import build_family_tokenizer
+    directory = build_family_tokenizer(tmp_path / family, family)
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Weather in Paris?"}], tools=tools,
+                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+    cfg = FAST.replace(reasoning_style=family, tokenizer=str(directory), mean_tokens=40)
+    eos_ids = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|user|>", "<|observation|>", "<|return|>",
+                                                      "<|call|>")} - {None, tok.unk_token_id}
+
+    async def go() -> list[tuple[bool, Any]]:
+        out = []
+        async with sim_and_client(cfg) as (_, client):
+            for skip in (True, False):
+                for _ in range(6):
+                    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 400,
+                                                                       "skip_special_tokens": skip}}
+                    status, answer = await post(client, "/generate", body)
+                    assert status == 200, answer
+                    out.append((skip, answer))
+            status, cut = await post(client, "/generate", {"input_ids": prompt,
+                                                           "sampling_params": {"max_new_tokens": 5}})
+            out.append((True, cut))
+        return out
+
+    answers = run(go())
+    calls = 0
+    for skip, answer in answers[:-1]:
+        ids, text, meta = answer["output_ids"], answer["text"], answer["meta_info"]
+        assert meta["finish_reason"]["type"] == "stop" and meta["completion_tokens"] == len(ids)
+        assert ids[-1] == meta["finish_reason"]["matched"] and ids[-1] in eos_ids
+        assert text == tok.decode(ids[:-1], skip_special_tokens=skip)
+        assert tok.decode(ids[:-1]) == tok.decode(tok.encode(tok.decode(ids[:-1]), add_special_tokens=False))
+        calls += "get_weather" in text
+        if family == "gpt-oss":
+            assert ("<|channel|>" in text) == (not skip)  # the markers are special tokens
+    assert calls, "a prompt that declares a function gets calls"
+    cut = answers[-1][1]
+    assert cut["meta_info"]["finish_reason"]["type"] == "length" and len(cut["output_ids"]) == 5
+
+
+def test_a_family_style_needs_a_tokenizer() -> None:
+    with pytest.raises(ValueError, match="reasoning_style glm45 needs --tokenizer"):
+        SimConfig(reasoning_style="glm45")
