@@ -3,7 +3,8 @@
     PYTHONPATH=$PWD python3 -m bench.multiturn_costs
 
 Demo tokenizer (no hub here): tokenizer file bytes, the import cost of transformers against tokenizers + jinja2,
-loading a tokenizer, rendering the 3rd turn of a 3-turn conversation, and the JSON bytes of a committed turn.
+loading a tokenizer, rendering the 3rd turn of a 3-turn conversation, the JSON bytes of a committed turn, and what
+committed turns hold in a private redis-server (MEMORY USAGE of the commit_turn keys).
 Times are noisy on a loaded machine: only their order of magnitude is used. Byte counts are exact.
 """
 import json, os, subprocess, sys, time, tempfile, zlib
@@ -54,3 +55,28 @@ msgs = [m for m in conv if m["role"] != "assistant"]
 print("bytes: messages", len(json.dumps(msgs)), "one turn record", len(json.dumps(turn)),
       "turn tokens", turn["completion_tokens"], "bytes/token", round(len(json.dumps(turn)) / turn["completion_tokens"], 1),
       "input_ids of turn 3", len(json.dumps(ids)))
+
+# What committed-but-unwritten turns hold in Redis: 200 conversations x 2 turns through Ledger.commit_turn, on a
+# private redis-server (tests/redis_server.py: started here, stopped here).
+import redis
+from tests.redis_server import RedisServer
+from budget import keys
+from budget.ledger import Ledger
+srv = RedisServer(Path(tempfile.mkdtemp())); srv.start()
+try:
+    r = redis.Redis.from_url(srv.url); L = Ledger(r); L.set_budget("m", None)
+    ans = "A turn is committed once by a Lua script keyed by sample and turn. " * 40
+    n_tok = 1361
+    rec = {"response": ans, "content": ans, "reasoning": "", "output_ids": list(range(1000, 1000 + n_tok)),
+           "prompt_tokens": 3927, "cached_tokens": 0, "completion_tokens": n_tok, "finish_reason": "stop",
+           "tool_calls": [], "reasoning_truncated": False, "reasoning_unclosed": False}
+    N = 200
+    for c in range(N):
+        for t in range(2):
+            assert L.commit_turn("m", f"conversation-{c:06d}", t, n_tok, rec).committed
+    k = keys.DatasetKeys("m")
+    mem = {name: r.memory_usage(getattr(k, name), samples=0) for name in ("turns", "turnrec", "convs")}
+    print("record JSON bytes", len(json.dumps(rec, separators=(",", ":"))), "per conversation of 2 committed turns:",
+          {a: round(b / N) for a, b in mem.items()}, "total", round(sum(mem.values()) / N))
+finally:
+    srv.stop()

@@ -28,6 +28,13 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:ds:{n}:progress``      | hash   | worker (refresh_chunk)   | running chunk id -> its requests' progress (JSON) |
 | ``bq:ds:{n}:discarded``     | list   | ``discard`` script       | chunk ids out of the queue whose RQ job hashes    |
 |                             |        |                          | ``mark_discarded`` has not yet marked canceled    |
+| ``bq:ds:{n}:turns``         | hash   | ``commit_turn`` script   | turn_field(sample, turn) -> completion tokens: a  |
+|                             |        |                          | turn's exactly-once guard (docs/multiturn.md);    |
+|                             |        |                          | sum = tokens committed, not yet in a record       |
+| ``bq:ds:{n}:turnrec``       | hash   | ``commit_turn`` script   | turn_field -> the turn's record JSON, kept until  |
+|                             |        |                          | its conversation is written                       |
+| ``bq:ds:{n}:convs``         | hash   | ``commit_turn`` script   | sample -> turns committed: started conversations  |
+|                             |        |                          | and the turn each resumes at                      |
 
 The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default, so a Redis of an older run works):
 
@@ -161,11 +168,23 @@ class DatasetKeys:
     def discarded(self) -> str:
         return self.base + ":discarded"
 
+    @functools.cached_property
+    def turns(self) -> str:
+        return self.base + ":turns"
+
+    @functools.cached_property
+    def turnrec(self) -> str:
+        return self.base + ":turnrec"
+
+    @functools.cached_property
+    def convs(self) -> str:
+        return self.base + ":convs"
+
     def all(self) -> list[str]:
         """Every key of the dataset (for ``--new-run``, which starts it over)."""
         return [self.meta, self.used, self.done, self.pending, self.chunks, self.seq, self.results,
                 self.failed, self.collector, self.resv, self.inflight, self.lengths, self.stats, self.progress,
-                self.discarded]
+                self.discarded, self.turns, self.turnrec, self.convs]
 
 
 def chunk_id(dataset: str, seq: int) -> str:
@@ -176,6 +195,20 @@ def chunk_id(dataset: str, seq: int) -> str:
     pairs never give the same id.
     """
     return f"bq-{dataset}-{seq:07d}"
+
+
+#: Between a turn's index and its sample key in the fields of ``turns`` and ``turnrec``. Sample ids hold only
+#: printable characters, and the turn's digits come first, so a field splits at its first separator for any
+#: sample key (issue 15's keys of generations > 0 may hold the separator themselves).
+TURN_SEP = "\x1f"
+
+
+def turn_field(sample: str, turn: int) -> str:
+    """The field of a conversation's ``turn``-th turn (0-based) in ``turns`` and ``turnrec``; the commit_turn
+    script builds the same string (budget/scripts.py COMMIT_TURN)."""
+    if isinstance(turn, bool) or not isinstance(turn, int) or turn < 0:
+        raise ValueError(f"a turn index is an int >= 0, not {turn!r}")
+    return f"{turn}{TURN_SEP}{sample}"
 
 
 def rq_job_key(job_id: str) -> str:

@@ -128,6 +128,31 @@ class DatasetState:
         return self.used + self.reserved < self.budget
 
 
+class TurnVerdict(enum.IntEnum):
+    COMMITTED = 1
+    DUPLICATE = 0  # the turn is committed already, or its conversation is written: nothing changed
+    OUT_OF_ORDER = -1  # not the conversation's next turn (generated on another history): nothing changed
+
+
+@dataclass(frozen=True)
+class TurnOutcome:
+    """What ``commit_turn`` decided for one turn of a conversation (budget/scripts.py COMMIT_TURN)."""
+
+    verdict: TurnVerdict
+    used: int
+    closed_now: bool  # this turn brought the counter to the budget and closed the dataset (no new conversation)
+    late: bool = False  # the chunk had lost its lease while the request ran
+
+    @property
+    def committed(self) -> bool:
+        return self.verdict is TurnVerdict.COMMITTED
+
+
+def _turn_outcome(reply: Any) -> TurnOutcome:
+    verdict, used, closed, late = reply
+    return TurnOutcome(TurnVerdict(int(verdict)), int(used), bool(closed), bool(late))
+
+
 def _admissions(reply: Any, n: int) -> list[Admission]:
     out = [Admission(Admit(int(reply[i])), int(reply[i + 1])) for i in range(0, len(reply), 2)]
     return out + [out[-1]] * (n - len(out))
@@ -298,6 +323,53 @@ class Ledger:
         k = self._keys(name)
         return Call(self._fail, [k.done, k.pending, k.failed, k.resv, k.inflight],
                     [sample, chunk, json.dumps(reason, ensure_ascii=False), reserved], bool)
+
+    # -- multi-turn conversations (docs/multiturn.md; nothing calls these yet) ------------------------
+    @functools.cached_property
+    def _commit_turn(self) -> Script:
+        # Registered on first use, not in __init__: single-turn runs never load it.
+        return self.r.register_script(scripts.COMMIT_TURN)
+
+    def commit_turn(self, name: str, sample: str, turn: int, completion_tokens: int, record: dict[str, Any], *,
+                    chunk: str = "", reserved: int = 0, finish_reason: str | None = None) -> TurnOutcome:
+        return self.run(self.commit_turn_call(name, sample, turn, completion_tokens, record, chunk=chunk,
+                                              reserved=reserved, finish_reason=finish_reason))
+
+    def commit_turn_call(self, name: str, sample: str, turn: int, completion_tokens: int, record: dict[str, Any],
+                         *, chunk: str = "", reserved: int = 0,
+                         finish_reason: str | None = None) -> Call[TurnOutcome]:
+        """Commit the ``turn``-th turn (0-based) of conversation ``sample`` once: a resend, an RQ retry or a
+        zombie's copy is a DUPLICATE and changes nothing; a turn that is not the conversation's next is
+        OUT_OF_ORDER. The turn's tokens count in ``used`` at once; its record stays in Redis until the
+        conversation is written. Merges with other commit_turn calls of the dataset in ``run_many``."""
+        keys.turn_field(sample, turn)  # refuses a turn index that is not an int >= 0
+        if isinstance(completion_tokens, bool) or not isinstance(completion_tokens, int) or completion_tokens < 0:
+            raise ValueError(f"completion_tokens is an int >= 0, not {completion_tokens!r}")
+        k = self._keys(name)
+        reason = finish_reason or str(record.get("finish_reason", "unknown"))
+        return Call(self._commit_turn,
+                    [k.meta, k.used, k.done, k.turns, k.turnrec, k.convs, k.resv, k.inflight, k.lengths, k.stats],
+                    [sample, turn, completion_tokens, orjson.dumps(record), chunk, reserved, reason],
+                    _turn_outcome, merge=4)
+
+    def committed_turns(self, name: str, sample: str) -> list[dict[str, Any]]:
+        """The committed, not yet written turns of a conversation, in order (what a resumed conversation's
+        history is rendered from). Empty once the conversation is written, or before its first turn."""
+        k = self._keys(name)
+        n = int(self.r.hget(k.convs, sample) or 0)
+        if n == 0:
+            return []
+        rows = self.r.hmget(k.turnrec, [keys.turn_field(sample, t) for t in range(n)])
+        out: list[dict[str, Any]] = []
+        for row in rows:
+            if row is None:  # written meanwhile: its turns left with its record
+                break
+            out.append(json.loads(row))
+        return out
+
+    def unwritten_turn_tokens(self, name: str) -> int:
+        """Σ of committed turns not yet in a record: with Σ done, what ``used`` must equal."""
+        return sum(int(v) for v in self.r.hvals(self._keys(name).turns))
 
     # -- running calls -------------------------------------------------------------------------------
     def run(self, call: Call[T]) -> T:

@@ -256,6 +256,66 @@ redis.call('LTRIM', KEYS[9], 0, 4095)
 return out
 """
 
+COMMIT_TURN = _CLOSE_IF_SPENT + _SETTLE + """
+-- commit_turn: record one turn of a multi-turn conversation exactly once, keyed by (sample, turn); count its
+-- tokens; settle its reservation (docs/multiturn.md). The conversation's record is written when it ends: until
+-- then the turn's record stays here, durable, and counts in used (used = sum of done + sum of turns).
+-- KEYS[1] meta hash, KEYS[2] used counter, KEYS[3] done hash, KEYS[4] turns hash, KEYS[5] turn records hash,
+-- KEYS[6] conversations hash, KEYS[7] reservations hash, KEYS[8] in-flight hash, KEYS[9] lengths list,
+-- KEYS[10] stats hash
+-- ARGV: one group of 7 per turn, committed in order, each as if alone: sample key, turn index (0-based),
+-- completion tokens, turn record JSON, chunk id, tokens the request reserved, finish reason
+-- returns per turn {verdict, used after, closed now (1/0), late (1/0)}, flattened. verdict 1: committed;
+-- 0: duplicate (this turn is committed already, or its conversation is written: in done), nothing changed;
+-- -1: out of order (the conversation has not exactly this many turns committed: the turn was generated on a
+-- history that is not the committed one), nothing changed. Whatever the verdict the request has ended, so its
+-- reservation is settled, as commit does.
+-- A turn's field is its index in decimal, byte 0x1f, the sample key (budget/keys.py turn_field): the digits
+-- come first, so it splits at the first 0x1f whatever the sample key holds. A duplicate (RQ retry, a reclaimed
+-- chunk's zombie, a redis-py resend after a lost reply) hits the field and changes nothing: no turn is counted
+-- twice, and the first committed record of a turn is the one kept.
+local out = {}
+local t = redis.call('TIME')
+local bucket = 't:' .. math.floor(tonumber(t[1]) / 10)
+for g = 0, #ARGV / 7 - 1 do
+  local sample, turn, tokens = ARGV[g * 7 + 1], tonumber(ARGV[g * 7 + 2]), tonumber(ARGV[g * 7 + 3])
+  local chunk = ARGV[g * 7 + 5]
+  local late = settle(KEYS[7], KEYS[8], chunk, ARGV[g * 7 + 6])
+  local field = string.format('%d', turn) .. '\\31' .. sample
+  local verdict = 1
+  if redis.call('HEXISTS', KEYS[3], sample) == 1 or redis.call('HEXISTS', KEYS[4], field) == 1 then
+    verdict = 0
+  elseif tonumber(redis.call('HGET', KEYS[6], sample) or '0') ~= turn then
+    verdict = -1
+  end
+  if verdict ~= 1 then
+    out[#out + 1] = verdict
+    out[#out + 1] = tonumber(redis.call('GET', KEYS[2]) or '0')
+    out[#out + 1] = 0
+    out[#out + 1] = late
+  else
+    redis.call('HSET', KEYS[4], field, tokens)
+    redis.call('HSET', KEYS[5], field, ARGV[g * 7 + 4])
+    redis.call('HSET', KEYS[6], sample, turn + 1)
+    local used = redis.call('INCRBY', KEYS[2], tokens)
+    redis.call('LPUSH', KEYS[9], tokens)
+    redis.call('HINCRBY', KEYS[10], 'turns', 1)
+    redis.call('HINCRBY', KEYS[10], 'finish_' .. ARGV[g * 7 + 7], 1)
+    redis.call('HINCRBY', KEYS[10], bucket, tokens)
+    if late == 1 then
+      redis.call('HINCRBY', KEYS[10], 'late', 1)
+      redis.call('HINCRBY', KEYS[10], 'late_tokens', tokens)
+    end
+    out[#out + 1] = 1
+    out[#out + 1] = used
+    out[#out + 1] = close_if_spent(KEYS[1], used)
+    out[#out + 1] = late
+  end
+end
+redis.call('LTRIM', KEYS[9], 0, 4095)
+return out
+"""
+
 FAIL = _SETTLE + """
 -- fail: a sample failed every attempt (or got a final 400); settle its reservation, record why, release it.
 -- KEYS[1] done hash, KEYS[2] pending hash, KEYS[3] failed hash, KEYS[4] reservations hash, KEYS[5] in-flight
