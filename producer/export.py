@@ -1,4 +1,5 @@
-"""Turn a dataset's regenerated responses into training data (ShareGPT or OpenAI messages), and its manifest.
+"""Turn a dataset's regenerated responses into training data (ShareGPT, OpenAI messages or token ids), and its
+manifest.
 
 ``raw_responses.jsonl`` keeps what SGLang returned, verbatim; training pipelines (EAGLE-3 draft training in
 SpecForge, SFT tools) want one conversation per line with the new answer as the last assistant turn. This module
@@ -9,11 +10,14 @@ Rules kept here:
 
 - Only committed results are exported: a last line without its newline (a crash mid-write, which the next
   collector cuts) is skipped, and an id listed in ``failed.jsonl`` is never exported.
-- A sample cut by ``max_new_tokens`` is dropped unless asked for: its answer (or its thinking) is incomplete, and a
-  chat template would still close it as a finished turn.
+- Records are read in their version 2 view (budget/record.as_v2), whichever version the line is.
+- An incomplete sample (cut by ``max_new_tokens``, or stopped in an unclosed thinking block) is dropped unless asked
+  for: a chat template would still close it as a finished turn.
 - The export is written to a temporary file beside ``dest`` and renamed over it: a reader never sees half a file.
-- With token ids, the prompt is rendered again with the run's tokenizer and template kwargs; a record whose
-  length differs from what the server counted is left out and reported, never written with ids that are wrong.
+- Token ids (``tokens`` format, ``token_ids``) are the prompt rendered again with the run's tokenizer and template
+  kwargs, kept only if it is the prompt the worker sent (its digest), and the server's own ``output_ids``; nothing
+  is re-encoded from text. A record that fails the check, or has no server ids (version 1), is left out and
+  counted, never written with ids that are wrong.
 """
 from __future__ import annotations
 
