@@ -367,3 +367,21 @@ def test_seed_without_deterministic_inference_is_warned_and_recorded(
     assert manifest["sampling_seed_honoured"] is None  # the simulator does not report the setting
     recs = read_jsonl(out / "agent_traces" / "raw_responses.jsonl")
     assert all(x["sampling_params"]["sampling_seed"] == 3 for x in recs)
+
+
+def test_skip_special_tokens_is_sent_stored_and_a_change_is_refused(redis_url: str, r: "redis.Redis",
+                                                                    tokenizer_dir: Path, tmp_path: Path) -> None:
+    import zlib
+    out = tmp_path / "out"
+    base = [str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "64", "--max-samples", "4", "--out",
+            str(out)]
+    res = produce([*base, "--no-skip-special-tokens", "--detach"], redis_url)  # no worker: the chunks stay queued
+    assert res.returncode == 0, res.stderr
+    payloads = [json.loads(zlib.decompress(r.hget(f"rq:job:{job.decode()}", "data") or b""))[2][0]
+                for job in r.lrange(keys.RQ_QUEUE, 0, -1)]
+    assert payloads and all(p["sampling_params"]["skip_special_tokens"] is False for p in payloads)
+    settings = json.loads((out / "agent_traces" / "run.json").read_text())
+    assert settings["sampling_params"]["skip_special_tokens"] is False
+    changed = produce([*base, "--detach"], redis_url)  # the default (true for qwen3-thinking) is another setting
+    assert changed.returncode == 2
+    assert "skip_special_tokens: stored False, now True" in changed.stderr
