@@ -6,7 +6,8 @@
 # What this image never contains: secrets (they come from the environment at run time; .dockerignore keeps
 # .env and everything else that is not source out of the build context), model weights, tokenizers or
 # datasets (mounted at run time), and nothing is downloaded from a model hub: HF_HUB_OFFLINE is set.
-# Needs BuildKit (the default builder since Docker Engine 23) for the `RUN --mount` below.
+# Needs BuildKit (the default builder since Docker Engine 23) or podman/buildah for the `RUN --mount` below;
+# `make compose-smoke` builds it with podman 4.3 (docs/deployment.md).
 FROM python:3.11-slim
 
 # The versions the compose file's rq-dashboard flags were checked against. rq-dashboard 0.9.0 imports `six`
@@ -22,10 +23,18 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HUB_DISABLE_TELEMETRY=1 \
     HF_HOME=/tmp/huggingface
 
-# The project is installed from a read-write bind mount of the build context (pip builds in the tree; the
-# writes are thrown away), so no layer of the image keeps a copy of the source tree.
-RUN --mount=type=bind,target=/src,rw \
-    pip install /src "rq-dashboard==${RQ_DASHBOARD_VERSION}" six \
+# Extra pip options for the install below, e.g. an offline build from a wheelhouse: with podman,
+# `podman build -v "$PWD/wheels:/wheels:ro" --build-arg PIP_INSTALL_OPTS="--no-index --find-links /wheels" .`
+# (bench/compose_smoke.py does that). Not a place for credentials: build arguments stay in the image history.
+ARG PIP_INSTALL_OPTS=""
+
+# The project is installed from a read-only bind mount of the build context, copied first because pip builds
+# in the tree (build/, *.egg-info). The copy is removed in the same step, so no layer keeps the source tree.
+# Not a read-write mount: BuildKit throws its writes away, but podman/buildah write them into the context.
+RUN --mount=type=bind,target=/src \
+    cp -r /src /tmp/budgetq-src \
+ && pip install ${PIP_INSTALL_OPTS} /tmp/budgetq-src "rq-dashboard==${RQ_DASHBOARD_VERSION}" six \
+ && rm -rf /tmp/budgetq-src \
  && groupadd --system --gid 10001 budgetq \
  && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/budgetq \
         --shell /usr/sbin/nologin budgetq
