@@ -1,4 +1,4 @@
-.PHONY: setup install demo test typecheck chaos clean
+.PHONY: setup install demo test typecheck chaos compose-smoke clean
 
 PYTHON ?= python3
 
@@ -26,6 +26,12 @@ typecheck:
 # Fault injection, full form (20,000 prompts, 4 workers; heavy: ~30 min). See docs/reliability.md.
 chaos:
 	$(PYTHON) -m bench.chaos --full
+
+# docker-compose.yml with real containers (rootful podman + podman-compose, installed when missing): build,
+# sim profile, the deployment doc's quick start, output and dashboard-auth checks, teardown. Opt-in, not CI:
+# root, 4-5 min and ~1.3 GB cold. See docs/deployment.md "Smoke test with real containers".
+compose-smoke:
+	$(PYTHON) -m bench.compose_smoke $(SMOKE_ARGS)
 
 clean:
 	rm -rf .demo out .pytest_cache .mypy_cache build
