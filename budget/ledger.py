@@ -163,6 +163,13 @@ def _commit_outcome(reply: Any) -> CommitOutcome:
     return CommitOutcome(bool(ok), int(used), bool(closed), bool(late))
 
 
+def _length_sample(reply: Any) -> LengthSample:
+    lengths, progress, (prior, max_new, mode) = reply
+    running = [int(x) for row in progress for x in json.loads(row)]
+    return LengthSample([int(x) for x in lengths], running, float(prior) if prior else None,
+                        int(max_new or 0), _s(mode) if mode else "drain")
+
+
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -177,6 +184,7 @@ class Ledger:
         self._finish = client.register_script(scripts.FINISH_CHUNK)
         self._refresh = client.register_script(scripts.REFRESH_CHUNK)
         self._job_meta = client.register_script(scripts.JOB_META)
+        self._length_sample = client.register_script(scripts.LENGTH_SAMPLE)
         self._admit = client.register_script(scripts.ADMIT)
         self._commit = client.register_script(scripts.COMMIT)
         self._fail = client.register_script(scripts.FAIL)
@@ -430,15 +438,11 @@ class Ledger:
 
     def length_sample(self, name: str) -> LengthSample:
         """What predict's length model learns from: recent completion lengths, running requests' progress."""
-        k = keys.DatasetKeys(name)
-        with self.r.pipeline(transaction=False) as p:
-            p.lrange(k.lengths, 0, -1)
-            p.hvals(k.progress)
-            p.hmget(k.meta, ["prior_mean", "max_new_tokens", "mode"])
-            lengths, progress, (prior, max_new, mode) = p.execute()
-        running = [int(x) for row in progress for x in json.loads(row)]
-        return LengthSample([int(x) for x in lengths], running, float(prior) if prior else None,
-                            int(max_new or 0), _s(mode) if mode else "drain")
+        return self.run(self.length_sample_call(name))
+
+    def length_sample_call(self, name: str) -> Call[LengthSample]:
+        k = self._keys(name)
+        return Call(self._length_sample, [k.lengths, k.progress, k.meta], [], _length_sample)
 
     # -- reading -------------------------------------------------------------------------------------
     def state(self, name: str) -> DatasetState:

@@ -119,6 +119,16 @@ redis.call('HSET', KEYS[1], 'meta', ARGV[1])
 return 1
 """
 
+LENGTH_SAMPLE = """
+-- length_sample: what predict's length model learns from, read at one instant (a script, not a pipeline, so
+-- that it rides in the worker's batches like every other ledger call: worker/batch.py).
+-- KEYS[1] lengths list, KEYS[2] progress hash, KEYS[3] meta hash
+-- returns {the recent completion lengths, the progress hash's values (JSON lists),
+--          {prior_mean, max_new_tokens, mode} (nil where unset)}; reads only
+return {redis.call('LRANGE', KEYS[1], 0, -1), redis.call('HVALS', KEYS[2]),
+        redis.call('HMGET', KEYS[3], 'prior_mean', 'max_new_tokens', 'mode')}
+"""
+
 FINISH_CHUNK = """
 -- finish_chunk: a chunk's job is over; it is no longer live and reserves nothing.
 -- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] in-flight hash, KEYS[4] progress hash

@@ -17,7 +17,7 @@ from typing import Any, Callable, TypeVar
 import click
 import redis
 
-from budget import logs
+from budget import connection, logs
 from budget.payload import REASONING_PARSERS
 from producer.amount import parse_amount, parse_budget_option
 from producer.errors import ProduceError
@@ -141,7 +141,7 @@ def parse_mode_option(values: tuple[str, ...]) -> tuple[str | None, dict[str, st
 
 
 def _connect(redis_url: str) -> "redis.Redis":
-    client = redis.Redis.from_url(redis_url)
+    client = connection.connect(redis_url)  # explicit short timeouts and retry, not redis-py's defaults
     try:
         client.ping()
     except redis.RedisError as exc:

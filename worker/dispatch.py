@@ -33,7 +33,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from rq.serializers import JSONSerializer
 
-from budget.ledger import LEASE_MS, REDIS_DOWN, Admission, Admit, Call, Ledger
+from budget.ledger import LEASE_MS, REDIS_DOWN, Admission, Admit, Call, LengthSample, Ledger
 from budget.payload import ChunkPayload, SamplePayload
 from budget.serverinfo import public_url
 from worker.batch import Batcher
@@ -48,6 +48,8 @@ T = TypeVar("T")
 
 #: How often a running chunk's progress is copied into its RQ job's meta, where rq-dashboard's job page shows it.
 META_INTERVAL_S = 5.0
+#: How often the worker-level task renews the RQ worker's registration while chunks run (RQ's worker TTL: 420 s).
+HEARTBEAT_S = 10.0
 
 
 @dataclass
@@ -60,29 +62,50 @@ class Flight:
 
 class Budgeting:
     """What a worker knows about a dataset's budget mode and lengths, refreshed from Redis every
-    ``refresh_s`` seconds (5 reservation intervals: the running requests' progress in the model stays fresh)."""
+    ``refresh_s`` seconds (5 reservation intervals: the running requests' progress in the model stays fresh).
 
-    def __init__(self, ledger: Ledger, refresh_s: float = 5.0) -> None:
-        self.ledger = ledger
+    Never blocks the loop: ``fetch`` is the dispatcher's batched ledger path (off the loop, waiting out an
+    outage). Only a dataset's first model is awaited; after that a stale model is answered at once while one
+    refresh per dataset runs in the background, and stays in use for as long as Redis does not answer."""
+
+    def __init__(self, fetch: Callable[[str], Awaitable[LengthSample]], refresh_s: float = 5.0) -> None:
+        self.fetch = fetch
         self.REFRESH_S = refresh_s
         self.rates = RateTracker()
         self._models: dict[str, tuple[float, str, LengthModel]] = {}
+        self._refreshing: dict[str, asyncio.Task[None]] = {}
 
-    def model(self, dataset: str) -> tuple[str, LengthModel]:
-        now = time.monotonic()
+    async def model(self, dataset: str) -> tuple[str, LengthModel]:
         cached = self._models.get(dataset)
-        if cached is None or now - cached[0] > self.REFRESH_S:
-            sample = self.ledger.length_sample(dataset)
-            cached = (now, sample.mode, LengthModel(sample.lengths, sample.prior_mean, sample.max_new_tokens,
-                                                    running=sample.running))
-            self._models[dataset] = cached
+        if cached is None or time.monotonic() - cached[0] > self.REFRESH_S:
+            task = self._refreshing.get(dataset)
+            if task is None:
+                task = self._refreshing[dataset] = asyncio.create_task(self._refresh(dataset))
+                task.add_done_callback(lambda done: self._refreshed(dataset, done))
+            if cached is None:
+                await asyncio.shield(task)
+                cached = self._models[dataset]
         return cached[1], cached[2]
 
-    def expected(self, dataset: str, elapsed: float = 0.0) -> int:
-        return self.model(dataset)[1].expected(self.rates.progress(elapsed))
+    async def _refresh(self, dataset: str) -> None:
+        sample = await self.fetch(dataset)
+        self._models[dataset] = (time.monotonic(), sample.mode, LengthModel(
+            sample.lengths, sample.prior_mean, sample.max_new_tokens, running=sample.running))
 
-    def sd(self, dataset: str) -> float:
-        return self.model(dataset)[1].sd()
+    def _refreshed(self, dataset: str, done: "asyncio.Task[None]") -> None:
+        self._refreshing.pop(dataset, None)
+        if not done.cancelled() and done.exception() is not None and dataset in self._models:
+            log.warning("length model of %s not refreshed (%s); keeping the last one", dataset, done.exception())
+
+    def close(self) -> None:
+        for task in list(self._refreshing.values()):
+            task.cancel()
+
+    async def expected(self, dataset: str, elapsed: float = 0.0) -> int:
+        return (await self.model(dataset))[1].expected(self.rates.progress(elapsed))
+
+    async def sd(self, dataset: str) -> float:
+        return (await self.model(dataset))[1].sd()
 
 
 class RunningChunk:
@@ -130,7 +153,9 @@ class Dispatcher:
         self.heartbeat = heartbeat
         self.on_fault = on_fault  # called once, on the loop, when a configuration fault stops the dispatcher
         self.fault: str | None = None  # why this worker cannot work (a refused API key), once known
-        self.budgeting = Budgeting(ledger, refresh_s=5 * config.reserve_interval)
+        self._beat: asyncio.Task[None] | None = None  # the worker-level RQ heartbeat (_keep_heartbeat)
+        self.budgeting = Budgeting(lambda dataset: self._batched("length model", ledger.length_sample_call(dataset)),
+                                   refresh_s=5 * config.reserve_interval)
         self.batcher = Batcher(ledger)
         self.slots = asyncio.Semaphore(config.concurrency)
         self.ended = asyncio.Event()  # set whenever any request of this worker ends
@@ -200,6 +225,8 @@ class Dispatcher:
             return rc.report
         self.running[rc.id] = rc
         self._write_meta(rc, "running")
+        if self.heartbeat is not None and self._beat is None:
+            self._beat = asyncio.create_task(self._keep_heartbeat())
         rc.lease = asyncio.create_task(self._keep_lease(rc))
         try:
             await self._start_all(rc)
@@ -232,8 +259,8 @@ class Dispatcher:
             if rc.lost.is_set():
                 verdicts = [Admission(Admit.REVOKED, 0)] * n
             else:
-                expected = self.budgeting.expected(rc.dataset)
-                margin = self.config.predict_margin * self.budgeting.sd(rc.dataset)
+                expected = await self.budgeting.expected(rc.dataset)
+                margin = self.config.predict_margin * await self.budgeting.sd(rc.dataset)
                 verdicts = await self._batched("admit", self.ledger.admit_call(
                     rc.dataset, [s["id"] for s in batch], rc.id, expected, margin))
             refused: list[tuple[SamplePayload, Admit]] = []
@@ -368,7 +395,7 @@ class Dispatcher:
             reserved: int | None = None
             progress: list[int] | None = None
             try:
-                mode, model = self.budgeting.model(rc.dataset)
+                mode, model = await self.budgeting.model(rc.dataset)
                 if mode == "predict" and rc.flights:
                     progress = []
                     for f in rc.flights.values():
@@ -381,8 +408,6 @@ class Dispatcher:
                 ok = await self.batcher.call(self.ledger.refresh_chunk_call(rc.dataset, rc.id, reserved=reserved,
                                                                             progress=progress))
                 last_lease = now
-                if self.heartbeat is not None:
-                    self.heartbeat()
             except Exception as exc:  # Redis hiccup: keep trying; the lease has slack for three misses
                 log.warning("lease refresh for %s failed: %s", rc.id, exc)
                 continue
@@ -393,11 +418,29 @@ class Dispatcher:
             if now - rc.meta_at >= META_INTERVAL_S:
                 self._write_meta(rc, "running")
 
+    async def _keep_heartbeat(self) -> None:
+        """One task per worker: renew its RQ registration (rq-dashboard, ``rq info``) while chunks run, since a
+        SimpleWorker's main thread does not while it waits in a chunk job. The call runs on a thread of its own,
+        never the loop's, so a heartbeat waiting on a silent connection delays nothing else; it is best effort
+        (the lease, not RQ's registration, says whether the worker lives: budget/ledger.py)."""
+        assert self.heartbeat is not None
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            if not self.running:
+                continue  # between chunks RQ's own work loop heartbeats
+            try:
+                await asyncio.to_thread(self.heartbeat)
+            except Exception as exc:  # noqa: BLE001 - best effort; the next one catches up
+                log.debug("RQ heartbeat failed: %s", exc)
+
     # -- shutdown ---------------------------------------------------------------------------------------
     async def drain(self) -> None:
         """Wait until every started request is committed (a warm shutdown keeps all GPU work)."""
         while self.finishers:
             await asyncio.gather(*list(self.finishers), return_exceptions=True)
+        self.budgeting.close()
+        if self._beat is not None:
+            self._beat.cancel()
 
     def in_flight(self) -> int:
         return sum(len(rc.flights) for rc in self.running.values())

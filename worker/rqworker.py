@@ -68,7 +68,19 @@ def _setup_logging() -> None:
             logging.captureWarnings(True)
 
 
+#: How long one blocking dequeue (BLPOP) waits for a chunk before RQ heartbeats and waits again. RQ waits
+#: worker_ttl - 15 = 405 s and sets its pool's socket_timeout 10 s above that (``_set_connection``): a
+#: connection that went silent (no reset ever arrives) then held the work loop, and every chunk behind it, for
+#: 7 minutes. With 10 s RQ sets 20 s: a silent dequeue connection is dropped and replaced within that, at the
+#: cost of one empty BLPOP and a heartbeat every 10 s while the queues are empty.
+DEQUEUE_TIMEOUT_S = 10
+
+
 class Worker(SimpleWorker):
+    @property
+    def dequeue_timeout(self) -> int:
+        return min(DEQUEUE_TIMEOUT_S, max(1, self.worker_ttl - 15))
+
     def __init__(self, queues: Any, *args: Any, **kwargs: Any) -> None:
         kwargs["serializer"] = JSONSerializer
         _setup_logging()
@@ -107,9 +119,12 @@ class Worker(SimpleWorker):
         self._stop_requested = True
 
     def _job_heartbeat(self) -> None:
-        # A SimpleWorker does not heartbeat while a job runs; the chunk's lease task calls this so the worker
-        # stays visible (rq-dashboard, `rq info`) through long chunks. From the request thread: no flagging.
-        super().heartbeat(self.worker_ttl)
+        # A SimpleWorker does not heartbeat while a job runs; the dispatcher's heartbeat task calls this (on a
+        # thread of its own) so the worker stays visible (rq-dashboard, `rq info`) through long chunks. Sent on
+        # the runtime's short-timeout pool, not RQ's (415 s), and not flagged as a lost work loop.
+        with self.runtime.redis.pipeline(transaction=False) as p:
+            super().heartbeat(self.worker_ttl, pipeline=p)
+            p.execute()
 
     def request_stop(self, signum: Any, frame: Any) -> None:
         # Warm shutdown: the chunk being dispatched gives its unstarted samples back at once (the producer

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import aiohttp
 import redis
 
+from budget import connection as budget_connection
 from budget.ledger import Ledger
 from budget.payload import ChunkPayload
 from worker.chunk import ChunkReport
@@ -34,8 +35,11 @@ class Runtime:
                  heartbeat: Callable[[], None] | None = None,
                  on_fault: Callable[[str], None] | None = None) -> None:
         self.config = config
-        # Its own client on the same pool: the loop thread and RQ's main thread never share a connection.
-        self.ledger = Ledger(redis.Redis(connection_pool=connection.connection_pool))
+        # A pool of its own, with short timeouts (budget/connection.py), not RQ's: RQ sets 415 s on its pool for
+        # its blocking dequeue, and a ledger call stuck that long on a silent connection outlives every lease.
+        # The loop's ledger calls, the RQ heartbeat and the server-info thread use it; RQ's main thread does not.
+        self.redis = budget_connection.like(connection)
+        self.ledger = Ledger(self.redis)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._serve, name="budgetq-requests", daemon=True)
         self.thread.start()
@@ -47,7 +51,7 @@ class Runtime:
         def on_router(url: str) -> None:  # from the reporter's thread to the request loop
             self.loop.call_soon_threadsafe(client.note_router, url)
 
-        self.server_info = ServerInfoReporter(connection, config, on_router=on_router).start()
+        self.server_info = ServerInfoReporter(self.redis, config, on_router=on_router).start()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)

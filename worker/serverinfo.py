@@ -32,7 +32,8 @@ class ServerInfoReporter:
     def __init__(self, connection: "redis.Redis", config: WorkerConfig, *, host: str | None = None,
                  refresh_s: float = serverinfo.REFRESH_S, first_retry_s: float = FIRST_RETRY_S,
                  on_router: Callable[[str], None] | None = None) -> None:
-        # Its own client on the worker's pool: a connection is never shared between threads.
+        # The worker's short-timeout pool (budget/connection.py), never RQ's: a silent connection costs this
+        # thread seconds, not RQ's 415 s. A pool hands each thread its own connection.
         self.r = redis.Redis(connection_pool=connection.connection_pool)
         self.servers = config.servers
         self.api_key = config.api_key

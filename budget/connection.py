@@ -1,0 +1,98 @@
+"""The one way budgetq opens a Redis client for budget work: short, explicit timeouts, never inherited ones.
+
+Why: a connection can go silent with no reset ever arriving (a crashed Redis host, a replaced pod, a network
+black hole). A client then waits for a reply for as long as its ``socket_timeout``: redis-py's default is
+none at all, and RQ sets 415 s (worker_ttl - 5) on its worker's pool because its blocking dequeue needs it. A
+worker whose ledger waited that long would let its chunks' 20 s leases lapse (budget/ledger.py LEASE_MS) and
+the producer would re-enqueue requests that were still running: GPU work done twice. So the ledger, the
+worker's server-info thread and ``produce`` get pools of their own with every setting below shorter than the
+lease: a silent connection is dropped and replaced, and the call resent, well before a lease runs out. RQ's
+own dequeue connection keeps what RQ sets.
+
+redis-py's defaults changed between major versions (timeouts, the default retry policy), so every setting is
+passed explicitly here, and setup.cfg pins the major this was tested with. Resending is safe: every budget
+script is idempotent (a resent commit hits the done guard), and RQ's enqueue of a chunk is guarded by
+START_CHUNK (a chunk runs once however often its job is delivered).
+"""
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+#: Longest wait for any one reply. Budget scripts answer in milliseconds (the slowest, a discard's batch of
+#: 1,000 job marks, ~25 ms); 5 s also covers a Redis stalled on a slow fsync. With one resend (RETRIES) a call
+#: on a silent connection fails or succeeds within ~2 x 5 s, half a lease, and the lease (refreshed every 5 s)
+#: has slack for that.
+SOCKET_TIMEOUT_S = 5.0
+#: Longest wait for a new connection (TCP + AUTH + SELECT): a reachable Redis accepts in milliseconds.
+SOCKET_CONNECT_TIMEOUT_S = 3.0
+#: TCP keepalive on every connection, probing after 5 s idle, every 2 s, dropped after 3 unanswered probes:
+#: an idle pooled connection to a host that vanished is found dead in ~11 s instead of the kernel's 2 hours.
+#: (It cannot see a peer that still ACKs but never answers: SOCKET_TIMEOUT_S covers that one.)
+KEEPALIVE_IDLE_S = 5
+KEEPALIVE_INTERVAL_S = 2
+KEEPALIVE_COUNT = 3
+#: A connection idle longer than this is PINGed before it is used again (redis-py reconnects and retries that
+#: PING once): a connection that died while it sat in the pool is replaced before a command is sent on it.
+HEALTH_CHECK_INTERVAL_S = 5
+#: After a timeout or connection error, redis-py reconnects and resends the command once, after 50-500 ms.
+#: One resend only: waiting out a longer outage is the caller's (worker/dispatch.py, producer/run.py), which
+#: logs it; more resends here would only make a lost connection slower to report.
+RETRIES = 1
+BACKOFF_BASE_S = 0.05
+BACKOFF_CAP_S = 0.5
+
+
+def _keepalive_options() -> dict[int, int]:
+    """The kernel's knobs by their platform names (Linux; macOS calls the idle time TCP_KEEPALIVE)."""
+    idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))
+    options = {idle: KEEPALIVE_IDLE_S, getattr(socket, "TCP_KEEPINTVL", None): KEEPALIVE_INTERVAL_S,
+               getattr(socket, "TCP_KEEPCNT", None): KEEPALIVE_COUNT}
+    return {k: v for k, v in options.items() if k is not None}
+
+
+def settings(connection_class: type = redis.Connection) -> dict[str, Any]:
+    """The connection settings above as redis-py connection kwargs (keepalive only for TCP connections)."""
+    out: dict[str, Any] = {
+        "socket_timeout": SOCKET_TIMEOUT_S,
+        "socket_connect_timeout": SOCKET_CONNECT_TIMEOUT_S,
+        "health_check_interval": HEALTH_CHECK_INTERVAL_S,
+        "retry": Retry(ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), RETRIES),
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+        "retry_on_timeout": False,  # deprecated spelling; TimeoutError is in retry_on_error
+    }
+    if issubclass(connection_class, redis.Connection):  # TCP (and TLS); not a Unix socket
+        out["socket_keepalive"] = True
+        out["socket_keepalive_options"] = _keepalive_options()
+    return out
+
+
+def connect(url: str) -> "redis.Redis":
+    """A client for ``url`` (redis://, rediss://, unix://) with budgetq's settings. Options given in the URL's
+    query string (``?socket_timeout=10``) still win: redis-py applies them last."""
+    connection_class = redis.ConnectionPool.from_url(url).connection_class
+    return redis.Redis(connection_pool=redis.ConnectionPool.from_url(url, **settings(connection_class)))
+
+
+def like(client: "redis.Redis") -> "redis.Redis":
+    """A client on a new pool to the server ``client`` talks to (same address, database, credentials, TLS),
+    with budgetq's settings instead of ``client``'s timeouts: for the worker, whose RQ connection has 415 s."""
+    pool = client.connection_pool
+    return _client(pool.connection_class, pool.connection_kwargs)
+
+
+#: What ``like`` copies from the other client's pool: where the server is and who we are to it. Nothing else
+#: (timeouts, retries, and the per-pool objects newer redis-py versions keep in the same dict).
+_IDENTITY = frozenset({"host", "port", "path", "db", "username", "password", "credential_provider",
+                       "client_name", "protocol", "encoding", "encoding_errors", "decode_responses",
+                       "lib_name", "lib_version", "driver_info"})
+
+
+def _client(connection_class: type, kwargs: dict[str, Any]) -> "redis.Redis":
+    merged = {k: v for k, v in kwargs.items() if k in _IDENTITY or k.startswith("ssl")}
+    merged.update(settings(connection_class))
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=connection_class, **merged))
