@@ -1,0 +1,113 @@
+"""A Redis that stops answering must not stop a worker (issue 12, sections 1 and 2).
+
+In process: the worker's real Runtime (event loop, aiohttp session, dispatcher, its own Redis pool) against a
+redis-server of this test's own, frozen with SIGSTOP mid-chunk. The loop must go on reading responses while
+Redis is frozen (every Redis call of the loop is made off the loop, and the RQ heartbeat on a thread of its
+own), and once Redis is back every sample is committed exactly once.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import redis
+
+from budget import connection, keys
+from budget.ledger import Ledger
+from budget.payload import VERSION, ChunkPayload
+from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from tests.procs import wait_for
+from tests.redis_server import RedisServer
+from worker import dispatch
+from worker.config import WorkerConfig
+from worker.runtime import Runtime
+
+N = 48
+#: How long Redis stays frozen at least: past the ledger's socket timeout, so that a Redis call made on the
+#: loop would show as a stall of that length.
+FROZEN_S = connection.SOCKET_TIMEOUT_S + 2
+
+
+def _chunk(r: "redis.Redis", dataset: str, n: int) -> ChunkPayload:
+    items = [Item(f"s{i}", [1, 2, 3, i], False) for i in range(n)]
+    params = {"max_new_tokens": 64}
+    (cid,) = enqueue_chunks(r, make_queue(r), dataset, [items], sampling_params=params, think=None,
+                            settings=JobSettings())
+    return {"v": VERSION, "dataset": dataset, "chunk": cid, "sampling_params": params, "think": None,
+            "samples": [{"id": it.id, "input_ids": list(it.input_ids), "opens_think": False} for it in items]}
+
+
+def test_the_loop_reads_responses_while_redis_is_frozen(tmp_path: Path, sim_factory: Callable[..., Any],
+                                                         monkeypatch: Any) -> None:
+    server = RedisServer(tmp_path / "redis")  # our own: this test freezes it
+    server.start()
+    assert server.proc is not None
+    rt: Runtime | None = None
+    try:
+        r = redis.Redis.from_url(server.url, socket_timeout=30)
+        Ledger(r).set_budget("ds", None)
+        chunk = _chunk(r, "ds", N)
+        # ~1.5 s a request: several rounds of 16 slots, so responses are due throughout the freeze.
+        sim = sim_factory("--mean-tokens", "30", "--tokens-per-second-per-request", "20", "--sigma", "0.3")
+        monkeypatch.setattr(dispatch, "HEARTBEAT_S", 0.5)
+        beats: list[float] = []
+        # The RQ heartbeat as rq sends it, on a connection with no timeout at all: frozen, it waits for SIGCONT.
+        rq_like = redis.Redis.from_url(server.url)
+
+        def heartbeat() -> None:
+            rq_like.hset("test:worker", "last_heartbeat", str(time.time()))
+            beats.append(time.monotonic())
+
+        config = WorkerConfig(servers=(sim.url,), concurrency=16, reserve_interval=0.2)
+        rt = Runtime(r, config, heartbeat=heartbeat)
+        read: list[float] = []  # when the loop read each response
+        generate = rt.dispatcher.client.generate
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            out = await generate(*args, **kwargs)
+            read.append(time.monotonic())
+            return out
+
+        rt.dispatcher.client.generate = counted  # type: ignore[method-assign]
+        runner = threading.Thread(target=rt.run_chunk, args=(chunk,), daemon=True)
+        runner.start()
+        wait_for(lambda: len(read) >= 4, 60, "the first responses")
+
+        server.proc.send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        worst = 0.0  # the longest the loop took to run a callback while Redis was frozen
+        try:
+            while time.monotonic() - frozen_at < FROZEN_S or not any(t > frozen_at + 1 for t in read):
+                t0 = time.monotonic()
+                asyncio.run_coroutine_threadsafe(asyncio.sleep(0), rt.loop).result(timeout=60)
+                worst = max(worst, time.monotonic() - t0)
+                assert time.monotonic() - frozen_at < 90, "no response read while Redis was frozen"
+                time.sleep(0.05)
+            during = [t for t in read if t > frozen_at]
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        assert len(during) >= 4, f"only {len(during)} responses read while Redis was frozen"
+        # A Redis call on the loop would have held it for the ledger's socket timeout (5 s), the heartbeat on
+        # its timeout-less connection for the whole freeze.
+        assert worst < connection.SOCKET_TIMEOUT_S / 2, f"the loop stalled {worst:.1f} s while Redis was frozen"
+
+        runner.join(120)
+        assert not runner.is_alive()
+        rt.close()
+        rt = None
+        k = keys.DatasetKeys("ds")
+        assert r.hlen(k.done) == N and r.xlen(k.results) == N  # every sample committed, each once
+        assert len(read) == N  # and generated once: nothing redone
+        used = int(r.get(k.used) or 0)
+        assert used == sum(int(v) for v in r.hvals(k.done))
+        assert beats, "the RQ heartbeat never ran"
+    finally:
+        if rt is not None:
+            rt.close()
+        if server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGCONT)
+        server.kill()
