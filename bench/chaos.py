@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from bench import chaos_auth, chaos_redis, chaos_sglang, chaos_workers
+from bench import chaos_auth, chaos_outage, chaos_redis, chaos_sglang, chaos_workers
 from bench.chaos_audit import Result
 from bench.chaos_run import SCALES, Ctx, Scale
 from bench.harness import scratch, write_prompts
@@ -39,6 +39,15 @@ SCENARIOS: dict[str, tuple[str, Callable[[Ctx], Result]]] = {
     "redis-empty": ("Redis restarted empty mid-run; produce rerun", chaos_redis.redis_empty),
     "redis-stale": ("Redis restarted from a copy of its AOF taken earlier in the run; produce rerun",
                     chaos_redis.redis_stale),
+    "redis-host-crash": ("Redis' host crashes under appendfsync everysec: its last second of writes lost",
+                         chaos_redis.redis_host_crash),
+    "redis-kill-20s": ("kill -9 redis-server once, restarted from its AOF 20 s later", chaos_outage.redis_kill_20),
+    "redis-kill-90s": ("kill -9 redis-server once, restarted from its AOF 90 s later (every lease lapsed)",
+                       chaos_outage.redis_kill_90),
+    "redis-freeze-45s": ("SIGSTOP redis-server for 45 s: connections open, nothing answered",
+                         chaos_outage.redis_freeze_45),
+    "redis-blackhole": ("every open connection to Redis black-holed at once (no reset), new ones work",
+                        chaos_outage.redis_blackhole),
     "sglang-faults": ("503, 429 + Retry-After, 500, resets, hangs past the timeout, 400s, then a full outage",
                       chaos_sglang.sglang_faults),
     "malformed": ("malformed SGLang bodies (every kind)", chaos_sglang.malformed),

@@ -126,6 +126,42 @@ def redis_stale(ctx: Ctx) -> Result:
     return res
 
 
+def redis_host_crash(ctx: Ctx) -> Result:
+    """Redis' host crashes (appendfsync everysec): the writes of about the last second never reached the disk.
+    Emulated: the AOF directory is copied at 30% of the run, Redis goes on for 1 s, then is killed and started
+    from the copy. Commits of that second are gone from Redis (some of their results may already be on disk):
+    their samples are generated again, and nothing is counted twice."""
+    s = ctx.scale
+    res = Result("redis-host-crash", s.name)
+    with ctx.stack("redis-host-crash") as st:
+        prod = ctx.produce(st, "1")
+        wait_until(lambda: _done(st) >= s.prompts * 3 // 10, 300, "30% committed")
+        snapshot = st.workdir / "redis-copy"
+        shutil.copytree(st.redis_dir, snapshot)
+        time.sleep(1.0)  # the second everysec may lose: what the copy misses
+        before = _done(st)
+        st.kill_redis()
+        shutil.rmtree(st.redis_dir)
+        shutil.copytree(snapshot, st.redis_dir)
+        st.start_redis()
+        res.figures.update(committed_at_crash=before, commits_lost=before - _done(st))
+        rc = prod.finish(st, 180 + s.prompts / 10, res=res)
+        # Results of lost commits already on disk: produce sees Redis count less than the file and stops (exit
+        # 1, "went back to an older state"); the operator's rerun makes the file the truth. Otherwise it goes on.
+        res.figures["produce_stopped"] = rc == 1
+        if rc == 1:
+            _lost_state(res, prod, rc, "went back to an older state")
+            rerun = ctx.produce(st, "2")
+            rc = rerun.finish(st, 180 + s.prompts / 10, res=res)
+        res.check("produce (or its rerun) exit 0", rc == 0, f"rc {rc}")
+        res.figures["regenerated_differently"] = _mismatches(st)
+        figures = audit(res, st, st.workdir / "out", sample_ids(s.prompts), log_files(st.workdir),
+                        allowed_tracebacks=REDIS_DOWN_TB)
+        res.check("regenerated at most what Redis lost plus the requests then in flight",
+                  figures["wasted"] <= res.figures["commits_lost"] + s.in_flight, figures["wasted"])
+    return res
+
+
 def _lost_state(res: Result, prod: Any, rc: int, message: str) -> None:
     err = prod.stderr
     res.check("produce stopped with exit 1 and a clear message", rc == 1 and re.search(message, err) is not None,

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import redis
 
+from bench.blackhole import BlackHole
 from bench.chaos_audit import DATASET, Result, read_jsonl
 from bench.harness import Stack, _wait, free_port, produce_cmd, write_prompts
 
@@ -77,9 +78,12 @@ class ChaosStack(Stack):
     """A Stack whose redis-server can be killed and started again (same port, same directory), and whose
     workers can be killed and replaced by name. Optionally the workers talk to SGLang through bench.recorder."""
 
-    def __init__(self, workdir: Path, *, recorder: bool = False, **kwargs: Any) -> None:
+    def __init__(self, workdir: Path, *, recorder: bool = False, blackhole: bool = False, **kwargs: Any) -> None:
         super().__init__(workdir, **kwargs)
         self.use_recorder = recorder
+        self.use_blackhole = blackhole
+        self.blackhole: BlackHole | None = None
+        self.direct_url = ""  # Redis itself, for the audit; redis_url (workers, produce) may go through the proxy
         self.recorder_url = ""
         self.by_name: dict[str, subprocess.Popen[bytes]] = {}
         self._redis_argv: list[str] = []
@@ -90,6 +94,11 @@ class ChaosStack(Stack):
         super().start()
         self.n_workers = n
         self._redis_argv = [str(a) for a in self.redis_proc().args]  # type: ignore[union-attr]
+        self.direct_url = self.redis_url
+        if self.use_blackhole:  # every client of the run reaches Redis through it; the audit does not
+            port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
+            self.blackhole = BlackHole(port).start()
+            self.redis_url = f"redis://127.0.0.1:{self.blackhole.port}/0"
         if self.use_recorder:
             port = free_port()
             self._spawn("recorder", [sys.executable, "-m", "bench.recorder", "--upstream", self.sim_urls[0],
@@ -105,6 +114,14 @@ class ChaosStack(Stack):
         super().__enter__()
         return self
 
+    def stop(self) -> None:
+        super().stop()
+        if self.blackhole is not None:
+            self.blackhole.stop()
+
+    def client(self) -> "redis.Redis":
+        return redis.Redis.from_url(self.direct_url or self.redis_url)
+
     def add_worker(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         extra = {"SGLANG_URL": self.recorder_url} if self.recorder_url else {}
         proc = self.start_worker(name, env={**extra, **(env or {})})
@@ -118,6 +135,12 @@ class ChaosStack(Stack):
     @property
     def redis_dir(self) -> Path:
         return self.workdir / "redis"
+
+    def freeze_redis(self, frozen: bool) -> None:
+        """SIGSTOP (or SIGCONT) redis-server: a Redis that accepts connections and never answers."""
+        proc = self.redis_proc()
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
 
     def kill_redis(self) -> None:
         proc = self.redis_proc()
@@ -270,10 +293,10 @@ class Ctx:
     data: Path
 
     def stack(self, name: str, *, sim_extra: Sequence[str] = (), env: dict[str, str] | None = None,
-              recorder: bool = False, workers: int | None = None) -> ChaosStack:
+              recorder: bool = False, workers: int | None = None, blackhole: bool = False) -> ChaosStack:
         s = self.scale
         shutil.rmtree(self.workdir / name, ignore_errors=True)  # a kept directory from an earlier run
-        return ChaosStack(self.workdir / name, sim_args=[*s.sim, *sim_extra], recorder=recorder,
+        return ChaosStack(self.workdir / name, sim_args=[*s.sim, *sim_extra], recorder=recorder, blackhole=blackhole,
                           workers=s.workers if workers is None else workers,
                           worker_env={"BUDGETQ_CONCURRENCY": str(s.concurrency), **(env or {})})
 

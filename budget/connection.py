@@ -16,12 +16,17 @@ START_CHUNK (a chunk runs once however often its job is delivered).
 """
 from __future__ import annotations
 
+import logging
 import socket
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
+
+log = logging.getLogger("budgetq.redis")
+
+T = TypeVar("T")
 
 #: Longest wait for any one reply. Budget scripts answer in milliseconds (the slowest, a discard's batch of
 #: 1,000 job marks, ~25 ms); 5 s also covers a Redis stalled on a slow fsync. With one resend (RETRIES) a call
@@ -47,6 +52,19 @@ BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 0.5
 
 
+class _Retry(Retry):
+    """redis-py's Retry that says when a connection went silent. A timeout is the one failure nothing else
+    reports: a refused or reset connection reaches the callers, which log their wait for Redis, but a timeout
+    followed by a successful resend would pass unseen, and a worker cut off for 5 s is worth a log line."""
+
+    def call_with_retry(self, do: Callable[[], T], fail: Callable[..., Any], *args: Any, **kwargs: Any) -> T:
+        def failed(error: Exception, *count: Any) -> Any:
+            if isinstance(error, (redis.TimeoutError, socket.timeout)):
+                log.warning("Redis did not answer within %.0f s (%s): connection dropped", SOCKET_TIMEOUT_S, error)
+            return fail(error, *count)
+        return super().call_with_retry(do, failed, *args, **kwargs)
+
+
 def _keepalive_options() -> dict[int, int]:
     """The kernel's knobs by their platform names (Linux; macOS calls the idle time TCP_KEEPALIVE)."""
     idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))
@@ -61,7 +79,7 @@ def settings(connection_class: type = redis.Connection) -> dict[str, Any]:
         "socket_timeout": SOCKET_TIMEOUT_S,
         "socket_connect_timeout": SOCKET_CONNECT_TIMEOUT_S,
         "health_check_interval": HEALTH_CHECK_INTERVAL_S,
-        "retry": Retry(ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), RETRIES),
+        "retry": _Retry(ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), RETRIES),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
         "retry_on_timeout": False,  # deprecated spelling; TimeoutError is in retry_on_error
     }

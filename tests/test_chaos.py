@@ -31,5 +31,17 @@ def test_chaos_ci(name: str, tmp_path: Path, tokenizer_dir: Path) -> None:
     run_ci(name, tmp_path, tokenizer_dir)
 
 
+def test_chaos_redis_connections_black_holed(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Every open connection to Redis goes silent at once (no reset), workers' and produce's: nothing hangs,
+    nothing is generated twice (bench/chaos_outage.py; the long forms of the Redis outages are there too)."""
+    run_ci("redis-blackhole", tmp_path, tokenizer_dir)
+
+
+def test_chaos_redis_host_crash_loses_its_last_second(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """appendfsync everysec on a host crash: the last second of commits is lost; those samples are generated
+    again, nothing is counted twice, every sample ends on disk once (bench/chaos_redis.py redis_host_crash)."""
+    run_ci("redis-host-crash", tmp_path, tokenizer_dir)
+
+
 def test_chaos_redis_restored_from_a_stale_copy(tmp_path: Path, tokenizer_dir: Path) -> None:
     run_ci("redis-stale", tmp_path, tokenizer_dir)

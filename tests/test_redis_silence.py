@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import redis
 
 from budget import connection, keys
@@ -111,3 +112,35 @@ def test_the_loop_reads_responses_while_redis_is_frozen(tmp_path: Path, sim_fact
         if server.proc.poll() is None:
             server.proc.send_signal(signal.SIGCONT)
         server.kill()
+
+
+def test_a_silent_connection_is_dropped_and_the_call_resent(redis_server: RedisServer,
+                                                             caplog: Any) -> None:
+    """budget/connection.py's settings against a black hole (bench/blackhole.py): the call on the silenced
+    connection times out, is resent on a new one and succeeds, and the log says what happened."""
+    from bench.blackhole import BlackHole
+    with BlackHole(redis_server.port) as hole:
+        url = f"redis://127.0.0.1:{hole.port}/0"
+        client = connection.connect(url)
+        assert client.ping()
+        plain = redis.Redis.from_url(url, socket_timeout=1)
+        assert plain.ping()
+        assert hole.silence() == 2
+        with pytest.raises(redis.TimeoutError):  # no retry policy: the silence reaches the caller
+            plain.ping()
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="budgetq.redis"):
+            assert client.set("silence-test", "1")
+        took = time.monotonic() - t0
+        assert connection.SOCKET_TIMEOUT_S - 0.5 <= took < connection.SOCKET_TIMEOUT_S + 5
+        assert "did not answer within" in caplog.text
+        assert redis.Redis.from_url(redis_server.url).get("silence-test") == b"1"
+
+
+def test_the_worker_pool_copies_the_server_not_the_timeouts(redis_server: RedisServer) -> None:
+    rq_like = redis.Redis.from_url(redis_server.url.replace("/0", "/3"), socket_timeout=415)
+    own = connection.like(rq_like)
+    kw = own.connection_pool.connection_kwargs
+    assert (kw["port"], kw["db"], kw["socket_timeout"]) == (redis_server.port, 3, connection.SOCKET_TIMEOUT_S)
+    assert kw["socket_keepalive"] and kw["health_check_interval"] == connection.HEALTH_CHECK_INTERVAL_S
+    assert own.connection_pool is not rq_like.connection_pool and own.ping()
