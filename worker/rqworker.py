@@ -121,7 +121,7 @@ class Worker(SimpleWorker):
     def _job_heartbeat(self) -> None:
         # A SimpleWorker does not heartbeat while a job runs; the dispatcher's heartbeat task calls this (on a
         # thread of its own) so the worker stays visible (rq-dashboard, `rq info`) through long chunks. Sent on
-        # the runtime's short-timeout pool, not RQ's (415 s), and not flagged as a lost work loop.
+        # the runtime's short-timeout pool, not RQ's, and not flagged as a lost work loop.
         with self.runtime.redis.pipeline(transaction=False) as p:
             super().heartbeat(self.worker_ttl, pipeline=p)
             p.execute()
