@@ -104,8 +104,20 @@ def test_sglang_outage_is_waited_out_with_backoff(redis_url: str, r: "redis.Redi
                              "1000", "--chunk-size", "8", "--out", str(out), "--redis-url", redis_url],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: sim_stats(sim.url)["uptime"] >= 5, 60, "a few seconds of steady load")
-        start = int(sim_stats(sim.url)["uptime"])
+        # Steady load is an event, not a time: three whole seconds in a row with requests arriving. (Waiting for
+        # the simulator's uptime instead measured the rate before the outage over the workers' start-up on a
+        # loaded machine.)
+        seen: dict[str, int] = {}
+
+        def steady() -> bool:
+            stats = sim_stats(sim.url)
+            now = int(stats["uptime"])
+            per = {int(sec): int(n) for sec, n in stats["requests_by_second"]}
+            seen["start"] = now
+            return all(per.get(sec, 0) > 5 for sec in range(now - 3, now))
+
+        wait_for(steady, 60, "three seconds of steady load")
+        start = seen["start"]
         set_faults(sim.url, {"outage_for": 6})
         _, stderr = proc.communicate(timeout=120)
     finally:
