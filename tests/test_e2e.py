@@ -252,7 +252,9 @@ def test_one_collector_per_dataset_and_ctrl_c_detaches(redis_url: str, r: "redis
 def test_sigterm_finishes_running_requests_gives_back_the_rest_then_exits(
         redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
         workers: Any) -> None:
-    sim = sim_factory("--tokens-per-second-per-request", "100", "--mean-tokens", "150", "--length-dist", "fixed")
+    # Requests of 6 s: the SIGTERM must reach the worker before chunk 1's requests end, or a freed slot lets
+    # chunk 2 start a ninth (seen once at 1.5 s requests on a loaded machine).
+    sim = sim_factory("--tokens-per-second-per-request", "25", "--mean-tokens", "150", "--length-dist", "fixed")
     pool = workers(sim.url, BUDGETQ_CONCURRENCY="8")
     worker = pool.start("w0")
     args = [str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "400", "--chunk-size", "8",
