@@ -21,6 +21,7 @@ from budget import connection, logs
 from budget.payload import REASONING_PARSERS
 from producer.amount import parse_amount, parse_budget_option
 from producer.errors import ProduceError
+from producer.order import DEFAULT_SEED, ORDERS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -169,7 +170,15 @@ def _connect(redis_url: str) -> "redis.Redis":
      help="Context length; prompts whose length + --max-tokens exceed it are skipped. Default: the "
           "tokenizer's model_max_length when set, else config.json's max_position_embeddings (text_config's for "
           "multimodal models). At attach, a smaller limit the workers recorded for their servers wins.")
-@opt("--max-samples", type=click.IntRange(0), default=None, help="Also cap each dataset at its first N valid samples.")
+@opt("--max-samples", type=click.IntRange(0), default=None,
+     help="Also cap each dataset at N prompts: the first N valid ones in --order (random by default, so a "
+          "seeded random N, no longer the file's first N).")
+@opt("--order", type=click.Choice(ORDERS), default=None,
+     help="Order each dataset's prompts are sent in, so what a budget or --max-samples keeps: random (default; "
+          "seeded, a function of the ids and --order-seed only) or file. Stored with the run; a run stored "
+          "before it resumes in file order.")
+@opt("--order-seed", type=int, default=None, metavar="N",
+     help=f"Seed of --order random (default {DEFAULT_SEED}). Stored with the run.")
 @opt("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"), show_default=True,
      help="Output directory: OUT/<dataset>/raw_responses.jsonl.")
 @redis_url_option
@@ -232,7 +241,8 @@ def run_cmd(**options: Any) -> None:
 
 
 def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes: tuple[str, ...],
-         max_tokens: int, max_context: int | None, max_samples: int | None, out_dir: Path, redis_url: str,
+         max_tokens: int, max_context: int | None, max_samples: int | None, order: str | None,
+         order_seed: int | None, out_dir: Path, redis_url: str,
          temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
          skip_special_tokens: bool | None, chat_template_kwargs: str | None, reasoning_parser: str,
          skip_invalid: bool, messages_field: str, prompt_field: str,
@@ -267,7 +277,12 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     except ValueError as exc:
         raise InputProblem(str(exc)) from None
 
+    from producer.order import RANDOM, Order, choose as choose_order
+    from producer.output import RUN
     from producer.prepare import load_inputs
+    if order == "file" and order_seed is not None:
+        raise InputProblem("--order-seed goes with --order random")
+    requested_order = Order(order or RANDOM, DEFAULT_SEED if order_seed is None else order_seed)
     started = time.monotonic()
     # Bars for validating, rendering and (with --detach) enqueueing: for a person at a terminal, never in JSON logs.
     show_progress = not quiet and log_format == "text" and sys.stderr.isatty()
@@ -276,7 +291,8 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
                                                                                    top_k, seed),
                          chat_template_kwargs=kwargs, skip_invalid=skip_invalid, echo=echo, mapping=mapping,
                          show_progress=show_progress,
-                         warn=_warn, reasoning_parser=reasoning_parser)
+                         warn=_warn, reasoning_parser=reasoning_parser, order=requested_order,
+                         order_for=lambda name, o: choose_order(o, out_dir / name / RUN, new_run))
     log.debug("read, validated and rendered %d dataset(s) in %.1f s", len(inputs.prepared),
               time.monotonic() - started)
     # Known once the template is read (the parser is detected from it); stored with the run like every parameter.
@@ -303,6 +319,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     options = RunOptions(out_dir=out_dir, budgets=per_dataset, sampling_params=inputs.sampling_params,
                          settings=inputs.settings, think={"start": think.start, "end": think.end} if think else None,
                          reasoning_parser=inputs.reasoning_parser, parser_explicit=inputs.parser_explicit,
+                         order_explicit=order is not None or order_seed is not None,
                          modes={n: named_modes.get(n, default_mode) for n in names}, expect_mean=expect_mean,
                          chunk_size=chunk_size, queue_depth=queue_depth, new_run=new_run,
                          job=JobSettings(job_timeout=job_timeout), show_progress=show_progress)

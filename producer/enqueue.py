@@ -25,7 +25,7 @@ from typing import Any, Sequence, Union
 import numpy as np
 import orjson
 import redis
-from rq import Queue
+from rq import Queue, Worker
 from rq.job import Job
 
 from budget import keys
@@ -39,6 +39,15 @@ BATCH_CHUNKS = 64
 COMPRESS_THREADS = 2
 #: zlib level of job data. Level 1 compresses a chunk's JSON ~2.9x (level 6: ~3.7x) at a third of the CPU.
 ZLIB_LEVEL = 1
+#: The tail (docs/performance.md, figure 8): a chunk's unstarted samples start only on the worker holding it, so
+#: when the queue runs dry the other workers idle while it works through them. Chunks shrink as a dataset's
+#: to-do list falls: a chunk holds at most 1/(TAIL_SPREAD x workers) of the to-do left when it is made, so what
+#: comes after it always gives every worker TAIL_SPREAD chunks of at least its size.
+TAIL_SPREAD = 2
+#: ... but never fewer samples than this (unless --chunk-size is smaller): a chunk costs a job, a start and a
+#: finish; the last chunks of a run are this size, and a worker's window (BUDGETQ_CONCURRENCY, 64) starts one
+#: in a single admission.
+MIN_CHUNK = 8
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,21 @@ class ChunkJob(Job):
             self._data = data
         obj["data"] = self.compressed.result() if self.compressed is not None else zlib.compress(data, ZLIB_LEVEL)
         return obj
+
+
+def chunk_size_for(todo: int, maximum: int, workers: int) -> int:
+    """Samples in the next chunk of a dataset with ``todo`` samples not yet in any chunk: ``maximum``
+    (--chunk-size) while the to-do list is long, then ceil(todo / (TAIL_SPREAD x workers)), down to MIN_CHUNK.
+    ``workers``: the RQ workers listening (at least 1 is assumed: before any has started, chunks stay large
+    until the to-do list is short)."""
+    spread = TAIL_SPREAD * max(1, workers)
+    return max(1, min(maximum, max(MIN_CHUNK, -(-todo // spread))))
+
+
+def listening_workers(queue: Queue) -> int:
+    """RQ workers registered on the chunk queue (RQ's own registry; a crashed worker stays in it until RQ's
+    cleanup), for ``chunk_size_for``. 0 when none has started yet."""
+    return Worker.count(queue=queue)
 
 
 def make_queue(client: "redis.Redis") -> Queue:

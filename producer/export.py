@@ -545,6 +545,8 @@ def _write_manifest(dataset_dir: Path, settings: Mapping[str, Any], stats: _Stat
         "sampling_params": settings.get("sampling_params"),
         # null: a run stored before parsers, split on the think markers only
         "reasoning_parser": settings.get("reasoning_parser"),
+        # the order prompts were sent in, so which subset a budget kept; absent from run.json: file order
+        "order": settings.get("order") or {"mode": "file"},
         "settings": dict(settings),
     }
     if servers is not None:

@@ -39,6 +39,7 @@ class DatasetPlan:
     samples_needed: int | None  # to reach the budget (all remaining when unbudgeted)
     projected_tokens: int | None
     eta_s: float | None
+    order: str = "file"  # the order prompts are sent in (producer/order.py): which ones a budget keeps
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,7 +104,7 @@ def plan_dataset(p: Prepared, *, budget: int | None, out_dir: Path, expect_mean:
         prompt_tokens_sum=sum(lengths), prompt_tokens_mean=sum(lengths) / len(lengths) if lengths else 0.0,
         prompt_tokens_p95=_p95(lengths), expected_completion=mean, expected_source=source,
         done_already=done, tokens_already=tokens_done, budget=budget, samples_needed=needed,
-        projected_tokens=projected, eta_s=eta)
+        projected_tokens=projected, eta_s=eta, order=p.order.describe())
 
 
 async def _pilot(urls: Sequence[str], items: Sequence[list[int]], sampling_params: dict[str, Any],
@@ -164,7 +165,7 @@ def plan_table(plans: list[DatasetPlan], throughput: float | None, context: Cont
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.insert(len(lines) - 1, "  ".join("-" * w for w in widths))
     for p in plans:
-        lines.append(f"{p.name}: expected completion length from {p.expected_source}")
+        lines.append(f"{p.name}: expected completion length from {p.expected_source}; order: {p.order}")
     lines.append("eta at " + (f"{throughput:,.0f} completion tok/s" if throughput else
                               "an unknown throughput (give --throughput TOK/S)"))
     if context is not None:

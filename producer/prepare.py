@@ -15,6 +15,7 @@ from typing import Any, Callable, Final, Sequence
 
 from producer.errors import input_error
 from producer.modeldir import Context, ModelDirError, config_context
+from producer.order import FILE, Order, permute
 from producer.progress import progress_bar
 from producer.reader import Problem, ReadResult, Sample
 from producer.records import FieldMapping
@@ -23,7 +24,7 @@ from producer.render import Rendered, RenderError, Renderer
 
 @dataclass
 class Prepared:
-    """A dataset ready to enqueue: the selected samples in file order, rendered."""
+    """A dataset ready to enqueue: the selected samples in the order they are sent (``order``), rendered."""
 
     name: str
     path: Path
@@ -34,6 +35,7 @@ class Prepared:
     duplicates: list[Problem]
     over_context: list[Problem] = field(default_factory=list)
     beyond_max_samples: int = 0
+    order: Order = Order(FILE)  # the order of ``samples``: the enqueue order, and what a budget keeps first
 
     @cached_property
     def messages_by_id(self) -> dict[str, Any]:
@@ -65,10 +67,13 @@ def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_
 
 def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_context: int,
             max_samples: int | None, skip_invalid: bool = False,
-            progress: Callable[[int], None] | None = None, context_source: str = "--max-context") -> Prepared:
-    prepared = Prepared(read.name, read.path, [], {}, {}, list(read.invalid), list(read.duplicates))
+            progress: Callable[[int], None] | None = None, context_source: str = "--max-context",
+            order: Order = Order(FILE)) -> Prepared:
+    """Render ``read``'s samples in ``order`` and select them: valid, fitting the context, and the first
+    ``max_samples`` of that order (with --order random: a seeded random subset, not the file's first lines)."""
+    prepared = Prepared(read.name, read.path, [], {}, {}, list(read.invalid), list(read.duplicates), order=order)
     batch = 256
-    samples = read.samples
+    samples = permute(read.samples, order)
     for start in range(0, len(samples), batch):
         if max_samples is not None and len(prepared.samples) >= max_samples:
             prepared.beyond_max_samples += len(samples) - start
@@ -95,12 +100,13 @@ def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_contex
 
 def run_settings(renderer: Renderer, sampling_params: dict[str, Any],
                  chat_template_kwargs: dict[str, Any], system_prompt: str | None = None,
-                 reasoning_parser: str | None = None) -> dict[str, Any]:
+                 reasoning_parser: str | None = None, order: dict[str, Any] | None = None) -> dict[str, Any]:
     """What must not change between a run and its resume: a response made under other settings would mix
     two distributions in one training set (and two parsers, two splits of the same text, in one file).
 
     ``reasoning_parser`` None leaves the key out: a run stored before parsers existed has none, and such a run
-    resumes with the think-marker split it started with (producer/run.py ``settings_for``)."""
+    resumes with the think-marker split it started with (producer/run.py ``settings_for``). ``order`` None
+    likewise (producer/order.py): a run stored before --order resumes in file order."""
     think = renderer.think
     settings = {
         "tokenizer": renderer.fingerprint(),
@@ -111,6 +117,8 @@ def run_settings(renderer: Renderer, sampling_params: dict[str, Any],
     }
     if reasoning_parser is not None:
         settings["reasoning_parser"] = reasoning_parser
+    if order is not None:
+        settings["order"] = order
     return settings
 
 
@@ -223,8 +231,12 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
                 max_samples: int | None, sampling_params: dict[str, Any], chat_template_kwargs: dict[str, Any],
                 skip_invalid: bool, echo: Callable[[str], None], warn: Callable[[str], None],
                 mapping: FieldMapping | None = None, show_progress: bool = False,
-                reasoning_parser: str = "auto") -> Inputs:
-    """Read, validate and render every file. Raises ProduceError (exit 2) on any input problem."""
+                reasoning_parser: str = "auto", order: Order = Order(FILE),
+                order_for: Callable[[str, Order], Order] | None = None) -> Inputs:
+    """Read, validate and render every file. Raises ProduceError (exit 2) on any input problem.
+
+    ``order`` is the requested order; ``order_for(dataset, order)`` may change it per dataset (a stored run
+    that predates --order keeps file order: producer/order.py ``choose``)."""
     from producer.reader import InputError, read_all
     from producer.render import load_tokenizer
 
@@ -254,10 +266,11 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
     context = choose_context(max_context, tok)
     echo(f"context: {context.tokens:,} tokens ({context.source})")
     bar = progress_bar(sum(len(r.samples) for r in reads), "rendering", show=show_progress)
+    orders = {r.name: order_for(r.name, order) if order_for else order for r in reads}
     try:
         prepared = [prepare(r, renderer, max_tokens=max_tokens, max_context=context.tokens,
                             max_samples=max_samples, skip_invalid=skip_invalid, progress=bar.update,
-                            context_source=context.source)
+                            context_source=context.source, order=orders[r.name])
                     for r in reads]
     except RenderError as exc:
         raise input_error(str(exc)) from None
@@ -267,8 +280,9 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
         for problem in p.over_context:
             echo(f"skipped {problem}")
         echo(f"{p.name}: {len(p.samples)} samples ready ({p.prompt_tokens} prompt tokens), "
-             f"{len(p.invalid)} invalid, {len(p.duplicates)} duplicate ids, {len(p.over_context)} over context")
+             f"{len(p.invalid)} invalid, {len(p.duplicates)} duplicate ids, {len(p.over_context)} over context; "
+             f"order: {p.order.describe()}")
     settings = run_settings(renderer, sampling_params, chat_template_kwargs,
-                            mapping.system_prompt if mapping else None, parser)
+                            mapping.system_prompt if mapping else None, parser, order.setting())
     return Inputs(prepared, renderer, sampling_params, settings, chat_template_kwargs, parser,
                   reasoning_parser != AUTO, context)

@@ -33,7 +33,9 @@ from budget.ledger import LEASE_MS, REDIS_DOWN, DatasetState, Ledger, default_pr
 from budget.payload import ThinkPayload
 from budget.runstate import RunState
 from producer.errors import ProduceError
-from producer.enqueue import BATCH_CHUNKS, COMPRESS_THREADS, Item, JobSettings, enqueue_chunks, make_queue
+from producer.enqueue import (BATCH_CHUNKS, COMPRESS_THREADS, Item, JobSettings, chunk_size_for, enqueue_chunks,
+                              listening_workers, make_queue)
+from producer.order import FILE, SETTING as ORDER
 from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, write_failed
 from producer.prepare import Prepared, resume_settings, settings_diff
 from producer.progress import progress_bar
@@ -69,6 +71,7 @@ class RunOptions:
     think: ThinkPayload | None
     reasoning_parser: str | None = None  # what settings["reasoning_parser"] says; None: the think-marker split
     parser_explicit: bool = False  # --reasoning-parser named it (not auto)
+    order_explicit: bool = False  # --order or --order-seed given (not the default)
     modes: dict[str, str | None] = field(default_factory=dict)  # --budget-mode; None: stored, else predict
     expect_mean: float | None = None  # prior completion length for predict before results arrive
     chunk_size: int = 256
@@ -174,10 +177,14 @@ class Producer:
 
         A run stored before reasoning parsers existed has no ``reasoning_parser``: it resumes with the
         think-marker split it started with (a new key is not a settings change), unless --reasoning-parser
-        names a parser, which is one (the records would be split two ways in one file)."""
+        names a parser, which is one (the records would be split two ways in one file). A run stored before
+        --order has no ``order``: it resumes in file order (producer/order.py), unless --order or --order-seed
+        is given, which is a settings change (its selection so far is the file's first prompts)."""
         settings = self.opt.settings
         if stored is not None and "reasoning_parser" not in stored and not self.opt.parser_explicit:
             settings = {key: value for key, value in settings.items() if key != "reasoning_parser"}
+        if stored is not None and ORDER not in stored and not self.opt.order_explicit:
+            settings = {key: value for key, value in settings.items() if key != ORDER}
         return settings
 
     def _attach_one(self, p: Prepared) -> DatasetRun:
@@ -242,7 +249,12 @@ class Producer:
                 chunk_samples.setdefault(cid, []).append(sid)
                 held.add(sid)
         done_ids = set(done) | set(out.tokens)
-        todo = deque(s.id for s in p.samples if s.id not in done_ids and s.id not in held)
+        samples = p.samples
+        if ORDER not in settings and ORDER in self.opt.settings and p.order.mode != FILE:
+            # Stored before --order, found in Redis but not in run.json (which prepare looked at): file order.
+            samples = sorted(p.samples, key=lambda s: s.line)
+        # The to-do list: the selected samples in the run's order (producer/order.py) - done - held by a live chunk.
+        todo = deque(s.id for s in samples if s.id not in done_ids and s.id not in held)
         return DatasetRun(prepared=p, out=out, lock_token=token, todo=todo, chunk_samples=chunk_samples,
                           done=done_ids, budget=budget, reasoning_parser=settings.get("reasoning_parser"),
                           sampling_params=dict(settings.get("sampling_params") or self.opt.sampling_params))
@@ -384,8 +396,12 @@ class Producer:
         ended = [cid for cid in d.chunk_samples if cid not in live]
         if ended:
             d.failed = self.ledger.failed(d.name)
-            for cid in ended:
-                self._release(d, cid, cid in reclaimed)
+            back: list[str] = []
+            for cid in ended:  # in enqueue order
+                back.extend(self._release(d, cid, cid in reclaimed))
+            # To the front: every sample of a chunk came before the whole to-do list in the run's order, so a
+            # budget still keeps the first prompts of the order (producer/order.py).
+            d.todo.extendleft(reversed(back))
         state = self.ledger.state(d.name)
         if state.used < d.out.total_tokens:
             raise ProduceError(f"dataset {d.name}: Redis counts {state.used} tokens but {d.out.path} already holds "
@@ -405,7 +421,9 @@ class Producer:
             write_failed(self.opt.out_dir / d.name / FAILED, d.failed)
             d.finished = True
 
-    def _release(self, d: DatasetRun, cid: str, reclaimed: bool) -> None:
+    def _release(self, d: DatasetRun, cid: str, reclaimed: bool) -> list[str]:
+        """The chunk's samples that go back to the to-do list (not done, not failed by now)."""
+        back: list[str] = []
         for sid in d.chunk_samples.pop(cid, []):
             if sid in d.done or sid in d.failed:
                 continue
@@ -416,7 +434,8 @@ class Producer:
                     if self.ledger.fail(d.name, sid, cid, reason):
                         d.failed[sid] = reason
                         continue
-            d.todo.append(sid)
+            back.append(sid)
+        return back
 
     def _reclaim_stale_queued(self, d: DatasetRun) -> set[str]:
         """Queued chunks whose RQ job is gone or ended without starting the chunk, or that a worker popped and
@@ -477,15 +496,18 @@ class Producer:
 
     def _batches(self, d: DatasetRun, max_chunks: int | None, max_samples: int | None) -> Iterator[list[list[Item]]]:
         """Pop ``d``'s to-do samples into chunks, one batch at a time: only the batch being sent exists as Items.
+        Each chunk's size is ``chunk_size_for`` the to-do left (producer/enqueue.py): --chunk-size at most.
         Items keep the prepared ``array``s; their JSON is written from the arrays (no Python int per token)."""
-        size = self.opt.chunk_size
         p = d.prepared
+        workers = listening_workers(self.queue)
         samples = len(d.todo) if max_samples is None else max_samples
         chunks_left = max_chunks
         while d.todo and samples > 0 and (chunks_left is None or chunks_left > 0):
             n_chunks = BATCH_CHUNKS if chunks_left is None else min(BATCH_CHUNKS, chunks_left)
             chunks: list[list[Item]] = []
             while d.todo and samples > 0 and len(chunks) < n_chunks:
+                # --chunk-size is a maximum: chunks shrink as the to-do list runs out (no idle tail)
+                size = chunk_size_for(len(d.todo), self.opt.chunk_size, workers)
                 ids = [d.todo.popleft() for _ in range(min(size, len(d.todo), samples))]
                 samples -= len(ids)
                 chunks.append([Item(sid, p.input_ids[sid], p.opens_think[sid]) for sid in ids])
