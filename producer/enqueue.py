@@ -48,6 +48,9 @@ TAIL_SPREAD = 2
 #: finish; the last chunks of a run are this size, and a worker's window (BUDGETQ_CONCURRENCY, 64) starts one
 #: in a single admission.
 MIN_CHUNK = 8
+#: Workers assumed while none is registered on the queue: a first fill made before the workers start would
+#: otherwise cut the tail of a small dataset into chunks sized for one worker.
+ASSUMED_WORKERS = 4
 
 
 @dataclass(frozen=True)
@@ -110,9 +113,9 @@ class ChunkJob(Job):
 def chunk_size_for(todo: int, maximum: int, workers: int) -> int:
     """Samples in the next chunk of a dataset with ``todo`` samples not yet in any chunk: ``maximum``
     (--chunk-size) while the to-do list is long, then ceil(todo / (TAIL_SPREAD x workers)), down to MIN_CHUNK.
-    ``workers``: the RQ workers listening (at least 1 is assumed: before any has started, chunks stay large
-    until the to-do list is short)."""
-    spread = TAIL_SPREAD * max(1, workers)
+    ``workers``: the RQ workers listening; before any has registered (produce usually starts first),
+    ASSUMED_WORKERS."""
+    spread = TAIL_SPREAD * (workers if workers > 0 else ASSUMED_WORKERS)
     return max(1, min(maximum, max(MIN_CHUNK, -(-todo // spread))))
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from budget import keys
-from producer.enqueue import MIN_CHUNK, TAIL_SPREAD, chunk_size_for
+from producer.enqueue import ASSUMED_WORKERS, MIN_CHUNK, TAIL_SPREAD, chunk_size_for
 from producer.order import FILE, RANDOM, Order, choose, permute, rank
 from tests.procs import produce_cmd, read_jsonl, wait_for
 from tests.test_e2e import check_exact, produce
@@ -82,7 +82,7 @@ def test_chunks_shrink_as_the_todo_list_runs_out() -> None:
     assert chunk_size_for(10, 256, 4) == MIN_CHUNK
     assert chunk_size_for(3, 256, 4) == MIN_CHUNK  # the caller takes min(size, what is left)
     assert chunk_size_for(1000, 4, 4) == 4  # --chunk-size below the minimum wins
-    assert chunk_size_for(1000, 256, 0) == chunk_size_for(1000, 256, 1)  # no worker registered yet
+    assert chunk_size_for(1000, 256, 0) == chunk_size_for(1000, 256, ASSUMED_WORKERS)  # none registered yet
     # A whole dataset chunked this way: every sample once, the last chunks small.
     todo, sizes = 3000, []
     while todo:
