@@ -209,6 +209,7 @@ def test_a_sample_whose_worker_dies_three_times_is_failed(redis_url: str, r: "re
     out = tmp_path / "out"
     proc = subprocess.Popen([*produce_cmd(), str(GLAIVE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "1000",
                              "--max-samples", "24", "--chunk-size", "4", "--queue-depth", "2", "--out", str(out),
+                             "--order", "file",  # the file's first 24: `selected` and the poison among them
                              "--redis-url", redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done = keys.DatasetKeys("glaive_fc").done
 
