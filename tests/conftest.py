@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -11,6 +12,25 @@ from tests.redis_server import RedisServer
 if TYPE_CHECKING:
     from sglang_sim.launch import SimProcess
     from tests.procs import Workers
+
+
+@pytest.fixture(autouse=True)
+def _budgetq_logging_restored() -> Iterator[None]:
+    """Every test starts with the "budgetq" loggers as the interpreter left them. A command run in-process
+    (``producer.cli.main``) configures them for a terminal (its own stderr handler, ``propagate = False``), and
+    without this a later test's ``caplog``, whose handler sits on the root logger, would see none of their records
+    (a test then passes alone and fails in the whole suite)."""
+    saved = {}
+    for name in ("budgetq", *[n for n in logging.root.manager.loggerDict if n.startswith("budgetq.")]):
+        logger = logging.getLogger(name)
+        saved[name] = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    for name in [n for n in logging.root.manager.loggerDict if n == "budgetq" or n.startswith("budgetq.")]:
+        logger = logging.getLogger(name)
+        handlers, level, propagate = saved.get(name, ([], logging.NOTSET, True))
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 @pytest.fixture(scope="session")
