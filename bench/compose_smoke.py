@@ -367,8 +367,36 @@ class Smoke:
 
     # ------------------------------------------------------------------------------------------ 6. teardown
 
+    def save_logs(self) -> None:
+        """Every container's log into the project folder (kept with --keep or after a failure)."""
+        for name in self.containers(all_=True):
+            p = self.run(["podman", "logs", name], check=False, quiet=True)
+            (self.project / f"{name}.log").write_text(p.stdout + p.stderr)
+            if "_worker_" in name:
+                # Retries are not failures (the run is still exactly once), but they say what the stack did.
+                for m in re.finditer(r"attempt \d+ failed \((\w+)", p.stdout + p.stderr):
+                    key = f"worker retries: {m.group(1)}"
+                    self.facts[key] = int(str(self.facts.get(key, 0))) + 1
+
+    def stop_gracefully(self) -> None:
+        """Dependents first, one SIGTERM each (the compose stop_signal), timed: a worker must exit 0, soon."""
+        stops = []
+        for service in ("dashboard", "worker", "sim", "redis"):
+            for name in self.containers(service):
+                t = time.monotonic()
+                self.run(["podman", "stop", "-t", "60", name], check=False, quiet=True, timeout=120)
+                seconds = time.monotonic() - t
+                code = self.run(["podman", "inspect", "--format", "{{.State.ExitCode}}", name], check=False,
+                                quiet=True).stdout.strip()
+                stops.append(f"{service} {code} {seconds:.1f}s")
+                if service == "worker" and (code != "0" or seconds > 30):
+                    raise SmokeError(f"{name}: exit {code} after {seconds:.1f}s on SIGTERM (want 0, quickly)")
+        self.facts["stops (service exit seconds)"] = stops
+        log("stopped: " + ", ".join(stops))
+
     def teardown(self) -> None:
         if self.env_file.exists():
+            self.save_logs()
             self.run([*self.compose_cmd(), "-f", str(self.project / "docker-compose.yml"), "--profile", "sim",
                       "--profile", "tools", "down", "-v", "-t", "60"], check=False, timeout=900)
         for kind in ("container", "network", "volume"):
@@ -451,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         with smoke.step("checks"):
             smoke.check_outputs(block)
             smoke.check_dashboard()
+        with smoke.step("graceful stop"):
+            smoke.stop_gracefully()
         ok = True
     except (SmokeError, subprocess.TimeoutExpired) as e:
         log(f"FAILED: {e}")
@@ -461,12 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         except SmokeError as e:
             log(f"FAILED: {e}")
             ok = False
-        smoke.sizes()
-    smoke.facts["storage MB"] = round(sum(f.stat().st_size for f in Path("/var/lib/containers/storage").rglob("*")
-                                          if f.is_file() and not f.is_symlink()) / 1e6)
+    wall = round(time.monotonic() - t0, 1)
+    smoke.sizes()
     if ok and not args.keep:
         shutil.rmtree(smoke.project, ignore_errors=True)
-    wall = round(time.monotonic() - t0, 1)
     result = {"ok": ok, "wall_s": wall, "cold": args.cold, "steps_s": smoke.timings, **smoke.facts,
               "project": str(smoke.project) if smoke.project.exists() else None}
     print(json.dumps(result, indent=2))
