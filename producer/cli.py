@@ -609,9 +609,14 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
      help="Output file when one dataset is exported to a path with a suffix (train/b1.jsonl); otherwise a "
           "directory getting <dataset>.jsonl each. Default: OUT/<dataset>/<format>.jsonl.")
 @opt("--truncated", type=click.Choice(["drop", "keep"]), default="drop", show_default=True,
-     help="What to do with responses cut off by --max-tokens (finish_reason length).")
+     help="What to do with truncated conversations (a turn cut off by --max-tokens, or its thinking never closed) "
+          "and incomplete ones (ended before their last user turn): left out, or kept with truncated: true. "
+          "Applied to whole conversations, in every format.")
 @opt("--reasoning", type=click.Choice(["inline", "field", "drop"]), default="inline", show_default=True,
      help="Reasoning inside <think> in the content, as a reasoning_content field, or left out.")
+@opt("--per-turn", is_flag=True,
+     help="Conversation formats: one row per regenerated turn (its history as its prompt was rendered, then the "
+          "turn) instead of one row per conversation.")
 @opt("--token-ids", is_flag=True,
      help="Add input_ids (the prompt, checked id by id) and the server's output_ids (needs --tokenizer).")
 @opt("--tokenizer", default=None, help="The run's tokenizer directory (for --token-ids and --format tokens).")
@@ -623,7 +628,7 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
           "model and parallelism in the manifest, replacing what it had.")
 @log_options
 def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | None, truncated: str, reasoning: str,
-               token_ids: bool, tokenizer: str | None, redis_url: str | None, server_url: str | None,
+               per_turn: bool, token_ids: bool, tokenizer: str | None, redis_url: str | None, server_url: str | None,
                verbose: bool, log_format: str) -> None:
     from budget import serverinfo
     from producer.export import ExportError, ExportOptions, export_dataset, read_manifest
@@ -638,7 +643,8 @@ def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | Non
         except RenderError as exc:
             raise InputProblem(str(exc)) from None
     try:
-        options = ExportOptions(format=fmt, truncated=truncated, reasoning=reasoning, token_ids=token_ids)
+        options = ExportOptions(format=fmt, truncated=truncated, reasoning=reasoning, token_ids=token_ids,
+                                per_turn=per_turn)
     except ExportError as exc:
         raise InputProblem(str(exc)) from None
     if dest is not None and len(names) > 1 and dest.suffix:
@@ -664,7 +670,7 @@ def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | Non
             report = export_dataset(out_dir / name, target, options, tokenizer=tok, servers=servers, extra=extra)
         except ExportError as exc:
             raise InputProblem(str(exc)) from None
-        what = "token rows" if fmt == "tokens" else "conversations"
+        what = "token rows" if fmt == "tokens" else ("turn rows" if per_turn else "conversations")
         click.echo(f"{name}: {report.written} {what} -> {report.path} ({report.dropped_truncated} truncated "
                    f"dropped, {report.skipped_failed} failed skipped); manifest {report.manifest}")
         if servers is not None:
@@ -675,7 +681,7 @@ def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | Non
                         "token ids", name, report.no_output_ids, out_dir / name / "raw_responses.jsonl",
                         extra={"dataset": name, "no_output_ids": report.no_output_ids})
         if report.prompt_mismatch:
-            log.warning("%s: %d records left out: the re-rendered prompt differs (first: %s)", name,
+            log.warning("%s: %d turns left out: the re-rendered prompt differs (first: %s)", name,
                         report.prompt_mismatch, ", ".join(report.mismatched_ids[:5]),
                         extra={"dataset": name, "prompt_mismatch": report.prompt_mismatch})
 
