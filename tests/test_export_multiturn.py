@@ -350,3 +350,20 @@ def test_messages_that_do_not_interleave_with_the_turns_are_refused(tmp_path: Pa
     ds = write_dataset(tmp_path, tok, [rec])
     with pytest.raises(ExportError, match=r"raw_responses.jsonl:1: .*" + match):
         export_dataset(ds, tmp_path / "x.jsonl", ExportOptions("openai-messages", truncated="keep"))
+
+
+def test_cli_per_turn_and_truncated_keep(tmp_path: Path, family: tuple[str, Any]) -> None:
+    """``produce export --per-turn --truncated keep``: the options reach the library; the line counts turn rows."""
+    from click.testing import CliRunner
+
+    from producer.cli import main
+    _name, tok = family
+    recs = records(tok)
+    ds = write_dataset(tmp_path, tok, [recs["chat"][0], recs["budget"][0]])
+    dest = tmp_path / "rows.jsonl"
+    result = CliRunner().invoke(main, ["export", "ds", "--out", str(ds.parent), "--format", "openai-messages",
+                                       "--per-turn", "--truncated", "keep", "--dest", str(dest)])
+    assert result.exit_code == 0, result.output
+    assert "ds: 5 turn rows" in result.output
+    assert [(r["id"], r["turn"], r.get("truncated", False)) for r in read_jsonl(dest)] == [
+        ("chat", 0, False), ("chat", 1, False), ("chat", 2, False), ("budget", 0, True), ("budget", 1, True)]
