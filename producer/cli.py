@@ -326,7 +326,8 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     log.debug("run settings: out %s, chunk size %d, queue depth %d, job timeout %d s, %s", out_dir, chunk_size,
               queue_depth, job_timeout, "detach" if detach else "attached",
               extra={"budgets": per_dataset, "modes": options.modes, "sampling_params": inputs.sampling_params})
-    from producer.preflight import check_redis
+    from producer.preflight import check_out_dirs, check_redis
+    check_out_dirs(out_dir, names)
     client = _connect(redis_url)
     check_redis(client, allow_eviction=allow_eviction, require_aof=require_aof, warn=_warn)
     _check_server_parsers(client, inputs.reasoning_parser)

@@ -5,7 +5,10 @@ everything since its last snapshot on a crash (with AOF everysec, a kill -9 lost
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import redis
 
@@ -55,3 +58,20 @@ def seed_warning(servers: Sequence[Mapping[str, Any]], sampling_params: Mapping[
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
+def check_out_dirs(out_dir: Path, names: Iterable[str]) -> None:
+    """Every dataset's output folder can be created and written, checked before Redis is touched: a run that
+    found out only when it opened its files had already taken its collector locks and registered its datasets
+    (seen in a container whose ``out/`` belonged to another user: a traceback, and a rerun refused for 30 s).
+    Writing a probe file is the honest test; ``os.access`` says yes to root on a read-only mount."""
+    for name in sorted(names):
+        folder = out_dir / name
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".budgetq-probe-", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise ProduceError(f"--out {out_dir}: cannot write {folder} ({exc.strerror or exc}); give an --out "
+                               "folder this user can write", 2) from None

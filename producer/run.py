@@ -136,6 +136,9 @@ class Producer:
         self.opt = options
         self.echo = echo
         self.runs: list[DatasetRun] = []
+        # Collector locks taken, by dataset: a dataset whose attach fails after its lock was taken is not in
+        # ``runs`` yet, and its lock must still be released (else a rerun from another host waits out its TTL).
+        self._locks: dict[str, str] = {}
         # A resumed dataset's settings: the run's, less what a run stored before they existed lacks (resume_settings)
         self.effective: dict[str, dict[str, Any]] = {}
         self._last_progress = 0.0
@@ -199,6 +202,7 @@ class Producer:
             raise ProduceError(f"dataset {p.name}: another produce is attached to it (it holds "
                                f"{self.store.collector_key(p.name)}); stop that one, or wait up to 30 s after it "
                                "died", 1)
+        self._locks[p.name] = token
         if self.opt.new_run and (stored is not None or self.store.exists(p.name)):
             self._start_over(p.name, out_dir)
         if not self.opt.new_run:
@@ -550,9 +554,11 @@ class Producer:
         return out
 
     def release(self) -> None:
-        for d in self.runs:
+        for name, token in self._locks.items():
             try:
-                self.store.release_collector(d.name, d.lock_token)
+                self.store.release_collector(name, token)
             except redis.RedisError:
                 pass  # it expires by itself
+        self._locks.clear()
+        for d in self.runs:
             d.out.close()

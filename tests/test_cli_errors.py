@@ -142,3 +142,31 @@ def test_redis_unreachable_is_exit_1_without_traceback(tmp_path: Path, tokenizer
     assert res.returncode == 1
     assert "cannot reach Redis" in res.stderr and "Traceback" not in res.stderr
     assert "s3cret" not in res.stderr  # secrets never reach a log
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_redis(tmp_path: Path, redis_url: str,
+                                                                         seeded: Any, tokenizer_dir: Path) -> None:
+    # Root writes anywhere, so the folder is made impossible rather than forbidden: a file stands in its place.
+    path = write(tmp_path, "ds.jsonl", GOOD)
+    (tmp_path / "out").mkdir()
+    blocked = write(tmp_path / "out", "ds", "a file where the dataset's folder goes")
+    res = run([str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10", "--out", str(tmp_path / "out")],
+              redis_url)
+    assert res.exit_code == 2, res.output
+    assert f"cannot write {blocked}" in res.output and "Traceback" not in res.output
+    assert seeded.dbsize() == 1  # nothing registered, no collector lock taken
+
+
+def test_a_dataset_failing_midway_through_attach_leaves_no_collector_lock(tmp_path: Path, redis_url: str,
+                                                                          r: "redis.Redis",
+                                                                          tokenizer_dir: Path) -> None:
+    # The second dataset's results file is a folder: its attach fails after both locks were taken. A lock left
+    # behind would refuse a rerun from another host for its 30 s TTL.
+    from budget.runstate import RunState
+    a, b = write(tmp_path, "a.jsonl", GOOD), write(tmp_path, "b.jsonl", GOOD)
+    (tmp_path / "out" / "b" / "raw_responses.jsonl").mkdir(parents=True)
+    res = CliRunner().invoke(main, [str(a), str(b), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10",
+                                    "--out", str(tmp_path / "out"), "--redis-url", redis_url])
+    assert res.exit_code != 0
+    store = RunState(r)
+    assert not r.exists(store.collector_key("a")) and not r.exists(store.collector_key("b"))
