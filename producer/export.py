@@ -129,6 +129,7 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
             if rec["id"] in failed:
                 continue
             if options.truncated == "drop" and is_truncated(rec):
+                _points(rec, number, source)  # a malformed record is an error whether it would be written or not
                 report.dropped_truncated += 1
                 continue
             batch.append((number, rec))
@@ -155,10 +156,7 @@ def _write_batch(fh: IO[str], batch: list[tuple[int, dict[str, Any]]], options: 
     points: list[list[int]] = []
     for number, rec in batch:
         turns = rec["turns"]
-        try:
-            points.append(history.answer_points(rec["messages"], len(turns)))
-        except history.HistoryError as exc:
-            raise ExportError(f"{source}:{number}: {exc}") from None
+        points.append(_points(rec, number, source))
         if ids is not None and options.format != "tokens" and not options.per_turn and len(turns) > 1:
             raise ExportError(f"{source}:{number}: {len(turns)} turns: --token-ids writes one prompt per row, so "
                               "a conversation of several turns needs --per-turn (or --format tokens)")
@@ -184,6 +182,14 @@ def _write_batch(fh: IO[str], batch: list[tuple[int, dict[str, Any]]], options: 
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
         report.written += len(rows)
         report.conversations += bool(rows)
+
+
+def _points(rec: Mapping[str, Any], number: int, source: Path) -> list[int]:
+    """Where each turn of ``rec`` answers (budget.history); a record that does not fit is an error at its line."""
+    try:
+        return history.answer_points(rec["messages"], len(rec["turns"]))
+    except history.HistoryError as exc:
+        raise ExportError(f"{source}:{number}: {exc}") from None
 
 
 def _checked_turn(turn: Mapping[str, Any], prompt: list[int] | None, rid: str,

@@ -73,6 +73,10 @@ class Stats:
     finish_reasons: Counter[str] = field(default_factory=Counter)
     record_versions: Counter[str] = field(default_factory=Counter)
     lengths: list[int] = field(default_factory=list)
+    turns: int = 0
+    multi_turn: int = 0  # conversations of more than one regenerated turn
+    incomplete: int = 0
+    stopped_by: Counter[str] = field(default_factory=Counter)
 
     def add(self, rec: Mapping[str, Any]) -> None:
         turns = rec["turns"]
@@ -87,6 +91,11 @@ class Stats:
         self.finish_reasons[turns[-1]["finish_reason"]] += 1
         self.record_versions[str(record.version(rec))] += 1
         self.lengths.append(rec["completion_tokens"])
+        self.turns += len(turns)
+        self.multi_turn += len(turns) > 1
+        self.incomplete += bool(rec.get("incomplete"))
+        if rec.get("stopped_by") is not None:
+            self.stopped_by[str(rec["stopped_by"])] += 1
 
     def completion_length(self) -> dict[str, float | int | None]:
         ordered = sorted(self.lengths)
@@ -131,6 +140,9 @@ def write_manifest_of(dataset_dir: Path, settings: Mapping[str, Any], stats: Sta
                    "reasoning_truncated": stats.reasoning_truncated, "reasoning_unclosed": stats.reasoning_unclosed,
                    "tool_calls": stats.tool_calls, "tool_call_errors": stats.tool_call_errors},
         "record_versions": dict(sorted(stats.record_versions.items())),
+        # multi-turn: turns beside conversations, and why conversations ended early (docs/multiturn.md)
+        "conversations": {"turns": stats.turns, "multi_turn": stats.multi_turn, "incomplete": stats.incomplete,
+                          "stopped_by": dict(sorted(stats.stopped_by.items()))},
         "tokens": {"prompt": stats.prompt_tokens, "completion": stats.completion_tokens},
         "finish_reasons": dict(sorted(stats.finish_reasons.items())),
         "completion_length": stats.completion_length(),

@@ -348,8 +348,9 @@ def test_messages_that_do_not_interleave_with_the_turns_are_refused(tmp_path: Pa
     rec, _seen = records(tok)["budget"]
     rec["messages"] = messages
     ds = write_dataset(tmp_path, tok, [rec])
-    with pytest.raises(ExportError, match=r"raw_responses.jsonl:1: .*" + match):
-        export_dataset(ds, tmp_path / "x.jsonl", ExportOptions("openai-messages", truncated="keep"))
+    for truncated in ("keep", "drop"):  # an error whether the (incomplete) record would be written or not
+        with pytest.raises(ExportError, match=r"raw_responses.jsonl:1: .*" + match):
+            export_dataset(ds, tmp_path / "x.jsonl", ExportOptions("openai-messages", truncated=truncated))
 
 
 def test_cli_per_turn_and_truncated_keep(tmp_path: Path, family: tuple[str, Any]) -> None:
@@ -367,3 +368,13 @@ def test_cli_per_turn_and_truncated_keep(tmp_path: Path, family: tuple[str, Any]
     assert "ds: 5 turn rows" in result.output
     assert [(r["id"], r["turn"], r.get("truncated", False)) for r in read_jsonl(dest)] == [
         ("chat", 0, False), ("chat", 1, False), ("chat", 2, False), ("budget", 0, True), ("budget", 1, True)]
+
+
+def test_the_manifest_counts_turns_and_why_conversations_stopped(tmp_path: Path, family: tuple[str, Any]) -> None:
+    _name, tok = family
+    ds = write_dataset(tmp_path, tok, [r for r, _s in records(tok).values()])
+    export(ds, tmp_path, tok, format="openai-messages")
+    manifest = json.loads((ds / "manifest.json").read_text(encoding="utf-8"))
+    assert manifest["counts"]["samples"] == 5 and manifest["counts"]["truncated"] == 3
+    assert manifest["conversations"] == {"turns": 12, "multi_turn": 5, "incomplete": 2,
+                                         "stopped_by": {"budget": 1, "length": 1}}
