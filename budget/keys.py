@@ -28,12 +28,12 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:ds:{n}:progress``      | hash   | worker (refresh_chunk)   | running chunk id -> its requests' progress (JSON) |
 | ``bq:ds:{n}:discarded``     | list   | ``discard`` script       | chunk ids out of the queue whose RQ job hashes    |
 |                             |        |                          | ``mark_discarded`` has not yet marked canceled    |
-| ``bq:ds:{n}:turns``         | hash   | ``commit_turn`` script   | turn_field(sample, turn) -> completion tokens: a  |
+| ``bq:ds:{n}:turns``         | hash   | ``commit_turn``, ``reopen``; ``end_conversation``, ``reconcile_turns`` delete | turn_field(sample, turn) -> completion tokens: a  |
 |                             |        |                          | turn's exactly-once guard (docs/multiturn.md);    |
 |                             |        |                          | sum = tokens committed, not yet in a record       |
-| ``bq:ds:{n}:turnrec``       | hash   | ``commit_turn`` script   | turn_field -> the turn's record JSON, kept until  |
+| ``bq:ds:{n}:turnrec``       | hash   | same as ``turns``        | turn_field -> the turn's record JSON, kept until  |
 |                             |        |                          | its conversation is written                       |
-| ``bq:ds:{n}:convs``         | hash   | ``commit_turn`` script   | sample -> turns committed: started conversations  |
+| ``bq:ds:{n}:convs``         | hash   | same as ``turns``        | sample -> turns committed: started conversations  |
 |                             |        |                          | and the turn each resumes at                      |
 
 The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default, so a Redis of an older run works):
@@ -54,11 +54,15 @@ The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default, so 
 | ``mode``           | producer (Ledger.set_mode)              | drain / predict / strict; unset: drain               |
 | ``max_new_tokens`` | producer (Ledger.set_mode)              | the request cap: strict's reservation and closing    |
 | ``prior_mean``     | producer (Ledger.set_prior)             | predict's expected length before results arrive      |
-| ``committed``      | ``commit`` script (HINCRBY)             | responses committed (not reset by uncommit)          |
+| ``committed``      | ``commit``, ``end_conversation``        | responses (and conversations) committed (not reset   |
+|                    | (HINCRBY)                               | by uncommit)                                         |
 | ``discarded_chunks``| ``discard`` script (HINCRBY)           | queued chunks taken out of the queue after closing   |
 | ``selected``       | producer (RunState.set_progress)        | samples the attached produce selected (for status)   |
 | ``todo``           | producer (RunState.set_progress)        | of those, not yet handed to a chunk (status shows    |
 |                    |                                         | them as discarded once the dataset closed)           |
+| ``cut``            | ``set_budget`` (set when the budget is  | 1: the budget was lowered to <= used; admit_turn     |
+|                    | lowered to <= used, deleted when it is  | stops every started conversation (docs/multiturn.md) |
+|                    | removed or set above used)              | unset: not cut                                       |
 
 Who may send commands on these keys: budget/ alone (ledger.py and its scripts, runstate.py, serverinfo.py).
 producer/, worker/ and demo/ call those and never name a key; tests/test_key_ownership.py enforces it. RQ's keys
@@ -84,7 +88,7 @@ SERVER_INFO = PREFIX + "server_info"
 #: Every field of a dataset's hash (``DatasetKeys.meta``), documented in the table above and in
 #: docs/architecture.md; tests check that a run writes no other.
 META_FIELDS = ("name", "settings", "queue", "created_at", "budget", "status", "closed_at", "mode", "max_new_tokens",
-               "prior_mean", "committed", "discarded_chunks", "selected", "todo")
+               "prior_mean", "committed", "discarded_chunks", "selected", "todo", "cut")
 
 #: The one RQ queue that every dataset shares; workers listen on it (``worker.settings.QUEUES``).
 QUEUE_NAME = "budgetq"

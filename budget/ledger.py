@@ -148,6 +148,50 @@ class TurnOutcome:
         return self.verdict is TurnVerdict.COMMITTED
 
 
+class TurnAdmit(enum.IntEnum):
+    """admit_turn's verdicts (budget/scripts.py ADMIT_TURN)."""
+
+    START = 1
+    STOP = 0  # end the conversation with stopped_by "budget": the budget was cut, or (strict) the turn cannot fit
+    REVOKED = -1  # the chunk is no longer ours: start nothing more
+    SKIP = -2  # not this chunk's conversation, written already, or not at this turn: someone else carries it on
+    FULL = -3  # strict: the budget is reserved by requests in flight; ask again once they commit
+
+
+@dataclass(frozen=True)
+class TurnAdmission:
+    verdict: TurnAdmit
+    reserved: int  # tokens the turn reserves until its commit_turn (0 in drain mode)
+
+
+class EndVerdict(enum.IntEnum):
+    ENDED = 1
+    DUPLICATE = 0  # ended already (in done): nothing changed
+    MISMATCH = -1  # the conversation has not exactly that many turns committed: nothing changed
+
+
+@dataclass(frozen=True)
+class EndOutcome:
+    """What ``end_conversation`` decided (budget/scripts.py END_CONVERSATION)."""
+
+    verdict: EndVerdict
+    tokens: int  # ENDED/DUPLICATE: the conversation's done value; MISMATCH: the turns committed
+
+    @property
+    def ended(self) -> bool:
+        return self.verdict is EndVerdict.ENDED
+
+
+def _turn_admission(reply: Any) -> TurnAdmission:
+    verdict, reserved = reply
+    return TurnAdmission(TurnAdmit(int(verdict)), int(reserved))
+
+
+def _end_outcome(reply: Any) -> EndOutcome:
+    verdict, tokens = reply
+    return EndOutcome(EndVerdict(int(verdict)), int(tokens))
+
+
 def _turn_outcome(reply: Any) -> TurnOutcome:
     verdict, used, closed, late = reply
     return TurnOutcome(TurnVerdict(int(verdict)), int(used), bool(closed), bool(late))
@@ -359,6 +403,78 @@ class Ledger:
                     [k.meta, k.used, k.done, k.turns, k.turnrec, k.convs, k.resv, k.inflight, k.lengths, k.stats],
                     [sample, turn, completion_tokens, orjson.dumps(record), chunk, reserved, reason],
                     _turn_outcome, merge=4)
+
+    @functools.cached_property
+    def _admit_turn(self) -> Script:
+        return self.r.register_script(scripts.ADMIT_TURN)
+
+    @functools.cached_property
+    def _end_conversation(self) -> Script:
+        return self.r.register_script(scripts.END_CONVERSATION)
+
+    @functools.cached_property
+    def _reconcile_turns(self) -> Script:
+        return self.r.register_script(scripts.RECONCILE_TURNS)
+
+    @functools.cached_property
+    def _reopen(self) -> Script:
+        return self.r.register_script(scripts.REOPEN)
+
+    def admit_turn(self, name: str, sample: str, turn: int, chunk: str, reservation: int = 0) -> TurnAdmission:
+        return self.run(self.admit_turn_call(name, sample, turn, chunk, reservation))
+
+    def admit_turn_call(self, name: str, sample: str, turn: int, chunk: str,
+                        reservation: int = 0) -> Call[TurnAdmission]:
+        """May turn ``turn`` (>= 1) of conversation ``sample``, held by ``chunk``, start now? Started ones go on
+        while the dataset is closed (drain, predict; strict while the turn fits); ``reservation`` is what the
+        turn reserves in predict mode. A START is settled by the turn's commit_turn (pass it its ``reserved``)."""
+        keys.turn_field(sample, turn)
+        if turn < 1:
+            raise ValueError("admit_turn admits turns >= 1; turn 0 is a new conversation: admit")
+        k = self._keys(name)
+        return Call(self._admit_turn, [k.meta, k.chunks, k.pending, k.done, k.convs, k.used, k.resv, k.inflight],
+                    [chunk, sample, turn, int(reservation)], _turn_admission)
+
+    def end_conversation(self, name: str, sample: str, turns: int, header: dict[str, Any]) -> EndOutcome:
+        return self.run(self.end_conversation_call(name, sample, turns, header))
+
+    def end_conversation_call(self, name: str, sample: str, turns: int, header: dict[str, Any]) -> Call[EndOutcome]:
+        """End conversation ``sample`` with its ``turns`` committed turns: once, its record (``header``: every
+        record field but the turns, which Redis adds verbatim) goes to the results stream and its tokens to
+        done. A resend or a racing copy is a DUPLICATE; a turn count that is not Redis' is a MISMATCH."""
+        if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
+            raise ValueError(f"a conversation ends with an int >= 1 of turns, not {turns!r}")
+        if "turns" in header:
+            raise ValueError("the header of end_conversation holds no turns: Redis adds the committed ones")
+        k = self._keys(name)
+        return Call(self._end_conversation,
+                    [k.meta, k.done, k.turns, k.turnrec, k.convs, k.pending, k.results, k.stats],
+                    [sample, turns, orjson.dumps(header)], _end_outcome)
+
+    def reconcile_turns(self, name: str, on_disk: Sequence[str], batch: int = 2000) -> tuple[int, int]:
+        """Drop the committed turns Redis still holds of conversations written to disk (Redis restored from
+        before the write), after ``reconcile`` counted the file. Returns (conversations cleaned, tokens)."""
+        k = self._keys(name)
+        cleaned = tokens = 0
+        for i in range(0, len(on_disk), batch):
+            c, t, _ = self._reconcile_turns(keys=[k.meta, k.used, k.done, k.turns, k.turnrec, k.convs],
+                                            args=list(on_disk[i:i + batch]))
+            cleaned += int(c)
+            tokens += int(t)
+        return cleaned, tokens
+
+    def reopen(self, name: str, sample: str, turns: Sequence[dict[str, Any]]) -> int:
+        """Make a ``failed`` conversation's on-disk ``turns`` (its record's, in order) committed and unwritten
+        again, so a rerun resumes it at the failed turn. Returns 1 reopened, 0 nothing to do (not in done, or
+        reopened already), -1 refused: the turns' tokens are not what done counted for it."""
+        if not turns:
+            raise ValueError("reopen takes the record's turns (at least one)")
+        args: list[Any] = [sample]
+        for t in turns:
+            args += [int(t["completion_tokens"]), orjson.dumps(t)]
+        k = self._keys(name)
+        verdict, _n = self._reopen(keys=[k.used, k.done, k.turns, k.turnrec, k.convs], args=args)
+        return int(verdict)
 
     def committed_turns(self, name: str, sample: str) -> list[dict[str, Any]]:
         """The committed, not yet written turns of a conversation, in order (what a resumed conversation's

@@ -54,7 +54,16 @@ SET_BUDGET = _CLOSE_IF_SPENT + """
 -- KEYS[1] meta hash, KEYS[2] used counter
 -- ARGV[1] budget in tokens, or '' for unlimited
 -- returns {status, used}
+-- Also the meta field cut (docs/multiturn.md): set when the budget is lowered to <= used (admit_turn then
+-- stops every started conversation), deleted when the budget is removed or set above used; setting the same
+-- budget again (a rerun's attach) leaves it as it is, so a drained dataset's conversations still finish.
 local used = tonumber(redis.call('GET', KEYS[2]) or '0')
+local old = redis.call('HGET', KEYS[1], 'budget')
+if ARGV[1] == '' or tonumber(ARGV[1]) > used then
+  redis.call('HDEL', KEYS[1], 'cut')
+elseif old ~= false and (old == '' or tonumber(ARGV[1]) < tonumber(old)) then
+  redis.call('HSET', KEYS[1], 'cut', 1)
+end
 redis.call('HSET', KEYS[1], 'budget', ARGV[1])
 local status = 'open'
 if spent(KEYS[1], used) then status = 'closed' end
@@ -324,6 +333,153 @@ for g = 0, #ARGV / 7 - 1 do
 end
 redis.call('LTRIM', KEYS[9], 0, 4095)
 return out
+"""
+
+ADMIT_TURN = _CLOSE_IF_SPENT + _RESERVED + """
+-- admit_turn: may turn i > 0 of a started conversation start now, and what does it reserve? (docs/multiturn.md)
+-- KEYS[1] meta hash, KEYS[2] chunks zset, KEYS[3] pending hash, KEYS[4] done hash, KEYS[5] conversations hash,
+-- KEYS[6] used counter, KEYS[7] reservations hash, KEYS[8] in-flight hash
+-- ARGV[1] chunk id, ARGV[2] sample key, ARGV[3] turn index (>= 1), ARGV[4] tokens the turn reserves in predict
+-- mode (the caller's expectation; drain and an unlimited budget reserve nothing, strict max_new_tokens)
+-- returns {verdict, reserved}. verdict 1 start it; 0 stop the conversation with stopped_by budget (the budget
+-- was lowered to <= used: meta cut; or strict, and the turn cannot fit even alone); -1 chunk revoked (start
+-- nothing more); -2 skip (the conversation is not this chunk's, is written, or has not exactly this many
+-- turns committed: someone else carries it on); -3 full (strict: the budget is reserved by requests in
+-- flight; wait, the turn may fit once they commit)
+-- Unlike admit, a closed dataset does not refuse: closed means no new conversation starts, while a started
+-- one is finished (drain, predict) or stopped only when it cannot fit (strict), so its turns so far are kept.
+-- A start is booked in resv/inflight exactly as admit books it, so commit_turn's settle gives it back.
+if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {-1, 0} end
+local sample = ARGV[2]
+if redis.call('HEXISTS', KEYS[4], sample) == 1 or redis.call('HGET', KEYS[3], sample) ~= ARGV[1]
+    or tonumber(redis.call('HGET', KEYS[5], sample) or '0') ~= tonumber(ARGV[3]) then
+  return {-2, 0}
+end
+if redis.call('HEXISTS', KEYS[1], 'cut') == 1 then return {0, 0} end
+local mode = redis.call('HGET', KEYS[1], 'mode') or 'drain'
+local budget = redis.call('HGET', KEYS[1], 'budget')
+local res = 0
+if budget and budget ~= '' and mode ~= 'drain' then
+  budget = tonumber(budget)
+  if mode == 'strict' then
+    res = tonumber(redis.call('HGET', KEYS[1], 'max_new_tokens') or '0')
+    local used = tonumber(redis.call('GET', KEYS[6]) or '0')
+    if used + res > budget then
+      close_if_spent(KEYS[1], used)
+      return {0, 0}
+    end
+    if used + reserved(KEYS[7]) + res > budget then return {-3, 0} end
+  else
+    res = tonumber(ARGV[4])
+  end
+end
+redis.call('HINCRBY', KEYS[7], ARGV[1], res)
+redis.call('HINCRBY', KEYS[8], ARGV[1], 1)
+return {1, res}
+"""
+
+END_CONVERSATION = """
+-- end_conversation: a conversation is over; hand its record to the collector, once (docs/multiturn.md).
+-- KEYS[1] meta hash, KEYS[2] done hash, KEYS[3] turns hash, KEYS[4] turn records hash, KEYS[5] conversations
+-- hash, KEYS[6] pending hash, KEYS[7] results stream, KEYS[8] stats hash
+-- ARGV[1] sample key, ARGV[2] turns it ends with (k >= 1: the turns committed), ARGV[3] the record's header JSON
+-- (stopped_by, incomplete, ...: everything but the turns)
+-- returns {verdict, tokens}. 1: ended; done[sample] = tokens = the sum of its turns' tokens, one results entry
+-- XADDed with fields id, r (the header) and t0 .. t{k-1} (each turn's committed record, verbatim: no JSON in
+-- Lua), its turn fields and conversations entry deleted, the sample released from pending. 0: already ended
+-- (in done): nothing changed, tokens = its done value. -1: the conversation has not exactly k turns committed
+-- (a stale caller's view): nothing changed, tokens = the turns committed.
+-- used does not move: the turns were counted by commit_turn; their tokens move from turns to done, so
+-- used = sum of done + sum of turns holds before and after. A resend, an RQ retry or a racing zombie hits the
+-- done guard, so a conversation is written once.
+local sample, k = ARGV[1], tonumber(ARGV[2])
+local prior = redis.call('HGET', KEYS[2], sample)
+if prior then return {0, tonumber(prior)} end
+local have = tonumber(redis.call('HGET', KEYS[5], sample) or '0')
+if have ~= k or k < 1 then return {-1, have} end
+local fields, entry, tokens = {}, {'id', sample, 'r', ARGV[3]}, 0
+for t = 0, k - 1 do
+  local field = string.format('%d', t) .. '\\31' .. sample
+  local n = redis.call('HGET', KEYS[3], field)
+  local rec = redis.call('HGET', KEYS[4], field)
+  if not n or not rec then return {-1, have} end
+  tokens = tokens + tonumber(n)
+  fields[#fields + 1] = field
+  entry[#entry + 1] = 't' .. t
+  entry[#entry + 1] = rec
+end
+redis.call('XADD', KEYS[7], '*', unpack(entry))
+redis.call('HSET', KEYS[2], sample, tokens)
+redis.call('HDEL', KEYS[3], unpack(fields))
+redis.call('HDEL', KEYS[4], unpack(fields))
+redis.call('HDEL', KEYS[5], sample)
+redis.call('HDEL', KEYS[6], sample)
+redis.call('HINCRBY', KEYS[1], 'committed', 1)
+redis.call('HINCRBY', KEYS[8], 'conversations', 1)
+return {1, tokens}
+"""
+
+RECONCILE_TURNS = _CLOSE_IF_SPENT + """
+-- reconcile_turns: conversations whose record is on disk (the file is the truth) but whose turns are still in
+-- Redis, as committed and unwritten (Redis restored from a copy older than the write): drop those turns and
+-- take their tokens out of used, which reconcile already made count the record (docs/multiturn.md).
+-- KEYS[1] meta hash, KEYS[2] used counter, KEYS[3] done hash, KEYS[4] turns hash, KEYS[5] turn records hash,
+-- KEYS[6] conversations hash
+-- ARGV sample keys found on disk
+-- returns {conversations cleaned, tokens removed, used after}
+-- Only a sample in done is cleaned (reconcile runs first and counts the file's record there); a conversation
+-- reopened for a rerun (reopen: out of done, its turns back in turns) is left to finish. Run again, it finds
+-- nothing more to drop.
+local cleaned, tokens = 0, 0
+for _, sample in ipairs(ARGV) do
+  local n = tonumber(redis.call('HGET', KEYS[6], sample) or '0')
+  if n > 0 and redis.call('HEXISTS', KEYS[3], sample) == 1 then
+    for t = 0, n - 1 do
+      local field = string.format('%d', t) .. '\\31' .. sample
+      tokens = tokens + tonumber(redis.call('HGET', KEYS[4], field) or '0')
+      redis.call('HDEL', KEYS[4], field)
+      redis.call('HDEL', KEYS[5], field)
+    end
+    redis.call('HDEL', KEYS[6], sample)
+    cleaned = cleaned + 1
+  end
+end
+local used = redis.call('DECRBY', KEYS[2], tokens)
+if cleaned > 0 and not spent(KEYS[1], used) and redis.call('HGET', KEYS[1], 'status') == 'closed' then
+  redis.call('HSET', KEYS[1], 'status', 'open')
+end
+return {cleaned, tokens, used}
+"""
+
+REOPEN = """
+-- reopen: a rerun carries on a conversation whose record on disk ended stopped_by failed: its turns on disk
+-- become committed and unwritten again, so it resumes at the failed turn and its new record supersedes
+-- (docs/multiturn.md).
+-- KEYS[1] used counter, KEYS[2] done hash, KEYS[3] turns hash, KEYS[4] turn records hash, KEYS[5]
+-- conversations hash
+-- ARGV[1] sample key, then one pair per turn of its record, in order: completion tokens, turn record JSON
+-- returns {verdict, turns committed}. 1: reopened; its done entry is gone and its k turns are in turns, turnrec
+-- and convs = k. 0: not reopened, nothing changed: not in done (never written, or reopened already: a resend)
+-- or its turns already in Redis. -1: the turns' tokens do not add up to its done value (another record than
+-- the one counted), nothing changed.
+-- used does not move: the tokens move from done to turns, so used = sum of done + sum of turns holds.
+local sample = ARGV[1]
+local d = redis.call('HGET', KEYS[2], sample)
+if not d or redis.call('HEXISTS', KEYS[5], sample) == 1 then
+  return {0, tonumber(redis.call('HGET', KEYS[5], sample) or '0')}
+end
+local k = (#ARGV - 1) / 2
+local tokens = 0
+for t = 0, k - 1 do tokens = tokens + tonumber(ARGV[2 + 2 * t]) end
+if k < 1 or tokens ~= tonumber(d) then return {-1, 0} end
+for t = 0, k - 1 do
+  local field = string.format('%d', t) .. '\\31' .. sample
+  redis.call('HSET', KEYS[3], field, ARGV[2 + 2 * t])
+  redis.call('HSET', KEYS[4], field, ARGV[3 + 2 * t])
+end
+redis.call('HSET', KEYS[5], sample, k)
+redis.call('HDEL', KEYS[2], sample)
+return {1, k}
 """
 
 FAIL = _SETTLE + """

@@ -90,15 +90,35 @@ def collect(store: RunState, dataset: str, out: ResultsFile,
         entries = store.read_results(dataset, batch)
         if not entries:
             return written
-        records = []
-        for _entry_id, fields in entries:
-            rec = json.loads(fields[b"r"] if b"r" in fields else fields["r"])
-            rec["messages"] = messages_for(rec["id"])
-            records.append(rec)
+        records = [entry_record(fields, messages_for) for _entry_id, fields in entries]
         new_ids = {r["id"] for r in records if r["id"] not in out.tokens}
         out.append(records)
         written.extend(r for r in records if r["id"] in new_ids)
         store.drop_results(dataset, [e[0] for e in entries])  # only after the fsync in append()
+
+
+def entry_record(fields: dict[Any, Any], messages_for: Callable[[str], Any]) -> dict[str, Any]:
+    """The record of one results stream entry. Two shapes: a response (``commit``: ``id``, ``r`` = the whole
+    record without ``messages``), and a conversation (``end_conversation``: ``id``, ``r`` = the record's header,
+    ``t0`` .. ``t{k-1}`` = its committed turns verbatim), which becomes one record version 2 with every turn and
+    ``completion_tokens`` their sum, what the budget counted. ``messages`` are the dataset's prompt unless a
+    conversation's header carries what was sent (docs/multiturn.md: later turns splice in tool results)."""
+    text = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in fields.items()}
+    rec = json.loads(text["r"])
+    if "t0" not in text:
+        rec["messages"] = messages_for(rec["id"])
+        return rec
+    turns: list[dict[str, Any]] = []
+    while f"t{len(turns)}" in text:
+        turns.append(json.loads(text[f"t{len(turns)}"]))
+    sid = text["id"].decode() if isinstance(text["id"], bytes) else str(text["id"])
+    rec.setdefault("record_version", record.RECORD_VERSION)
+    rec["id"] = sid
+    if rec.get("messages") is None:
+        rec["messages"] = messages_for(sid)
+    rec["turns"] = turns
+    rec["completion_tokens"] = sum(int(t["completion_tokens"]) for t in turns)
+    return rec
 
 
 def write_failed(path: Path, failures: dict[str, dict[str, Any]]) -> None:
