@@ -28,9 +28,10 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:ds:{n}:progress``      | hash   | worker (refresh_chunk)   | running chunk id -> its requests' progress (JSON) |
 | ``bq:ds:{n}:discarded``     | list   | ``discard`` script       | chunk ids out of the queue whose RQ job hashes    |
 |                             |        |                          | ``mark_discarded`` has not yet marked canceled    |
-| ``bq:ds:{n}:turns``         | hash   | ``commit_turn``, ``reopen``; ``end_conversation``, ``reconcile_turns`` delete | turn_field(sample, turn) -> completion tokens: a  |
-|                             |        |                          | turn's exactly-once guard (docs/multiturn.md);    |
-|                             |        |                          | sum = tokens committed, not yet in a record       |
+| ``bq:ds:{n}:turns``         | hash   | ``commit_turn``,         | turn_field(sample, turn) -> completion tokens: a  |
+|                             |        | ``reopen``; deleted by   | turn's exactly-once guard (docs/multiturn.md);    |
+|                             |        | ``end_conversation``,    | sum = tokens committed, not yet in a record       |
+|                             |        | ``reconcile_turns``      |                                                   |
 | ``bq:ds:{n}:turnrec``       | hash   | same as ``turns``        | turn_field -> the turn's record JSON, kept until  |
 |                             |        |                          | its conversation is written                       |
 | ``bq:ds:{n}:convs``         | hash   | same as ``turns``        | sample -> turns committed: started conversations  |
