@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 import zlib
 from array import array
 from datetime import datetime, timezone
@@ -223,10 +224,16 @@ def test_produce_killed_between_batches_leaves_whole_batches_and_the_rerun_adds_
         proc = subprocess.Popen([*produce_cmd(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True)
         try:
-            assert first_batch.wait(240), "produce never enqueued a batch"
+            # The batch, or produce ending without one (then its stderr says why, at once, instead of a timeout).
+            deadline = time.monotonic() + 240
+            while not first_batch.wait(0.1) and proc.poll() is None and time.monotonic() < deadline:
+                pass
+            ended = proc.poll()
         finally:
-            os.kill(proc.pid, signal.SIGKILL)
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
             _, err = proc.communicate(30)
+        assert first_batch.is_set(), f"produce never enqueued a batch (exit {ended}): {err}"
         r.execute_command("CLIENT", "UNPAUSE")
     assert proc.returncode == -signal.SIGKILL, err
     k = keys.DatasetKeys("many")
