@@ -35,4 +35,4 @@ compose-smoke:
 
 clean:
 	rm -rf .demo out .pytest_cache .mypy_cache build
-	find budget producer worker sglang_sim demo tests -name __pycache__ -type d -prune -exec rm -rf {} +
+	find budget producer render worker sglang_sim demo tests -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -66,7 +66,7 @@ The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default, so 
 |                    | removed or set above used)              | unset: not cut                                       |
 
 Who may send commands on these keys: budget/ alone (ledger.py and its scripts, runstate.py, serverinfo.py).
-producer/, worker/ and demo/ call those and never name a key; tests/test_key_ownership.py enforces it. RQ's keys
+producer/, render/, worker/ and demo/ call those and never name a key; tests/test_key_ownership.py enforces it. RQ's keys
 are RQ's: read or written through RQ's API, or by our scripts where a decision needs them (below).
 
 RQ's own keys that our scripts touch (queue list, job hashes, canceled registry) are derived here from RQ's

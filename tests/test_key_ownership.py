@@ -1,8 +1,8 @@
 """budget/ owns every ``bq:`` key, for real (docs/architecture.md, "Who touches the keys").
 
-Two checks. The source: no module of producer/, worker/ or demo/ names a key (a ``budget.keys`` name other than
-the queue name and the chunk-id builder, or a ``bq:`` string) or calls a Redis command method, so every command
-they cause goes through a budget/ call. A run: ``produce`` in-process and a real ``rq worker`` subprocess, both
+Two checks. The source: no module of producer/, render/, worker/ or demo/ names a key (a ``budget.keys`` name
+other than the queue name and the chunk-id builder, or a ``bq:`` string) or calls a Redis command method, so every
+command they cause goes through a budget/ call. A run: ``produce`` in-process and a real ``rq worker`` subprocess, both
 recording, for each command on a ``bq:`` key, which module sent it (tests/key_senders.py): every one must come
 from budget/.
 """
@@ -20,7 +20,7 @@ from tests import key_senders
 from tests.procs import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ("producer", "worker", "demo")
+CHECKED = ("producer", "render", "worker", "demo")
 #: What of budget/keys.py a module outside budget/ may use: they name no key.
 NOT_KEYS = {"QUEUE_NAME", "chunk_id"}
 #: Redis command methods of redis-py clients and pipelines. Outside budget/ none is called on anything (RQ's

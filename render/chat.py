@@ -1,0 +1,304 @@
+"""Chat prompts -> `input_ids`, with the model's own chat template.
+
+`produce` renders every prompt (a conversation's turn 0) here and sends token ids (not text) to SGLang, so the
+server never applies a template of its own and the ids are exactly what the budget is counted against. A GPU
+worker renders a conversation's later turns with this same code (docs/multiturn.md, "Where rendering happens"):
+that is why it lives in render/, which producer/ and worker/ may both import, and not in producer/. transformers
+is imported only inside `load_tokenizer`; a worker imports this module only when a run needs it. Rules kept:
+
+- Tokenizers come from a local directory only (`local_files_only=True`), or a hub id's snapshot in the local
+  Hugging Face cache: there is no model hub to reach.
+- The ids come straight from `apply_chat_template(tokenize=True)`, which encodes the rendered text with
+  `add_special_tokens=False`. Rendering to text and encoding it again would add a second BOS on tokenizers whose
+  template already writes one (Llama, Gemma, the demo tokenizer).
+- Everything that does not depend on the messages (template kwargs, think markers, eos ids, the fingerprint) is
+  computed once per `Renderer`, because 100,000 prompts go through `render`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Literal, Mapping, Sequence
+
+import jinja2
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+DEFAULT_THINK_START: Final = "<think>"
+DEFAULT_THINK_END: Final = "</think>"
+# Enough tokens to hold the generation prompt's tail ("<|im_start|>assistant\n<think>\n" is 4-6 tokens).
+_TAIL_TOKENS: Final = 16
+# apply_chat_template arguments that the renderer owns: a kwarg with one of these names would change the shape of
+# the result (text, dict, tensors, padding) or clash with our own call.
+_RESERVED_KWARGS: Final = frozenset(
+    {
+        "conversation",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+    }
+)
+# Bump when the way ids are produced changes, so runs stored by an older renderer are refused.
+_FINGERPRINT_VERSION: Final = "budgetq-render-1"
+
+
+class RenderError(Exception):
+    """A user error (bad tokenizer directory, template, messages or kwargs), with a message fit to show as is.
+
+    `index` is set by `Renderer.render_many`: the position of the failing conversation in the batch, so the caller
+    can name the file line at fault.
+    """
+
+    def __init__(self, message: str, *, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+@dataclass(frozen=True)
+class ThinkMarkers:
+    """The tags a reasoning model wraps its thinking in."""
+
+    start: str = DEFAULT_THINK_START
+    end: str = DEFAULT_THINK_END
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """One rendered prompt."""
+
+    input_ids: list[int]
+    # The prompt ends inside an unclosed thinking tag (a thinking model's generation prompt ends with "<think>\n"),
+    # so the completion holds only "...</think>answer" and its parser must not look for the opening tag.
+    opens_think: bool
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Load the tokenizer in directory `path` (or, for a hub id such as ``Qwen/Qwen3-8B``, its snapshot in the
+    local Hugging Face cache: render.modeldir), never from a network hub.
+
+    Raises RenderError naming the path when the directory is missing, holds no tokenizer, or the tokenizer has no
+    chat template (a base model's tokenizer: the prompts could not be rendered as the model was trained).
+    """
+    from render.modeldir import ModelDirError, resolve_tokenizer
+
+    try:
+        # Checked first: AutoTokenizer would take a missing directory for a hub repo id and try the network.
+        directory = resolve_tokenizer(path)
+    except ModelDirError as exc:
+        raise RenderError(str(exc)) from None
+    # Best effort for whatever imports transformers after us; local_files_only below is the real guarantee.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found": we need no models
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        reason = " ".join(str(exc).split())  # transformers' messages span lines
+        raise RenderError(f"cannot load a tokenizer from {directory}: {reason}") from exc
+    if not getattr(tokenizer, "chat_template", None):
+        raise RenderError(f"the tokenizer in {directory} has no chat_template: prompts cannot be rendered")
+    return tokenizer
+
+
+def _template_texts(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        return [template]
+    if isinstance(template, Mapping):  # named templates ("default", "tool_use", ...)
+        return [str(text) for text in template.values()]
+    return []
+
+
+def detect_think_markers(tokenizer: PreTrainedTokenizerBase) -> ThinkMarkers | None:
+    """The "<think>"/"</think>" markers when the model knows them, else None.
+
+    Both must be tokens of the vocabulary (Qwen3, DeepSeek-R1 add them) or appear in the chat template.
+    """
+    markers = ThinkMarkers()
+    vocab = tokenizer.get_vocab()  # includes the added tokens
+    if markers.start in vocab and markers.end in vocab:
+        return markers
+    for text in _template_texts(tokenizer):
+        if markers.start in text and markers.end in text:
+            return markers
+    return None
+
+
+def default_max_context(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The tokenizer's `model_max_length` when it is a real context size, else None (unknown: transformers'
+    int(1e30) when tokenizer_config.json leaves it unset)."""
+    from render.modeldir import sane_context
+    return sane_context(getattr(tokenizer, "model_max_length", None))
+
+
+def _canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def _vocabulary_digest(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A digest of everything that maps text to ids: model, merges, added tokens, normalizer, pre-tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        state = json.loads(backend.to_str())
+        # Runtime settings that transformers changes on calls; they don't change our ids (we never pad or truncate).
+        state.pop("truncation", None)
+        state.pop("padding", None)
+        payload = _canonical_json(state)
+    else:  # a slow (Python) tokenizer: its vocabulary is the best available proxy
+        payload = _canonical_json(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def _generation_config_eos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """eos ids from a generation_config.json beside the tokenizer (Qwen lists two there; the tokenizer knows one)."""
+    path = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _checked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    # A list of lists would be taken as a batch by apply_chat_template and give nested lists back.
+    if isinstance(messages, (str, bytes)) or not messages or not all(isinstance(m, Mapping) for m in messages):
+        raise RenderError("messages must be a non-empty list of message objects")
+    return [m if type(m) is dict else dict(m) for m in messages]
+
+
+class Renderer:
+    """Renders message lists to prompt ids with one tokenizer and one set of chat-template kwargs.
+
+    `think` is the pair of markers used to tell whether a prompt opens a thinking block: "auto" (the default) asks
+    `detect_think_markers`, None declares a model that does not think.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        think: ThinkMarkers | None | Literal["auto"] = "auto",
+        opens_markers: ThinkMarkers | None = None,
+    ) -> None:
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_KWARGS.intersection(kwargs))
+        if reserved:
+            raise RenderError(f"chat_template_kwargs may not set {', '.join(reserved)}: the renderer sets them")
+        try:
+            # Top-level keys sorted (they are keyword arguments), nested order kept: the template may render a
+            # tool's schema in the order it was given, so two orders are two different prompts.
+            self._kwargs_json = json.dumps(
+                {key: kwargs[key] for key in sorted(kwargs)}, ensure_ascii=False, separators=(",", ":")
+            )
+        except (TypeError, ValueError) as exc:
+            raise RenderError(f"chat_template_kwargs must be JSON values: {exc}") from exc
+        if not _template_texts(tokenizer):
+            raise RenderError("the tokenizer has no chat_template: prompts cannot be rendered")
+        # A JSON copy: later changes to the caller's objects must not change what this renderer does.
+        self._kwargs: dict[str, Any] = json.loads(self._kwargs_json)
+        self._tokenizer = tokenizer
+        self._think = detect_think_markers(tokenizer) if isinstance(think, str) else think
+        # The markers `opens_think` looks for when the run's reasoning parser uses others than `think` (Kimi's
+        # ◁think▷). Not in the fingerprint: the run's settings name the parser, which names the markers.
+        self._open_markers = opens_markers or self._think
+        eos = [tokenizer.eos_token_id] if isinstance(tokenizer.eos_token_id, int) else []
+        self._eos_ids = list(dict.fromkeys(eos + _generation_config_eos(tokenizer)))
+        self._fingerprint: str | None = None
+
+    @property
+    def think(self) -> ThinkMarkers | None:
+        """The markers in use (None: the model does not think)."""
+        return self._think
+
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> Rendered:
+        """Render one conversation, with the generation prompt, to ids. Template errors raise RenderError."""
+        return self._rendered(self._apply(_checked(messages)))
+
+    def render_many(self, conversations: Sequence[Sequence[Mapping[str, Any]]]) -> list[Rendered]:
+        """Render several conversations in one call: the same ids as `render`, faster on several cores.
+
+        The tokenizers library encodes a batch in parallel (about 1.7x on two cores). When one conversation fails,
+        the batch is rendered one by one, so the RenderError names the index of the first conversation at fault.
+        """
+        if not conversations:
+            return []
+        batch = [_checked(messages) for messages in conversations]
+        try:
+            out = self._apply(batch)
+        except RenderError:
+            for index, messages in enumerate(batch):
+                try:
+                    self.render(messages)
+                except RenderError as exc:
+                    raise RenderError(f"conversation {index}: {exc}", index=index) from exc
+            raise
+        rows = out if isinstance(out, list) else list(out["input_ids"])
+        return [self._rendered(row) for row in rows]
+
+    def _apply(self, conversation: list[dict[str, Any]] | list[list[dict[str, Any]]]) -> Any:
+        try:
+            return self._tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False, **self._kwargs
+            )
+        except jinja2.TemplateError as exc:  # raise_exception() in the template, undefined names, syntax errors
+            raise RenderError(f"chat template error: {exc}") from exc
+        except (TypeError, ValueError) as exc:  # e.g. content of the wrong type concatenated in the template
+            raise RenderError(f"cannot render messages: {exc}") from exc
+
+    def _rendered(self, out: Any) -> Rendered:
+        # return_dict=False gives list[int] in transformers 5; other tokenizers may still give a mapping.
+        ids = out if type(out) is list else list(out["input_ids"] if isinstance(out, Mapping) else out)
+        if ids and not isinstance(ids[0], int):
+            raise RenderError(f"the tokenizer returned {type(ids[0]).__name__} items, not token ids")
+        return Rendered(input_ids=ids, opens_think=self._opens_think(ids))
+
+    def _opens_think(self, ids: list[int]) -> bool:
+        markers = self._open_markers
+        if markers is None:
+            return False
+        # Only the tail: decoding a whole 30K-token prompt per sample would cost more than rendering it.
+        tail_ids = ids[-_TAIL_TOKENS:]
+        decoded = self._tokenizer.decode(tail_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        tail = decoded if isinstance(decoded, str) else "".join(decoded)
+        return tail.rfind(markers.start) > tail.rfind(markers.end)
+
+    def fingerprint(self) -> str:
+        """sha256 hex over all that decides the ids and their meaning, to refuse a rerun with another tokenizer.
+
+        Covers the chat template(s), the tokenizer's vocabulary and pipeline, the special tokens, the think markers
+        and the chat_template_kwargs. Computed once (serializing a 150K vocabulary takes a moment).
+        """
+        if self._fingerprint is None:
+            tok = self._tokenizer
+            parts = {
+                "version": _FINGERPRINT_VERSION,
+                "chat_template": getattr(tok, "chat_template", None),
+                "vocabulary": _vocabulary_digest(tok),
+                "special_tokens": list(zip(tok.all_special_tokens, tok.all_special_ids)),
+                "special_tokens_map": tok.special_tokens_map,
+                "think": None if self._think is None else [self._think.start, self._think.end],
+                "chat_template_kwargs": self._kwargs_json,
+            }
+            self._fingerprint = hashlib.sha256(_canonical_json(parts).encode("utf-8")).hexdigest()
+        return self._fingerprint
+
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a completion: the tokenizer's eos plus any listed in generation_config.json beside it."""
+        return list(self._eos_ids)

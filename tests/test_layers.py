@@ -1,0 +1,46 @@
+"""The one-way flow of docs/architecture.md, checked on the source: producer/ and worker/ import budget/ and
+render/, never each other; budget/ and render/ import neither; no module of render/ or worker/ imports
+transformers at module level (a worker that never renders must never load it: tests/test_render_shared.py runs
+one and looks)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: package -> the top-level packages of this repository it must not import.
+FORBIDDEN = {"producer": {"worker"}, "worker": {"producer"}, "budget": {"producer", "worker", "render"},
+             "render": {"producer", "worker", "budget"}}
+NO_TOP_LEVEL_TRANSFORMERS = ("render", "worker")
+
+
+def _imports(tree: ast.Module, top_level_only: bool) -> list[tuple[int, str]]:
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def test_packages_import_one_way() -> None:
+    found = []
+    for package, forbidden in FORBIDDEN.items():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+            for line, name in _imports(tree, top_level_only=False):
+                if name.split(".")[0] in forbidden:
+                    found.append(f"{path.relative_to(ROOT)}:{line}: imports {name}")
+    assert not found, "\n".join(found)
+
+
+def test_transformers_is_imported_only_inside_functions() -> None:
+    found = []
+    for package in NO_TOP_LEVEL_TRANSFORMERS:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+            found += [f"{path.relative_to(ROOT)}:{line}: imports {name} at module level"
+                      for line, name in _imports(tree, top_level_only=True) if name.split(".")[0] == "transformers"]
+    assert not found, "\n".join(found)
