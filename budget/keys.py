@@ -11,6 +11,10 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:epoch``                | string | producer                 | this Redis' lifetime id (lost state detection)    |
 | ``bq:server_info``          | hash   | worker (serverinfo)      | "host url" -> JSON: SGLang's /get_server_info,    |
 |                             |        |                          | SERVER_INFO_KEYS only; expires with the workers   |
+| ``bq:tok:{fp}``             | hash   | producer (tokstore)      | file name -> zlib bytes: the tokenizer files of   |
+|                             |        |                          | the run whose Renderer fingerprint is fp, for the |
+|                             |        |                          | workers that render later turns; HSETNX, never    |
+|                             |        |                          | changed (docs/multiturn.md)                       |
 | ``bq:ds:{n}``               | hash   | producer, scripts        | the dataset's record: META_FIELDS below           |
 | ``bq:ds:{n}:used``          | string | ``commit`` script        | completion tokens committed: THE budget counter   |
 | ``bq:ds:{n}:done``          | hash   | ``commit`` script        | sample id -> completion tokens; exactly-once guard|
@@ -65,7 +69,8 @@ The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default, so 
 |                    | lowered to <= used, deleted when it is  | stops every started conversation (docs/multiturn.md) |
 |                    | removed or set above used)              | unset: not cut                                       |
 
-Who may send commands on these keys: budget/ alone (ledger.py and its scripts, runstate.py, serverinfo.py).
+Who may send commands on these keys: budget/ alone (ledger.py and its scripts, runstate.py, serverinfo.py,
+tokstore.py).
 producer/, render/, worker/ and demo/ call those and never name a key; tests/test_key_ownership.py enforces it. RQ's keys
 are RQ's: read or written through RQ's API, or by our scripts where a decision needs them (below).
 
@@ -85,6 +90,15 @@ EPOCH = PREFIX + "epoch"
 #: What each worker's SGLang servers say about themselves (budget/serverinfo.py): field ``"<worker host> <url>"``,
 #: value JSON of SERVER_INFO_KEYS plus when it was fetched. Never an API key: only the listed keys are kept.
 SERVER_INFO = PREFIX + "server_info"
+
+
+def tokenizer_files(fingerprint: str) -> str:
+    """The hash of a run's tokenizer files (budget/tokstore.py), by its Renderer fingerprint: content-addressed,
+    so runs with one tokenizer and template share it. Only a sha256 hex digest is accepted, so no value can name
+    another key."""
+    if len(fingerprint) != 64 or fingerprint.strip("0123456789abcdef"):
+        raise ValueError(f"a tokenizer fingerprint is 64 lowercase hex digits, not {fingerprint!r}")
+    return f"{PREFIX}tok:{fingerprint}"
 
 #: Every field of a dataset's hash (``DatasetKeys.meta``), documented in the table above and in
 #: docs/architecture.md; tests check that a run writes no other.
