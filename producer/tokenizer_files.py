@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from budget import tokstore
 from render import tokfiles
+from render.modeldir import ModelDirError, resolve_tokenizer
 
 if TYPE_CHECKING:
     import redis
@@ -21,11 +22,11 @@ class ShareError(Exception):
     """The tokenizer files cannot be stored (missing files, over the size limit); the message says why."""
 
 
-def share_tokenizer(client: "redis.Redis", directory: str | Path, fingerprint: str) -> int:
-    """Store the tokenizer files of ``directory`` (the one ``--tokenizer`` resolved to) under ``fingerprint``
-    (the run's ``Renderer.fingerprint()``); returns the files newly stored (0: stored by an earlier run).
-    Raises ShareError naming the directory."""
+def share_tokenizer(client: "redis.Redis", tokenizer: str | Path, fingerprint: str) -> int:
+    """Store the tokenizer files of ``tokenizer`` (``--tokenizer``: a directory, or a hub id's cached snapshot)
+    under ``fingerprint`` (the run's ``Renderer.fingerprint()``); returns the files newly stored (0: stored by an
+    earlier run). Raises ShareError naming the directory."""
     try:
-        return tokstore.store_files(client, fingerprint, tokfiles.pack(directory))
-    except (tokfiles.TokenizerFilesError, tokstore.TokenizerStoreError) as exc:
+        return tokstore.store_files(client, fingerprint, tokfiles.pack(resolve_tokenizer(tokenizer)))
+    except (ModelDirError, tokfiles.TokenizerFilesError, tokstore.TokenizerStoreError) as exc:
         raise ShareError(f"cannot share the tokenizer with the workers: {exc}") from None

@@ -66,13 +66,45 @@ def test_worker_renders_the_producers_ids_from_redis(r: "redis.Redis", tmp_path:
     assert renderer_for(r, producer.fingerprint(), chat_template_kwargs=kwargs) is worker  # once per process
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek-r1", "gpt-oss"])
+@pytest.mark.parametrize("family", ["qwen3", "deepseek-r1", "glm45", "kimi", "gpt-oss"])
 def test_model_families_render_alike_on_both_sides(r: "redis.Redis", tmp_path: Path, family: str) -> None:
+    from producer.parsers import PARSER_MARKERS
     directory = build_family_tokenizer(tmp_path / family, family)
+    markers = PARSER_MARKERS[family]  # kimi's ◁think▷: opens_think looks for the parser's markers, as produce does
+    producer = Renderer(load_tokenizer(directory), opens_markers=markers)
+    assert share_tokenizer(r, directory, producer.fingerprint()) >= 2
+    worker = renderer_for(r, producer.fingerprint(), opens_markers=markers, root=tmp_path / "worker-cache")
+    for turn in (2, 6, len(CONVERSATION)):
+        assert worker.render(CONVERSATION[:turn]) == producer.render(CONVERSATION[:turn])
+    assert worker.eos_token_ids() == producer.eos_token_ids()  # glm45's, gpt-oss' generation_config.json too
+
+
+def test_a_chat_template_file_travels(r: "redis.Redis", tmp_path: Path) -> None:
+    """Newer repositories keep the template in chat_template.jinja, not in tokenizer_config.json."""
+    directory = build_tokenizer(tmp_path / "tok", thinking="open")
+    config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (directory / "chat_template.jinja").write_text(config.pop("chat_template"), encoding="utf-8")
+    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     producer = _store(r, directory)
+    assert set(r.hkeys(keys.tokenizer_files(producer.fingerprint()))) == {
+        b"tokenizer.json", b"tokenizer_config.json", b"chat_template.jinja"}
     worker = renderer_for(r, producer.fingerprint(), root=tmp_path / "worker-cache")
-    assert worker.render(CONVERSATION[:6]) == producer.render(CONVERSATION[:6])
-    assert worker.eos_token_ids() == producer.eos_token_ids()  # generation_config.json travelled too
+    assert worker.render(CONVERSATION) == producer.render(CONVERSATION)
+
+
+def test_the_cache_is_under_tmpdir_and_private(r: "redis.Redis", tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    directory = build_tokenizer(tmp_path / "tok", thinking="open")
+    fp = _store(r, directory).fingerprint()
+    renderer_for(r, fp)
+    root = tmp_path / tokenizer_cache.CACHE_DIR_NAME
+    assert (root / fp / "tokenizer.json").is_file() and root.stat().st_mode & 0o777 == 0o700
+    tokenizer_cache.forget()
+    root.chmod(0o777)  # what another user's directory in a shared /tmp would look like
+    with pytest.raises(TokenizerFault, match="not a directory this worker owns"):
+        renderer_for(r, fp)
 
 
 def test_a_second_store_changes_nothing(r: "redis.Redis", tmp_path: Path) -> None:
