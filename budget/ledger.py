@@ -339,11 +339,12 @@ class Ledger:
         """Write a chunk's progress into its RQ job's meta, if the job hash still exists (budget/scripts.py)."""
         return Call(self._job_meta, [keys.rq_job_key(job_id)], [meta], bool)
 
-    def admit(self, name: str, sample: str, chunk: str, expected: int = 0, margin: float = 0.0) -> Admission:
-        return self.run(self.admit_call(name, [sample], chunk, expected, margin))[0]
+    def admit(self, name: str, sample: str, chunk: str, expected: int = 0, margin: float = 0.0,
+              taper: float = 0.0) -> Admission:
+        return self.run(self.admit_call(name, [sample], chunk, expected, margin, taper))[0]
 
     def admit_call(self, name: str, samples: Sequence[str], chunk: str, expected: int = 0,
-                   margin: float = 0.0) -> Call[list[Admission]]:
+                   margin: float = 0.0, taper: float = 0.0) -> Call[list[Admission]]:
         """Admit ``samples`` of ``chunk`` in order, in one script run: one verdict per sample. Those after
         the first refusal that stops the chunk (closed, revoked, full) get that refusal too."""
         if isinstance(samples, str):
@@ -351,7 +352,7 @@ class Ledger:
         k = self._keys(name)
         n = len(samples)
         return Call(self._admit, [k.meta, k.chunks, k.pending, k.done, k.used, k.resv, k.inflight],
-                    [chunk, int(expected), round(margin, 1), *samples], lambda reply: _admissions(reply, n))
+                    [chunk, int(expected), round(margin, 1), round(taper, 1), *samples], lambda reply: _admissions(reply, n))
 
     def commit(self, name: str, sample: str, completion_tokens: int, result: dict[str, Any], *,
                chunk: str = "", reserved: int = 0, finish_reason: str | None = None) -> CommitOutcome:

@@ -155,8 +155,9 @@ ADMIT = _CLOSE_IF_SPENT + _RESERVED + """
 -- KEYS[1] meta hash, KEYS[2] chunks zset, KEYS[3] pending hash, KEYS[4] done hash, KEYS[5] used counter,
 -- KEYS[6] reservations hash, KEYS[7] in-flight hash
 -- ARGV[1] chunk id, ARGV[2] expected completion tokens (the predict reservation), ARGV[3] predict's safety
--- margin per sqrt(request in flight), in tokens (k x the length's standard deviation), ARGV[4..] sample ids,
--- decided in order, each as if admitted alone after the ones before it
+-- margin per sqrt(request in flight), in tokens (k x the length's standard deviation), ARGV[4] predict's taper
+-- margin per sqrt(request in flight), in tokens (t x sd; 0 = no taper), ARGV[5..] sample ids, decided in order,
+-- each as if admitted alone after the ones before it
 -- returns {verdict, reserved, verdict, reserved, ...}, one pair per sample, up to and including the first
 -- verdict that stops the chunk (0, -1 or -3): the samples after it were not looked at and share that verdict.
 -- verdict 1 start it; 0 dataset closed (start nothing more); -1 chunk revoked (start nothing more); -2 skip
@@ -166,6 +167,10 @@ ADMIT = _CLOSE_IF_SPENT + _RESERVED + """
 -- expected length, where margin = ARGV[3] x sqrt(requests in flight): the sum of running requests' lengths is
 -- uncertain, and admitting whenever the estimate dips below the budget would lock in its low swings (a
 -- winner's curse); the margin shrinks to 0 as the dataset drains, so predict still reaches its budget.
+-- The taper (ARGV[4] > 0) adds: while any request of the dataset is in flight, a new one starts only if it fits
+-- too, with the spread of what would then be in flight: used + reserved + expected + ARGV[4] x sqrt(in flight
+-- + 1) <= budget. Near the close fewer start, so the batch drains instead of refilling; an idle dataset under
+-- its budget still starts one (docs/budget.md, "The taper").
 -- strict reserves max_new_tokens and starts only while that fits, closing when nothing can.
 if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return {0, 0} end
 if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {-1, 0} end
@@ -185,8 +190,9 @@ if budgeted then
     for _, v in ipairs(redis.call('HVALS', KEYS[7])) do running = running + tonumber(v) end
   end
 end
+local taper = tonumber(ARGV[4])
 local out, started = {}, 0
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   local sample = ARGV[i]
   if redis.call('HEXISTS', KEYS[4], sample) == 1 or redis.call('HGET', KEYS[3], sample) ~= ARGV[1] then
     out[#out + 1] = -2
@@ -195,7 +201,12 @@ for i = 4, #ARGV do
     if budgeted then
       local full
       if mode == 'strict' then full = used + held + res > budget
-      else full = used + held + tonumber(ARGV[3] or '0') * math.sqrt(running) >= budget end
+      else
+        full = used + held + tonumber(ARGV[3]) * math.sqrt(running) >= budget
+        if not full and taper > 0 and running > 0 then
+          full = used + held + res + taper * math.sqrt(running + 1) > budget
+        end
+      end
       if full then
         out[#out + 1] = -3
         out[#out + 1] = 0

@@ -1,15 +1,17 @@
 """Admission modes on a real redis-server: reservations, FULL, strict closing, settlement, expiry."""
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
+import pytest
 import redis
 
 from budget import keys
 from budget.ledger import Admit, Ledger
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
-from worker.estimate import LengthModel, RateTracker, prior_sample
+from worker.estimate import LengthModel, RateTracker, predict_admits, prior_sample
 
 
 def setup(r: "redis.Redis", mode: str, budget: int | None, max_new: int = 100, chunks: int = 1,
@@ -173,3 +175,51 @@ def test_length_model_sd() -> None:
     assert model.sd() < 200  # nearly all the same length (the prior adds a little spread)
     wide = LengthModel(prior_sample(3800, 16384, points=2000), prior_mean=3800, max_new=16384)
     assert 2000 < wide.sd() < 4500  # lognormal sigma 0.8: sd about 0.9 x mean
+
+
+def test_taper_counts_the_new_request_and_the_spread_after_it(r: "redis.Redis") -> None:
+    ledger, (cid,) = setup(r, "predict", 300, size=10)
+    # Idle: starts, whatever the taper says (0 + 0 + 100 + 300 > 300): an idle dataset never stalls.
+    assert ledger.admit("ds", "s0-0", cid, expected=100, margin=0, taper=300).verdict is Admit.START
+    # One in flight: 100 + 100 + 300 x sqrt(2) > 300: the taper stops it; the margin rule alone starts it.
+    assert ledger.admit("ds", "s0-1", cid, expected=100, margin=0, taper=300).verdict is Admit.FULL
+    assert ledger.admit("ds", "s0-1", cid, expected=100, margin=0, taper=0).verdict is Admit.START
+    # Both end: used 280, nothing in flight: one more starts, so predict still reaches its budget.
+    ledger.commit("ds", "s0-0", 150, {}, chunk=cid, reserved=100, finish_reason="stop")
+    ledger.commit("ds", "s0-1", 130, {}, chunk=cid, reserved=100, finish_reason="stop")
+    assert ledger.admit("ds", "s0-2", cid, expected=100, margin=0, taper=300).verdict is Admit.START
+
+
+def test_taper_counts_the_samples_before_it_in_one_admission_batch(r: "redis.Redis") -> None:
+    """A chunk's free slots are admitted by one script run: near the close, that run must not start them all."""
+    ledger, (tapered, untapered) = setup(r, "predict", 1000, chunks=2, size=10)
+    verdicts = ledger.run(ledger.admit_call("ds", [f"s0-{i}" for i in range(10)], tapered, expected=100,
+                                            margin=0, taper=100))
+    # k-th start (k-1 before it): 100 (k-1) + 100 + 100 sqrt(k) <= 1000 holds up to k = 7 (964.6); 8: 1082.8.
+    assert [v.verdict for v in verdicts] == [Admit.START] * 7 + [Admit.FULL] * 3  # the rest share the refusal
+    assert ledger.state("ds").reserved == 700
+    for i in range(7):
+        ledger.commit("ds", f"s0-{i}", 0, {}, chunk=tapered, reserved=100, finish_reason="stop")
+    verdicts = ledger.run(ledger.admit_call("ds", [f"s1-{i}" for i in range(10)], untapered, expected=100))
+    assert [v.verdict for v in verdicts] == [Admit.START] * 10  # the old rule: held < budget, 900 < 1000
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_predict_admits_mirrors_the_admit_script(r: "redis.Redis", seed: int) -> None:
+    """The pure rule (worker/estimate.py) and the script decide alike over random states."""
+    rng = random.Random(seed)
+    for case in range(60):
+        r.flushdb()
+        budget = rng.randrange(200, 5000)
+        ledger, (cid,) = setup(r, "predict", budget, size=40)
+        expected, margin, taper = rng.randrange(1, 400), rng.choice([0.0, 50.0, 200.0]), rng.choice([0.0, 100.0, 300.0])
+        n = rng.randrange(0, 12)
+        if n:
+            ledger.run(ledger.admit_call("ds", [f"s0-{i}" for i in range(n)], cid, expected=1))
+            ledger.refresh_chunk("ds", cid, reserved=rng.randrange(0, budget))
+        used = rng.randrange(0, budget)
+        r.set(keys.DatasetKeys("ds").used, used)
+        state = ledger.state("ds")
+        want = predict_admits(used, state.reserved, expected, state.in_flight, budget, margin, taper)
+        got = ledger.admit("ds", "s0-39", cid, expected=expected, margin=margin, taper=taper).verdict
+        assert got is (Admit.START if want else Admit.FULL), (case, budget, used, state.reserved, state.in_flight)

@@ -54,6 +54,9 @@ class WorkerConfig:
     backoff_cap: float = 20.0
     reserve_interval: float = 1.0  # seconds between predict-mode reservation updates of a running chunk
     predict_margin: float = 1.0  # predict admits while used + reserved + k x sd x sqrt(in flight) < budget
+    # ... and, while requests are in flight, only if used + reserved + E[L] + t x sd x sqrt(in flight + 1) <= budget
+    # (the taper, docs/budget.md); 0 turns it off
+    predict_taper: float = 2.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "WorkerConfig":
@@ -77,6 +80,7 @@ class WorkerConfig:
             backoff_cap=_float(env, "BUDGETQ_BACKOFF_CAP", cls.backoff_cap),
             reserve_interval=_float(env, "BUDGETQ_RESERVE_INTERVAL", cls.reserve_interval),
             predict_margin=_nonneg(env, "BUDGETQ_PREDICT_MARGIN", cls.predict_margin),
+            predict_taper=_nonneg(env, "BUDGETQ_PREDICT_TAPER", cls.predict_taper),
         )
 
     def timeout_for(self, max_new_tokens: int) -> float:

@@ -260,9 +260,10 @@ class Dispatcher:
                 verdicts = [Admission(Admit.REVOKED, 0)] * n
             else:
                 expected = await self.budgeting.expected(rc.dataset)
-                margin = self.config.predict_margin * await self.budgeting.sd(rc.dataset)
+                sd = await self.budgeting.sd(rc.dataset)
                 verdicts = await self._batched("admit", self.ledger.admit_call(
-                    rc.dataset, [s["id"] for s in batch], rc.id, expected, margin))
+                    rc.dataset, [s["id"] for s in batch], rc.id, expected, self.config.predict_margin * sd,
+                    self.config.predict_taper * sd))
             refused: list[tuple[SamplePayload, Admit]] = []
             for sample, admission in zip(batch, verdicts):
                 if admission.verdict is Admit.START:

@@ -156,3 +156,20 @@ class RateTracker:
     def progress(self, elapsed: float) -> float:
         rate = self.rate
         return 0.0 if rate is None else elapsed * rate
+
+
+def predict_admits(used: int, reserved: int, expected: int, in_flight: int, budget: int, margin: float,
+                   taper: float) -> bool:
+    """predict's admission rule for one more request, as budget/scripts.py ADMIT decides it (the script is
+    the one that runs; this mirror is for tests, benchmarks and docs/budget.md's "The taper").
+
+    ``margin`` and ``taper`` are in tokens per sqrt(request in flight): k x sd(L) and t x sd(L). The margin
+    rule alone lets a request start while any room is left (its own expectation is not counted), and the
+    whole free batch of a worker refills at the close. The taper also counts the new request and the spread
+    of what would then be in flight, so near the close fewer start and the batch drains. An idle dataset
+    under its budget always starts one: predict never stalls below its budget."""
+    if used + reserved + margin * math.sqrt(in_flight) >= budget:
+        return False
+    if taper > 0 and in_flight > 0:
+        return used + reserved + expected + taper * math.sqrt(in_flight + 1) <= budget
+    return True
