@@ -1,16 +1,25 @@
 """Benchmark: how close each admission mode lands on the budget, side by side in one run.
 
     python -m bench.budget_modes            # ~2 minutes; results in bench/results/budget_modes.json
+    # the taper (docs/budget.md): budgets of 10x, 2x, 1x (requests in flight x mean), seeds, taper on and off
+    python -m bench.budget_modes --modes predict --budget-factors 10,2,1 --seeds 1,2,3 --tapers 2,0
 
 The workload is the issue's: lognormal completion lengths (mean 3.8K, sigma 0.8, capped at max_new_tokens
 16K), 256 requests in flight over 4 workers, a budget worth minutes of simulated GPU time (the simulator runs
 time-scaled). For each mode it reports final tokens / budget, samples discarded, and the wall (and simulated)
 time from 90% of the budget to the dataset's close and to the last commit. drain is the baseline.
+
+With ``--budget-factors`` the budget is each factor x in-flight x mean; ``--seeds`` reruns each case with the
+simulator's lengths drawn from another seed; ``--tapers`` runs predict once per BUDGETQ_PREDICT_TAPER value
+(0 = the margin rule alone). The taper table then gives, per budget size and taper, the median and largest
+overshoot, how many runs land in the issue's bound [0, max(0.5% of the budget, max_new_tokens)], and the median
+simulated time from 90% of the budget to the close.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import threading
 import time
@@ -55,21 +64,27 @@ class Watch(threading.Thread):
             time.sleep(0.02)
 
 
-def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: Path) -> dict[str, Any]:
+def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: Path, budget: int | None = None,
+             seed: int | None = None, taper: str | None = None) -> dict[str, Any]:
+    budget = args.budget if budget is None else budget
+    seed = args.seed if seed is None else seed
     sim = ["--length-dist", "lognormal", "--mean-tokens", str(args.mean), "--sigma", str(args.sigma),
            "--tokens-per-second-per-request", str(args.per_request_tps), "--saturation-batch", "256",
-           "--max-running", "256", "--time-scale", str(args.time_scale), "--seed", str(args.seed),
+           "--max-running", "256", "--time-scale", str(args.time_scale), "--seed", str(seed),
            "--prefix-cache-pages", "0"]
     # Reservations are restated every simulated 2 s (1 s of real time at --time-scale 1 is the default).
     env = {"BUDGETQ_CONCURRENCY": str(args.in_flight // args.workers),
            "BUDGETQ_RESERVE_INTERVAL": str(max(0.02, 2.0 / args.time_scale))}
-    with Stack(work / mode, sim_args=sim, workers=args.workers, worker_env=env) as stack:
-        watch = Watch(stack, "prompts", args.budget)
+    if taper is not None:
+        env["BUDGETQ_PREDICT_TAPER"] = taper
+    label = f"{mode}-b{budget}-s{seed}" + (f"-t{taper}" if taper is not None else "")
+    with Stack(work / label, sim_args=sim, workers=args.workers, worker_env=env) as stack:
+        watch = Watch(stack, "prompts", budget)
         watch.start()
         t0 = time.monotonic()
-        out = work / mode / "out"
+        out = work / label / "out"
         res = subprocess.run([*produce_cmd(), f"prompts={data}", "--tokenizer", str(tok), "--max-tokens",
-                              str(args.max_tokens), "--budget", str(args.budget), "--budget-mode", mode,
+                              str(args.max_tokens), "--budget", str(budget), "--budget-mode", mode,
                               "--chunk-size", str(args.chunk_size), "--queue-depth", "8", "--max-context", "65536",
                               "--expect-mean", str(args.mean), "--out", str(out), "--redis-url", stack.redis_url,
                               "--quiet"], capture_output=True, text=True, timeout=args.timeout)
@@ -85,9 +100,9 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
         total = sum(x["completion_tokens"] for x in recs)
         sim_stats = stack.sim_stats()
         t90 = watch.t90 or t_end
-        (work / f"{mode}-history.json").write_text(json.dumps(watch.history))
+        (work / f"{label}-history.json").write_text(json.dumps(watch.history))
         return {
-            "mode": mode, "budget": args.budget, "tokens": total, "ratio": total / args.budget,
+            "mode": mode, "budget": budget, "seed": seed, "taper": taper, "tokens": total, "ratio": total / budget,
             "samples": len(recs), "discarded_samples": int(meta.get("todo", 0)),
             "discarded_chunks": int(meta.get("discarded_chunks", 0)), "late": int(stats.get("late", 0)),
             "s_90_to_close": (watch.t_closed - t90) if watch.t_closed else None,
@@ -114,6 +129,25 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def taper_table(rows: list[dict[str, Any]], in_flight: int, mean: float, max_new: int) -> str:
+    """Per budget size and taper: the issue's bound, how many runs land in it, median and largest overshoot,
+    median simulated 90% -> close."""
+    lines = ["| budget (x in flight x mean) | taper | runs | in [0, bound] | median over | max over | bound | "
+             "median 90% -> close (simulated) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    cases = sorted({(r["budget"], r["taper"]) for r in rows if r["mode"] == "predict"}, key=lambda c: (-c[0], c[1] or ""))
+    for budget, taper in cases:
+        rs = [r for r in rows if r["mode"] == "predict" and (r["budget"], r["taper"]) == (budget, taper)]
+        bound = max(0.005 * budget, max_new)
+        over = sorted(r["tokens"] - budget for r in rs)
+        closes = sorted(r["sim_s_90_to_close"] for r in rs if r["sim_s_90_to_close"] is not None)
+        med_close = f"{statistics.median(closes):.0f} s" if closes else "-"
+        lines.append(f"| {budget:,} ({budget / (in_flight * mean):.3g}x) | {taper if taper is not None else 'default'} "
+                     f"| {len(rs)} | {sum(0 <= o <= bound for o in over)}/{len(rs)} | "
+                     f"{statistics.median(over):+,.0f} ({statistics.median(over) / budget:+.2%}) | {over[-1]:+,} | "
+                     f"{bound:,.0f} | {med_close} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=int, default=10_000_000)
@@ -128,20 +162,36 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--modes", default="drain,predict,strict")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--budget-factors", default="",
+                    help="comma list: budgets of factor x --in-flight x --mean (replaces --budget), e.g. 10,2,1")
+    ap.add_argument("--seeds", default="", help="comma list of simulator seeds (replaces --seed), e.g. 1,2,3")
+    ap.add_argument("--tapers", default="",
+                    help="comma list of BUDGETQ_PREDICT_TAPER values for predict (0 = off), e.g. 2,0")
+    ap.add_argument("--results", default="budget_modes.json", help="file name under bench/results/")
     args = ap.parse_args()
-    n_prompts = int(args.budget / args.mean * 1.6) + args.in_flight
+    budgets = ([round(float(f) * args.in_flight * args.mean) for f in args.budget_factors.split(",")]
+               if args.budget_factors else [args.budget])
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    tapers: list[str | None] = [t.strip() for t in args.tapers.split(",")] if args.tapers else [None]
+    n_prompts = int(max(budgets) / args.mean * 1.6) + args.in_flight
     results = []
     with scratch("modes") as work:
         tok = build_tokenizer(work / "tok")
         data = write_prompts(work / "prompts.jsonl", n_prompts)
-        for mode in args.modes.split(","):
-            row = run_mode(mode, args, tok, data, work)
-            print(json.dumps(row), flush=True)
-            results.append(row)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "budget_modes.json").write_text(json.dumps({"args": vars(args), "rows": results}, indent=2) + "\n")
-    if any(r["mode"] == "drain" for r in results):
+        for seed in seeds:  # seed-major: a run cut short still has every case of its first seeds
+            for budget in budgets:
+                for mode in args.modes.split(","):
+                    for taper in (tapers if mode == "predict" else [None]):
+                        row = run_mode(mode, args, tok, data, work, budget=budget, seed=seed, taper=taper)
+                        print(json.dumps(row), flush=True)
+                        results.append(row)
+                        RESULTS.mkdir(exist_ok=True)
+                        (RESULTS / args.results).write_text(
+                            json.dumps({"args": vars(args), "rows": results}, indent=2) + "\n")
+    if any(r["mode"] == "drain" for r in results) and len(budgets) == 1 and len(seeds) == 1:
         print(table(results))
+    if any(r["mode"] == "predict" for r in results):
+        print(taper_table(results, args.in_flight, args.mean, args.max_tokens))
 
 
 if __name__ == "__main__":
