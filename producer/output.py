@@ -23,12 +23,24 @@ RUN = "run.json"
 FIELD_ORDER = record.V1_FIELDS
 
 
+#: ``stopped_by`` of a conversation that ended because a later turn failed every attempt: the one record a later
+#: record of the same id supersedes (a rerun ``reopen``s it and carries it on: docs/multiturn.md).
+STOPPED_BY_FAILED = "failed"
+
+
 class ResultsFile:
-    """``out/<dataset>/raw_responses.jsonl``: append-only, fsynced, with the ids (and tokens) it holds."""
+    """``out/<dataset>/raw_responses.jsonl``: append-only, fsynced, with the ids (and tokens) it holds.
+
+    An id is written once, except after a record with ``stopped_by: failed`` (a multi-turn conversation a turn of
+    which failed): a rerun's record of it is appended and supersedes it (readers keep an id's last record), and
+    ``tokens`` holds the last record's count."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.tokens: dict[str, int] = {}
+        #: id -> the line of its last record, for ids whose last record is a failed conversation: the one kind a
+        #: new record may supersede; the same line again is a resend (a retry after the fsync), not written twice.
+        self.superseded: dict[str, str] = {}
         self.truncated_bytes = 0
         path.parent.mkdir(parents=True, exist_ok=True)
         self._load()
@@ -47,7 +59,7 @@ class ResultsFile:
                     sid, n = str(rec["id"]), int(rec["completion_tokens"])
                 except (ValueError, KeyError, TypeError):
                     break  # cannot trust anything after a line we cannot read
-                self.tokens.setdefault(sid, n)
+                self._note(sid, n, rec, raw.decode("utf-8").rstrip("\n"))
                 good += len(raw)
         size = self.path.stat().st_size
         if good < size:
@@ -57,19 +69,32 @@ class ResultsFile:
                 fh.flush()
                 os.fsync(fh.fileno())
 
-    def append(self, records: Iterable[dict[str, Any]]) -> int:
-        lines = []
+    def _note(self, sid: str, tokens: int, rec: dict[str, Any], line: str) -> bool:
+        """Take ``rec`` (serialized as ``line``) as ``sid``'s last record, if the file accepts it: a new id, or a
+        new record superseding a failed conversation. False: already on file, so not written again."""
+        if sid in self.tokens and self.superseded.get(sid, line) == line:
+            return False
+        self.tokens[sid] = tokens
+        if rec.get("stopped_by") == STOPPED_BY_FAILED:
+            self.superseded[sid] = line
+        else:
+            self.superseded.pop(sid, None)
+        return True
+
+    def append(self, records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Write (and fsync) the records the file accepts; returns those, in order."""
+        lines, written = [], []
         for rec in records:
-            sid = rec["id"]
-            if sid in self.tokens:
+            line = json.dumps(record.ordered(rec), ensure_ascii=False)
+            if not self._note(rec["id"], int(rec["completion_tokens"]), rec, line):
                 continue
-            self.tokens[sid] = int(rec["completion_tokens"])
-            lines.append(json.dumps(record.ordered(rec), ensure_ascii=False) + "\n")
+            written.append(rec)
+            lines.append(line + "\n")
         if lines:
             self._fh.write("".join(lines).encode())
             self._fh.flush()
             os.fsync(self._fh.fileno())
-        return len(lines)
+        return written
 
     @property
     def total_tokens(self) -> int:
@@ -91,9 +116,7 @@ def collect(store: RunState, dataset: str, out: ResultsFile,
         if not entries:
             return written
         records = [entry_record(fields, messages_for) for _entry_id, fields in entries]
-        new_ids = {r["id"] for r in records if r["id"] not in out.tokens}
-        out.append(records)
-        written.extend(r for r in records if r["id"] in new_ids)
+        written.extend(out.append(records))
         store.drop_results(dataset, [e[0] for e in entries])  # only after the fsync in append()
 
 

@@ -502,3 +502,43 @@ def test_reopen_makes_a_failed_conversations_turns_committed_again(r: "redis.Red
     assert ledger.commit_turn(DS, "c1", 3, 6, turn("c1", 3, 6), chunk="ch").committed
     assert ledger.end_conversation(DS, "c1", 4, HEADER) == EndOutcome(EndVerdict.ENDED, total + 6)
     audit(r, ledger)
+
+
+def test_a_reopened_conversations_record_supersedes_its_failed_one_on_disk(r: "redis.Redis", tmp_path: Path) -> None:
+    """A conversation written stopped_by failed, reopened by a rerun and ended again: the collector appends the
+    new record (readers keep an id's last), the file's count is the new one, and a resend of either record after
+    a crash between the fsync and the XDEL is not written again."""
+    ledger = Ledger(r)
+    ledger.set_budget(DS, None)
+    hold(r, ledger, "ch", "c1")
+    total = three_turns(r, ledger)
+    failed = {**HEADER, "stopped_by": "failed", "incomplete": True, "failed_reason": "HTTP 500"}
+    assert ledger.end_conversation(DS, "c1", 3, failed).ended
+    path = tmp_path / DS / RESULTS
+    store = RunState(r)
+    k = keys.DatasetKeys(DS)
+    out = ResultsFile(path)
+    stream_copy = r.xrange(k.results)  # what a crash before the XDEL would leave in the stream
+    assert [w["stopped_by"] for w in collect(store, DS, out, lambda sid: [])] == ["failed"]
+    out.close()
+    out = ResultsFile(path)
+    assert out.tokens == {"c1": total} and "c1" in out.superseded
+    for _eid, fields in stream_copy:  # the resend of the failed record
+        r.xadd(k.results, fields)
+    assert collect(store, DS, out, lambda sid: []) == []
+    on_disk = json.loads(path.read_text(encoding="utf-8").splitlines()[0])["turns"]
+    assert ledger.reopen(DS, "c1", on_disk) == 1
+    r.hset(k.pending, "c1", "ch")
+    assert ledger.commit_turn(DS, "c1", 3, 6, turn("c1", 3, 6), chunk="ch").committed
+    assert ledger.end_conversation(DS, "c1", 4, HEADER).ended
+    audit(r, ledger)
+    assert [len(w["turns"]) for w in collect(store, DS, out, lambda sid: [])] == [4]
+    out.close()
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert [(rec["id"], rec["stopped_by"], len(rec["turns"])) for rec in lines] == [("c1", "failed", 3), ("c1", None, 4)]
+    again = ResultsFile(path)
+    assert again.tokens == {"c1": total + 6} and not again.superseded
+    assert int(r.get(k.used) or 0) == sum(again.tokens.values())
+    # Once superseded by a record that did not fail, the id takes no more lines.
+    assert again.append([{**lines[1], "completion_tokens": 1}]) == []
+    again.close()
