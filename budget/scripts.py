@@ -229,6 +229,20 @@ return out
 
 # Shared by commit and fail: the request ended; give back what it reserved. A chunk no longer in the in-flight
 # hash lost its lease while the request ran (its reservation was dropped by reclaim): the request is "late".
+_RECORD = """
+local function record(lengths, stats, tokens, finish, bucket, late)
+  -- a committed response's (or turn's) share of the stats: its length for predict's model, its finish reason,
+  -- the tokens of its 10-second bucket, and whether it came in after its chunk had lost its lease
+  redis.call('LPUSH', lengths, tokens)
+  redis.call('HINCRBY', stats, 'finish_' .. finish, 1)
+  redis.call('HINCRBY', stats, bucket, tokens)
+  if late == 1 then
+    redis.call('HINCRBY', stats, 'late', 1)
+    redis.call('HINCRBY', stats, 'late_tokens', tokens)
+  end
+end
+"""
+
 _SETTLE = """
 local function settle(resv, inflight, chunk, reservation)
   if redis.call('HEXISTS', inflight, chunk) == 1 then
@@ -240,7 +254,7 @@ local function settle(resv, inflight, chunk, reservation)
 end
 """
 
-COMMIT = _CLOSE_IF_SPENT + _SETTLE + """
+COMMIT = _CLOSE_IF_SPENT + _SETTLE + _RECORD + """
 -- commit: record responses exactly once each, count their tokens, settle their reservations.
 -- KEYS[1] meta hash, KEYS[2] used counter, KEYS[3] done hash, KEYS[4] pending hash, KEYS[5] results stream,
 -- KEYS[6] failed hash, KEYS[7] reservations hash, KEYS[8] in-flight hash, KEYS[9] lengths list,
@@ -269,13 +283,7 @@ for g = 0, #ARGV / 6 - 1 do
     redis.call('HDEL', KEYS[6], sample)
     redis.call('XADD', KEYS[5], '*', 'id', sample, 'r', ARGV[g * 6 + 3])
     redis.call('HINCRBY', KEYS[1], 'committed', 1)
-    redis.call('LPUSH', KEYS[9], tokens)
-    redis.call('HINCRBY', KEYS[10], 'finish_' .. ARGV[g * 6 + 6], 1)
-    redis.call('HINCRBY', KEYS[10], bucket, tokens)
-    if late == 1 then
-      redis.call('HINCRBY', KEYS[10], 'late', 1)
-      redis.call('HINCRBY', KEYS[10], 'late_tokens', tokens)
-    end
+    record(KEYS[9], KEYS[10], tokens, ARGV[g * 6 + 6], bucket, late)
     out[#out + 1] = 1
     out[#out + 1] = used
     out[#out + 1] = close_if_spent(KEYS[1], used)
@@ -286,7 +294,7 @@ redis.call('LTRIM', KEYS[9], 0, 4095)
 return out
 """
 
-COMMIT_TURN = _CLOSE_IF_SPENT + _SETTLE + """
+COMMIT_TURN = _CLOSE_IF_SPENT + _SETTLE + _RECORD + """
 -- commit_turn: record one turn of a multi-turn conversation exactly once, keyed by (sample, turn); count its
 -- tokens; settle its reservation (docs/multiturn.md). The conversation's record is written when it ends: until
 -- then the turn's record stays here, durable, and counts in used (used = sum of done + sum of turns).
@@ -328,14 +336,8 @@ for g = 0, #ARGV / 7 - 1 do
     redis.call('HSET', KEYS[5], field, ARGV[g * 7 + 4])
     redis.call('HSET', KEYS[6], sample, turn + 1)
     local used = redis.call('INCRBY', KEYS[2], tokens)
-    redis.call('LPUSH', KEYS[9], tokens)
     redis.call('HINCRBY', KEYS[10], 'turns', 1)
-    redis.call('HINCRBY', KEYS[10], 'finish_' .. ARGV[g * 7 + 7], 1)
-    redis.call('HINCRBY', KEYS[10], bucket, tokens)
-    if late == 1 then
-      redis.call('HINCRBY', KEYS[10], 'late', 1)
-      redis.call('HINCRBY', KEYS[10], 'late_tokens', tokens)
-    end
+    record(KEYS[9], KEYS[10], tokens, ARGV[g * 7 + 7], bucket, late)
     out[#out + 1] = 1
     out[#out + 1] = used
     out[#out + 1] = close_if_spent(KEYS[1], used)
