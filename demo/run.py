@@ -36,6 +36,7 @@ from rq import Worker as RQWorker
 
 import demo
 from budget.keys import QUEUE_NAME
+from budget.record import as_v2
 from demo.tokenizer import build_tokenizer
 from producer.run import pid_alive
 from sglang_sim.launch import free_port
@@ -282,8 +283,9 @@ def show_outputs(out_dir: Path) -> None:
             rec = json.loads(fh.readline())
         click.echo(f"\nThe first line of {DATASETS[0]}/{sample.name} (fields: {', '.join(rec)}):")
         click.echo(f"  id:        {rec.get('id')}")
+        turn = as_v2(rec)["turns"][0]  # the regenerated answer, whichever record version the file holds
         for field in ("reasoning", "content"):
-            text = str(rec.get(field) or "")
+            text = str(turn.get(field) or "")
             click.echo(f"  {field + ':':<10} {text[:200]!r}{' ...' if len(text) > 200 else ''}")
 
 

@@ -45,3 +45,8 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert len(results["glaive_fc"]) == len(glaive_lines) == 120
     assert sum(int(str(r["completion_tokens"])) for r in results["code_instruct"]) >= 30_000
     assert "rq-dashboard" in text
+    # The answer the demo shows is the first record's regenerated turn (record version 2 keeps it in turns).
+    first = results["glaive_fc"][0]["turns"][0]
+    assert first["content"], "the first demo answer has content, so the line below can tell a wrong field"
+    shown = [line for line in text.splitlines() if line.strip().startswith("content:")]
+    assert shown and repr(str(first["content"])[:200]) in shown[0], shown
