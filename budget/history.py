@@ -81,3 +81,61 @@ def turn_prompts(messages: Sequence[Mapping[str, Any]],
     points = answer_points(messages, len(turns))
     history = [history_message(t) for t in turns]
     return [conversation(messages, history, points, upto=i) for i in range(len(turns))]
+
+
+class Step:
+    """One turn of a conversation to regenerate, as the dataset lays it out: the messages sent before it (a user
+    message, or the dataset's tool results after a turn that called tools; the system message and the first user
+    message for turn 0) and the names of the tools the dataset's own answer at that point called, in order (empty:
+    it called none, or the dataset has no answer there)."""
+
+    __slots__ = ("context", "calls", "after_tools")
+
+    def __init__(self, context: list[dict[str, Any]], calls: list[str], after_tools: bool) -> None:
+        self.context = context
+        self.calls = calls
+        self.after_tools = after_tools  # the context is a run of tool results (spliced only after matching calls)
+
+    def __repr__(self) -> str:
+        return f"Step({self.context!r}, calls={self.calls!r}, after_tools={self.after_tools})"
+
+
+def tool_names(message: Mapping[str, Any]) -> list[str]:
+    """The function names an assistant message calls, in order (OpenAI shape: ``function.name``, or ``name``)."""
+    names = []
+    for call in message.get("tool_calls") or []:
+        if not isinstance(call, Mapping):
+            continue
+        fn = call.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else call.get("name")
+        names.append(str(name))
+    return names
+
+
+def plan(messages: Sequence[Mapping[str, Any]]) -> list[Step]:
+    """The turns a dataset conversation becomes under ``--turns all``: one Step per answer point of its
+    non-assistant messages (the rule of ``answer_points``), each with the dataset's tool calls at that point.
+    The dataset's assistant messages are never sent; only their tool-call names are kept, to decide whether the
+    dataset's tool results may follow a regenerated turn (docs/multiturn.md)."""
+    steps: list[Step] = []
+    context: list[dict[str, Any]] = []
+    for j, message in enumerate(messages):
+        role = message.get("role")
+        if role == "assistant":
+            if steps:
+                steps[-1].calls.extend(tool_names(message))
+            continue
+        context.append(dict(message))
+        following = messages[j + 1].get("role") if j + 1 < len(messages) else None
+        if role == "user" or (role == "tool" and following != "tool"):
+            steps.append(Step(context, [], after_tools=role == "tool"))
+            context = []
+    if context and steps:  # messages after the last answer point (none: a record ends with a user or tool turn)
+        steps[-1].context.extend(context)
+    return steps
+
+
+def turn_count(messages: Sequence[Mapping[str, Any]]) -> int:
+    """How many turns ``--turns all`` regenerates at most for these dataset messages (fewer when a turn stops
+    the conversation, or a regenerated turn without tool calls skips the dataset's tool exchange)."""
+    return max(1, len(plan(messages)))

@@ -21,10 +21,29 @@ REASONING_PARSERS: Final[tuple[str, ...]] = (
 JOB_FUNCTION = "worker.jobs.run_chunk"
 
 
-class SamplePayload(TypedDict):
+class _SamplePayloadRequired(TypedDict):
     id: str
-    input_ids: list[int]
+    input_ids: list[int]  # the prompt of the sample's first turn
     opens_think: bool  # the rendered prompt ends inside an open thinking tag
+
+
+class SamplePayload(_SamplePayloadRequired, total=False):
+    #: ``--turns all``, a conversation of more than one turn (budget/history.py ``plan``): the dataset's messages
+    #: (system prompt applied, trailing assistant answer dropped), from which the worker renders turn i+1 on the
+    #: model's own turns 0..i. Both missing (every sample of a ``--turns last`` run, and of runs made before): one
+    #: turn, committed with ``commit`` as always.
+    messages: list[dict[str, Any]]
+    turns: int  # len(plan(messages)) > 1: the most turns the conversation makes
+
+
+class ConversationPayload(TypedDict):
+    """What a worker needs to render later turns itself (docs/multiturn.md): the run's tokenizer files are in
+    Redis under this fingerprint (budget/tokstore.py), and the Renderer it builds must give that fingerprint."""
+
+    tokenizer: str  # Renderer.fingerprint() of the producer's renderer
+    chat_template_kwargs: dict[str, Any]
+    max_context: int  # what produce checked turn 0 against; turn i stops with "context" past it
+    open_markers: list[str] | None  # [start, end] when the parser's think markers are not the template's (Kimi)
 
 
 class ThinkPayload(TypedDict):
@@ -45,6 +64,8 @@ class ChunkPayload(_ChunkPayloadRequired, total=False):
     #: The run's reasoning parser (worker/reasoning.py PARSERS). Missing in a chunk queued before parsers
     #: existed: the worker then splits on the ``think`` markers alone, as it did then.
     reasoning_parser: str
+    #: Present when a sample of the chunk has ``turns`` > 1 (``--turns all``).
+    conversation: ConversationPayload
 
 
 def request_id(dataset: str, sample_id: str, attempt: int) -> str:
