@@ -377,7 +377,7 @@ class Ledger:
         return Call(self._fail, [k.done, k.pending, k.failed, k.resv, k.inflight],
                     [sample, chunk, json.dumps(reason, ensure_ascii=False), reserved], bool)
 
-    # -- multi-turn conversations (docs/multiturn.md; nothing calls these yet) ------------------------
+    # -- multi-turn conversations (docs/multiturn.md; worker/turns.py and producer/run.py call them) --------
     @functools.cached_property
     def _commit_turn(self) -> Script:
         # Registered on first use, not in __init__: single-turn runs never load it.
@@ -491,6 +491,14 @@ class Ledger:
                 break
             out.append(json.loads(row))
         return out
+
+    def conversation_turns(self, name: str, samples: Sequence[str]) -> dict[str, int]:
+        """sample -> turns committed, for the ``samples`` that are started conversations (a worker taking a chunk
+        resumes those at their next turn instead of starting them anew)."""
+        if not samples:
+            return {}
+        counts = self.r.hmget(self._keys(name).convs, list(samples))
+        return {sid: int(n) for sid, n in zip(samples, counts) if n is not None and int(n) > 0}
 
     def unwritten_turn_tokens(self, name: str) -> int:
         """Σ of committed turns not yet in a record: with Σ done, what ``used`` must equal."""

@@ -56,13 +56,18 @@ def backoff(attempt: int, cap: float, retry_after: float | None) -> float:
 
 
 async def generate_sample(client: SGLangClient, config: WorkerConfig, dataset: str, sample: SamplePayload,
-                          sampling_params: dict[str, Any], report: ChunkReport) -> Generation:
+                          sampling_params: dict[str, Any], report: ChunkReport, *, rid_key: str | None = None,
+                          prefer: str | None = None) -> Generation:
     """Generate one sample; raises the last GenerateError when it is given up.
 
     Given up: at once on a final error (a 400); after ``max_attempts`` unusable answers (aborts, broken bodies);
     and for an unavailable server (5xx, 429, resets, timeouts) only after ``retry_for`` seconds of trying, so
     an outage of SGLang is waited out instead of failing every sample in flight.
+
+    ``rid_key`` names the request in its rid (default the sample id; a conversation's later turns add the turn);
+    ``prefer`` is the server a conversation's previous turn ran on (SGLangClient.pick_server).
     """
+    key = sample["id"] if rid_key is None else rid_key
     max_new = int(sampling_params["max_new_tokens"])
     first = time.monotonic()
     unusable = 0  # aborts and broken answers
@@ -70,10 +75,10 @@ async def generate_sample(client: SGLangClient, config: WorkerConfig, dataset: s
     rid_no = 0
     while True:
         payload = {"input_ids": sample["input_ids"], "sampling_params": sampling_params,
-                   "rid": request_id(dataset, sample["id"], rid_no)}
+                   "rid": request_id(dataset, key, rid_no)}
         report.attempts += 1
         try:
-            return await client.generate(payload, max_new)
+            return await client.generate(payload, max_new, prefer)
         except GenerateError as err:
             rid_no += 1
             if err.new_rid and rid_no < 100:

@@ -41,6 +41,17 @@ def _nonneg(env: Mapping[str, str], name: str, default: float) -> float:
     return default if value is None else value
 
 
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}: expected 1 or 0 (true/false), got {raw!r}")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     servers: tuple[str, ...] = ("http://127.0.0.1:30000",)
@@ -57,6 +68,9 @@ class WorkerConfig:
     # ... and, while requests are in flight, only if used + reserved + E[L] + t x sd x sqrt(in flight + 1) <= budget
     # (the taper, docs/budget.md); 0 turns it off
     predict_taper: float = 2.0
+    # a conversation's next turn goes to the server of its previous turn while that one is healthy and not much
+    # busier than the least busy (its prompt repeats the previous one: SGLang's prefix cache holds it)
+    affinity: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "WorkerConfig":
@@ -81,6 +95,7 @@ class WorkerConfig:
             reserve_interval=_float(env, "BUDGETQ_RESERVE_INTERVAL", cls.reserve_interval),
             predict_margin=_nonneg(env, "BUDGETQ_PREDICT_MARGIN", cls.predict_margin),
             predict_taper=_nonneg(env, "BUDGETQ_PREDICT_TAPER", cls.predict_taper),
+            affinity=_flag(env, "BUDGETQ_AFFINITY", cls.affinity),
         )
 
     def timeout_for(self, max_new_tokens: int) -> float:

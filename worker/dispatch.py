@@ -41,6 +41,7 @@ from worker.chunk import CLOSE_REASON, ChunkReport, generate_sample, result_reco
 from worker.config import WorkerConfig
 from worker.estimate import LengthModel, RateTracker
 from worker.sglang import GenerateError, SGLangClient
+from worker.turns import run_conversation
 
 log = logging.getLogger("budgetq.worker")
 
@@ -120,6 +121,7 @@ class RunningChunk:
         self.lost = asyncio.Event()
         self.lease: asyncio.Task[None] | None = None
         self.started = 0  # requests started (admitted and sent)
+        self.resume: dict[str, int] = {}  # conversations of this chunk started before (sample -> turns committed)
         self.meta_at = 0.0  # monotonic time of the last progress write to the RQ job's meta
 
     def meta(self, state: str) -> dict[str, Any]:
@@ -176,6 +178,21 @@ class Dispatcher:
                       f"{'wrong' if self.config.api_key else 'not set'}; starting no more requests, giving "
                       f"the chunk back")
         log.error("%s", self.fault, extra={"server": url, "status": err.status})
+        self._stop_for_fault()
+
+    def tokenizer_fault(self, message: str) -> None:
+        """The run's tokenizer files cannot be had or do not give the run's fingerprint (worker/tokenizer_cache.py):
+        every later turn this worker renders would be wrong alike, so it is the worker's fault, handled as a
+        refused key: start nothing more, give the conversations back unfailed, exit non-zero."""
+        if self.fault is not None:
+            return
+        self.fault = f"cannot render later turns of conversations: {message}; starting no more requests, giving " \
+                     "the chunk back"
+        log.error("%s", self.fault)
+        self._stop_for_fault()
+
+    def _stop_for_fault(self) -> None:
+        assert self.fault is not None
         if not self.stopping:
             self.stop()
         if self.on_fault is not None:
@@ -223,6 +240,9 @@ class Dispatcher:
             rc.report.not_started = len(chunk["samples"])
             self._write_meta(rc, started)
             return rc.report
+        if chunk.get("conversation"):
+            ids = [smp["id"] for smp in chunk["samples"] if smp.get("turns", 1) > 1]
+            rc.resume = await self._redis("conversations", self.ledger.conversation_turns, rc.dataset, ids)
         self.running[rc.id] = rc
         self._write_meta(rc, "running")
         if self.heartbeat is not None and self._beat is None:
@@ -256,6 +276,15 @@ class Dispatcher:
                 self._release(n)
                 return
             batch = [todo.pop() for _ in range(n)]
+            if rc.resume:
+                # Started conversations go on at their next turn, which admit_turn admits (worker/turns.py).
+                fresh = [sample for sample in batch if sample["id"] not in rc.resume]
+                for sample in batch:
+                    if sample["id"] in rc.resume:
+                        self._launch(rc, sample, 0, resumed=True)
+                batch, n = fresh, len(fresh)
+                if not batch:
+                    continue
             if rc.lost.is_set():
                 verdicts = [Admission(Admit.REVOKED, 0)] * n
             else:
@@ -294,11 +323,14 @@ class Dispatcher:
                 await self._redis("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
             return
 
-    def _launch(self, rc: RunningChunk, sample: SamplePayload, reserved: int) -> None:
+    def _launch(self, rc: RunningChunk, sample: SamplePayload, reserved: int, resumed: bool = False) -> None:
         flight = Flight(time.monotonic(), reserved)
         rc.flights[sample["id"]] = flight
         rc.started += 1
-        task = asyncio.create_task(self._run_one(rc, sample, flight))
+        if sample.get("turns", 1) > 1 and rc.chunk.get("conversation"):
+            task = asyncio.create_task(self._run_conversation(rc, sample, flight, resumed))
+        else:
+            task = asyncio.create_task(self._run_one(rc, sample, flight))
         rc.tasks.add(task)
         task.add_done_callback(rc.tasks.discard)
 
@@ -353,6 +385,16 @@ class Dispatcher:
                          rc.dataset, outcome.used, n)
         finally:
             rc.flights.pop(sid, None)
+            self.ended.set()
+
+    async def _run_conversation(self, rc: RunningChunk, sample: SamplePayload, flight: Flight,
+                                resumed: bool) -> None:
+        """A conversation keeps its slot from its first turn to its end (worker/turns.py says why)."""
+        try:
+            await run_conversation(self, rc, sample, flight, resumed)
+        finally:
+            self.slots.release()
+            rc.flights.pop(sample["id"], None)
             self.ended.set()
 
     async def _finish(self, rc: RunningChunk, cancelled: bool = False) -> None:

@@ -174,11 +174,21 @@ class SGLangClient:
                     ", ".join(sorted(self.routers)), ROUTER_DEFAULT_TIMEOUT_S, worst, max_new, worst + 60,
                     extra={"routers": sorted(self.routers), "deadline_s": worst})
 
-    def pick_server(self) -> str:
-        """Least in flight among healthy servers; ties round-robin. All down: the one that comes back first."""
+    #: A conversation stays on its previous turn's server while that one has at most this many times the least
+    #: busy server's requests in flight, plus AFFINITY_SLACK (docs/multiturn.md, "Prefix-cache affinity").
+    AFFINITY_RATIO = 1.25
+    AFFINITY_SLACK = 4
+
+    def pick_server(self, prefer: str | None = None) -> str:
+        """Least in flight among healthy servers; ties round-robin. All down: the one that comes back first.
+        ``prefer`` (a conversation's previous server) wins while it is healthy and not much busier."""
         servers = self.config.servers
         if len(servers) == 1:
             return servers[0]
+        if prefer is not None and self.down_until.get(prefer) == 0.0:
+            least = min(self.in_flight[url] for url in servers if self.down_until[url] == 0.0)
+            if self.in_flight[prefer] <= self.AFFINITY_RATIO * least + self.AFFINITY_SLACK:
+                return prefer
         self._turn += 1
         order = servers[self._turn % len(servers):] + servers[:self._turn % len(servers)]
         healthy = [url for url in order if self.down_until[url] == 0.0]
@@ -226,11 +236,11 @@ class SGLangClient:
             except asyncio.TimeoutError:
                 pass
 
-    async def generate(self, payload: dict[str, Any], max_new_tokens: int) -> Generation:
+    async def generate(self, payload: dict[str, Any], max_new_tokens: int, prefer: str | None = None) -> Generation:
         if any(self.down_until.values()):
             server, probe = await self._gate()
         else:  # every server healthy: what _gate would pick, without a coroutine per request
-            server, probe = self.pick_server(), False
+            server, probe = self.pick_server(prefer), False
         try:
             return await self._send(server, payload, max_new_tokens, probe)
         finally:
