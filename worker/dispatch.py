@@ -59,6 +59,8 @@ class Flight:
 
     started: float
     reserved: int
+    #: predict: what a conversation's later turns are expected to add, reserved with this turn (worker/turns.py)
+    future: int = 0
 
 
 class Budgeting:
@@ -290,9 +292,7 @@ class Dispatcher:
             else:
                 expected = await self.budgeting.expected(rc.dataset)
                 sd = await self.budgeting.sd(rc.dataset)
-                verdicts = await self._batched("admit", self.ledger.admit_call(
-                    rc.dataset, [s["id"] for s in batch], rc.id, expected, self.config.predict_margin * sd,
-                    self.config.predict_taper * sd))
+                verdicts = await self._admit(rc, batch, expected, sd)
             refused: list[tuple[SamplePayload, Admit]] = []
             for sample, admission in zip(batch, verdicts):
                 if admission.verdict is Admit.START:
@@ -323,11 +323,34 @@ class Dispatcher:
                 await self._redis("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
             return
 
+    async def _admit(self, rc: RunningChunk, batch: list[SamplePayload], expected: int, sd: float) -> list[Admission]:
+        """One ADMIT for the batch; with conversations, one per number of turns, since predict reserves a
+        conversation's expected tokens for all its turns (``expected`` x turns), so that the conversations it
+        lets start fit the budget to the end (docs/multiturn.md). They go in one round trip all the same."""
+        margin, taper = self.config.predict_margin * sd, self.config.predict_taper * sd
+        groups: dict[int, list[int]] = {}
+        for i, sample in enumerate(batch):
+            groups.setdefault(sample.get("turns", 1) if rc.chunk.get("conversation") else 1, []).append(i)
+        if len(groups) == 1:
+            (turns,) = groups
+            return await self._batched("admit", self.ledger.admit_call(
+                rc.dataset, [s["id"] for s in batch], rc.id, expected * turns, margin, taper))
+        replies = await asyncio.gather(*(self._batched("admit", self.ledger.admit_call(
+            rc.dataset, [batch[i]["id"] for i in at], rc.id, expected * turns, margin, taper))
+            for turns, at in groups.items()))
+        verdicts: list[Admission] = [Admission(Admit.REVOKED, 0)] * len(batch)
+        for at, got in zip(groups.values(), replies):
+            for i, admission in zip(at, got):
+                verdicts[i] = admission
+        return verdicts
+
     def _launch(self, rc: RunningChunk, sample: SamplePayload, reserved: int, resumed: bool = False) -> None:
         flight = Flight(time.monotonic(), reserved)
         rc.flights[sample["id"]] = flight
         rc.started += 1
-        if sample.get("turns", 1) > 1 and rc.chunk.get("conversation"):
+        turns = sample.get("turns", 1)
+        if turns > 1 and rc.chunk.get("conversation"):
+            flight.future = reserved * (turns - 1) // turns  # _admit reserved all its turns
             task = asyncio.create_task(self._run_conversation(rc, sample, flight, resumed))
         else:
             task = asyncio.create_task(self._run_one(rc, sample, flight))
@@ -443,7 +466,7 @@ class Dispatcher:
                     progress = []
                     for f in rc.flights.values():
                         done = self.budgeting.rates.progress(now - f.started)
-                        f.reserved = model.expected(done)
+                        f.reserved = model.expected(done) + f.future
                         progress.append(int(done))
                     reserved = sum(f.reserved for f in rc.flights.values())
                 elif now - last_lease < LEASE_MS / 4000:

@@ -93,7 +93,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
             if len(ids) + max_new > chunk["conversation"]["max_context"]:
                 stopped_by = CONTEXT
                 break
-            verdict = await _admit(d, rc, sid, i, flight)
+            verdict = await _admit(d, rc, sid, i, flight, later=max(0, len(steps) - state.steps_done - 1))
             if verdict is TurnAdmit.STOP:
                 stopped_by = BUDGET
                 break
@@ -118,7 +118,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
                                               "attempts": err.attempts}, reserved=flight.reserved)):
                     report.failed += 1
                 return
-            flight.reserved = 0  # the chunk's next reservation update drops what the failed turn held
+            flight.reserved = flight.future = 0  # the chunk's next reservation update drops what it held
             stopped_by, failed_reason = FAILED, f"turn {i}: {err.reason}"
             break
         d.budgeting.rates.observe(gen.completion_tokens, time.monotonic() - flight.started)
@@ -165,16 +165,21 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
                     dataset, sid, len(turns), ended.tokens)
 
 
-async def _admit(d: "Dispatcher", rc: "RunningChunk", sid: str, turn: int, flight: "Flight") -> TurnAdmit:
+async def _admit(d: "Dispatcher", rc: "RunningChunk", sid: str, turn: int, flight: "Flight",
+                 later: int) -> TurnAdmit:
     """Ask ``admit_turn`` until it answers something other than FULL (strict: the budget is reserved by requests
-    in flight; one of them ending may free room). A START books ``flight.reserved`` for the turn's commit."""
+    in flight; one of them ending may free room). A START books ``flight.reserved`` for the turn's commit: in
+    predict, the turn's expected length plus that of the ``later`` turns the dataset still plans after it (an
+    upper bound: a conversation may stop sooner, which frees its reservation then)."""
     while True:
         if rc.lost.is_set():
             return TurnAdmit.REVOKED
         reservation = 0
         mode, _model = await d.budgeting.model(rc.dataset)
         if mode == "predict":
-            reservation = await d.budgeting.expected(rc.dataset)
+            each = await d.budgeting.expected(rc.dataset)
+            reservation = each * (1 + later)
+            flight.future = each * later
         admission = await d._batched("admit turn", d.ledger.admit_turn_call(rc.dataset, sid, turn, rc.id,
                                                                              reservation))
         if admission.verdict is TurnAdmit.START:
