@@ -231,3 +231,24 @@ def test_a_truncated_turn_ends_the_conversation_unless_it_is_the_last() -> None:
                  stopped_by=None, reasoning_parser=None, sampling_params={})
     assert rec["incomplete"] is True and "turns" not in rec
     assert json.dumps(rec)  # JSON all the way: it goes to Redis as is
+
+
+def test_a_stranded_conversation_is_ended_with_the_turns_it_has(r: "redis.Redis", renderer: Renderer) -> None:
+    """No worker may pick it up (its dataset closed after its worker died): end_as_is writes its committed turns
+    as one record, stopped_by budget, once; the counted tokens are then in done, nothing is left in Redis."""
+    from budget.conversation import end_as_is
+    ledger = Ledger(r)
+    ledger.set_mode(DS, "drain", MAX_NEW)
+    ledger.set_budget(DS, None)
+    messages = conversation("c9")
+    first = _turn("first answer")
+    first.update(completion_tokens=9, finish_reason="stop")
+    assert ledger.commit_turn(DS, "c9", 0, 9, first).committed
+    ended = end_as_is(ledger, DS, "c9", messages, reasoning_parser=None, sampling_params=SAMPLING)
+    assert ended.ended
+    rec = records(r)["c9"]
+    assert rec["stopped_by"] == "budget" and rec["incomplete"] and rec["completion_tokens"] == 9
+    assert [m["role"] for m in rec["messages"]] == ["system", "user"]  # ends at its last turn's prompt
+    assert end_as_is(ledger, DS, "c9", messages, reasoning_parser=None, sampling_params=SAMPLING) is None
+    assert ledger.done_ids(DS) == {"c9": 9}
+    assert_invariant(r)
