@@ -88,6 +88,10 @@ class SimConfig:
     # Poison samples: every /generate whose rid starts with one of these hangs (as --hang-rate's hang), every
     # attempt, so a test can kill the worker that runs it each time (docs/simulator.md).
     hang_rid_prefixes: tuple[str, ...] = ()
+    # Evidence for tests and benchmarks: append one JSON line per answered /generate (rid, input_ids, output_ids,
+    # finish_reason, completion_tokens, port) to this file, so a test can see what each request was sent from the
+    # server's side (docs/simulator.md, "Request log"). None = no log.
+    request_log: str | None = None
 
     def __post_init__(self) -> None:
         problems = validate(self)
@@ -138,6 +142,8 @@ def validate(cfg: SimConfig) -> list[str]:
             f"{WORD_ID_BASE + LEXICON_SIZE - 1}, {THINK_OPEN_ID}, {THINK_CLOSE_ID})"
         )
     problems += FaultSettings.from_config(cfg).problems()
+    if cfg.request_log is not None and not cfg.request_log:
+        problems.append("request_log must be a file path")
     if any(not prefix for prefix in cfg.hang_rid_prefixes):
         problems.append("hang_rid_prefixes must not be empty strings")
     if any(start < 0 or duration <= 0 for start, duration in cfg.outages):
@@ -194,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between sweeps for vanished clients (default %(default)s)")
     p.add_argument("--warmup-seconds", type=float, default=d.warmup_seconds,
                    help="/health answers 503 for this long after start, like SGLang before its warm-up (default %(default)s)")
+    p.add_argument("--request-log", default=d.request_log, metavar="PATH",
+                   help="append one JSON line per answered /generate (rid, input_ids, output_ids, text, finish_reason, "
+                        "completion_tokens, port), flushed per line; several servers may share one file")
     add_fault_options(p)
     return p
 

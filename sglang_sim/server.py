@@ -30,6 +30,7 @@ from sglang_sim.engine import Engine, Job
 from sglang_sim.fault_http import ABORT_INJECTED_MESSAGE, FaultState, mangled_reply
 from sglang_sim.faults import FaultSettings, OutageMode
 from sglang_sim.prefix_cache import PrefixCache
+from sglang_sim.request_log import RequestLog
 from sglang_sim.responses import MODEL_PATH, generate_body, metrics_text, server_info, stats_body
 from sglang_sim.textgen import Lexicon, input_digest, lexicon_for, plan_output, plan_with_tokenizer, request_rng
 from sglang_sim.validation import ApiError, parse_generate, type_error, value_error
@@ -56,6 +57,7 @@ class SimState:
     ready_at: float = 0.0  # time.monotonic() from which /health answers 200 (cfg.warmup_seconds after start)
     unauthorized: int = 0  # requests refused with 401 (--api-key): a worker's wrong key, counted for tests
     tokenizer: Any = None  # sglang_sim.families.SimTokenizer with --tokenizer: real output_ids
+    request_log: RequestLog | None = None  # --request-log: one line per answered /generate
 
     def cut_inflight(self, mode: OutageMode) -> None:
         """An outage began: end every in-flight request now (each handler answers per `mode`)."""
@@ -138,6 +140,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return await mangled_reply(request, body, fault.malformed, spec.max_new_tokens)
     if injected_abort:
         faults.counters.aborts_injected += 1
+    if st.request_log is not None:  # answered as the contract says (a mangled reply above is not an answer)
+        st.request_log.write(rid=rid, prompt=spec.raw_prompt, body=body, port=st.cfg.port)
     return web.json_response(body)
 
 
@@ -230,6 +234,8 @@ async def _disconnect_sweeper(app: web.Application) -> AsyncIterator[None]:
                 st.engine.abort_many(gone)
             st.faults.sweep_disconnected()
 
+    if st.cfg.request_log is not None:
+        st.request_log = RequestLog(st.cfg.request_log)
     task = asyncio.create_task(sweep())
     st.ready_at = time.monotonic() + st.cfg.warmup_seconds
     st.faults.start()
@@ -237,6 +243,8 @@ async def _disconnect_sweeper(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    if st.request_log is not None:
+        st.request_log.close()
 
 
 async def _on_shutdown(app: web.Application) -> None:

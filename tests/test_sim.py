@@ -602,3 +602,64 @@ def test_a_family_style_returns_the_real_ids_of_its_text(tmp_path: Any, family: 
 def test_a_family_style_needs_a_tokenizer() -> None:
     with pytest.raises(ValueError, match="reasoning_style glm45 needs --tokenizer"):
         SimConfig(reasoning_style="glm45")
+
+
+# -- the request log (--request-log; tests/sim_log.py reads it) ---------------------------------------------
+
+
+def test_request_log_holds_each_answer_as_sent_and_the_helper_finds_each_turn(tmp_path: Any,
+                                                                            tokenizer_dir: Any) -> None:
+    """Two servers append to one log; a line is readable as soon as its answer arrived (while the servers run), holds
+    the prompt ids and the body's output as sent and the answering port; refused requests are not logged; the helper
+    decodes prompts and finds a sample's turns in order, the second prompt carrying the first answer."""
+    from tokenizers import Tokenizer
+
+    from budget.payload import request_id
+    from tests.sim_log import exchanges, load, of_sample
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    log = tmp_path / "requests.jsonl"
+    cfg = FAST.replace(tokenizer=str(tokenizer_dir), reasoning_style="none", mean_tokens=30, request_log=str(log))
+    turn0 = "<|im_start|>user\nWhat is a list?<|im_end|>\n<|im_start|>assistant\n"
+
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int]]:
+        async with serve(cfg, port=0) as a, serve(cfg, port=0) as b, aiohttp.ClientSession() as client:
+            answers = []
+            ids0 = tok.encode(turn0, add_special_tokens=False).ids
+            async with client.post(a.url + "/generate", json={"input_ids": ids0, "rid": request_id("ds", "s1", 0),
+                                                              "sampling_params": {"max_new_tokens": 200}}) as resp:
+                answers.append(await resp.json())
+            seen_while_running = load(log)
+            turn1 = f"{turn0}{answers[0]['text']}<|im_end|>\n<|im_start|>user\nAnd a tuple?<|im_end|>\n" \
+                    "<|im_start|>assistant\n"
+            ids1 = tok.encode(turn1, add_special_tokens=False).ids
+            async with client.post(b.url + "/generate", json={"input_ids": ids1, "rid": request_id("ds", "s1", 1),
+                                                              "sampling_params": {"max_new_tokens": 3}}) as resp:
+                answers.append(await resp.json())
+            status, _ = await post(client, a.url + "/generate", {"input_ids": [], "rid": request_id("ds", "s2", 0)})
+            assert status == 400
+            return seen_while_running, answers, [a.port, b.port]
+
+    seen, answers, ports = run(go())
+    assert [line["rid"] for line in seen] == [request_id("ds", "s1", 0)]
+    lines = load(log)
+    assert len(lines) == 2  # the refused request left no line
+    for line, answer, port in zip(lines, answers, ports):
+        assert line["port"] == port
+        assert line["output_ids"] == answer["output_ids"] and line["text"] == answer["text"]
+        assert line["finish_reason"] == answer["meta_info"]["finish_reason"]
+        assert line["completion_tokens"] == answer["meta_info"]["completion_tokens"]
+    assert lines[1]["finish_reason"]["type"] == "length"
+    with open(log, "ab") as fh:
+        fh.write(b'{"rid": "torn')  # a server killed mid-line: the helper leaves the piece out
+    turns = of_sample(exchanges(log, tok), "ds", "s1")
+    assert [t.port for t in turns] == ports and [t.finish for t in turns] == ["stop", "length"]
+    assert turns[0].prompt == turn0 and turns[0].input_ids == lines[0]["input_ids"]
+    assert turns[0].output and turns[0].output in turns[1].prompt
+    assert of_sample(exchanges(log, tok), "ds", "s2") == []
+
+
+def test_request_log_option() -> None:
+    assert from_argv(["--request-log", "/tmp/x.jsonl"]).request_log == "/tmp/x.jsonl"
+    assert from_argv([]).request_log is None
+    with pytest.raises(ValueError, match="request_log"):
+        SimConfig(request_log="")
