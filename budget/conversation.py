@@ -42,6 +42,13 @@ class Walk:
     stopped_by: str | None = None
     steps_done: int = 0  # the plan steps answered or skipped so far
     at: list[int] = field(default_factory=list)  # the step each turn answered
+    answered: list[dict[str, Any]] = field(default_factory=list)  # ``sent`` up to the last turn's prompt
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The record's ``messages`` if the conversation ends here: what its turns were sent, not the context of a
+        next turn that never went out (budget/history.py: a record's last turn answers the end of its messages)."""
+        return self.sent if self.prompt is None else self.answered
 
 
 def _with_call_ids(context: Sequence[Mapping[str, Any]], turn: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -67,6 +74,7 @@ def walk(steps: Sequence[Step], turns: Sequence[Mapping[str, Any]]) -> Walk:
     sent: list[dict[str, Any]] = [dict(m) for m in steps[0].context]
     history: list[dict[str, Any]] = [dict(m) for m in sent]
     at: list[int] = []
+    answered: list[dict[str, Any]] = []
     pos = 0
     for turn in turns:
         at.append(pos)
@@ -89,9 +97,10 @@ def walk(steps: Sequence[Step], turns: Sequence[Mapping[str, Any]]) -> Walk:
             if pos >= len(steps):
                 return Walk(sent, None, None, pos, at)
             context = [dict(m) for m in steps[pos].context]
+        answered = list(sent)
         sent.extend(context)
         history.extend(context)
-    return Walk(sent, history, None, pos, at)
+    return Walk(sent, history, None, pos, at, answered)
 
 
 def header(*, sample_id: str, dataset: str, sent: list[dict[str, Any]], turns: Sequence[Mapping[str, Any]],
@@ -126,7 +135,7 @@ def end_as_is(ledger: Any, name: str, sample_id: str, messages: Sequence[Mapping
     if not turns:
         return None
     state = walk(plan(messages), turns)
-    rec = header(sample_id=sample_id, dataset=name, sent=state.sent, turns=turns,
+    rec = header(sample_id=sample_id, dataset=name, sent=state.messages, turns=turns,
                  stopped_by=state.stopped_by if state.prompt is None else stopped_by,
                  reasoning_parser=reasoning_parser, sampling_params=sampling_params)
     return ledger.end_conversation(name, sample_id, len(turns), rec)

@@ -91,6 +91,10 @@ def records(r: "redis.Redis") -> dict[str, dict[str, Any]]:
 
 
 def assert_invariant(r: "redis.Redis") -> None:
+    """used = Σ done + Σ unwritten turns; and every record's messages interleave with its turns as the export
+    reads them (budget/history.py raises otherwise)."""
+    for rec in records(r).values():
+        assert len(turn_prompts(rec["messages"], rec["turns"])) == len(rec["turns"])
     ledger = Ledger(r)
     done = sum(ledger.done_ids(DS).values())
     assert ledger.state(DS).used == done + ledger.unwritten_turn_tokens(DS)
@@ -228,7 +232,7 @@ def test_a_truncated_turn_ends_the_conversation_unless_it_is_the_last() -> None:
     last = walk(plan(plain), [_turn(), _turn(), _turn(finish="length")])
     assert last.stopped_by is None and last.prompt is None
     rec = header(sample_id="x", dataset="d", sent=last.sent, turns=[_turn(), _turn(), _turn(finish="length")],
-                 stopped_by=None, reasoning_parser=None, sampling_params={})
+                          stopped_by=None, reasoning_parser=None, sampling_params={})
     assert rec["incomplete"] is True and "turns" not in rec
     assert json.dumps(rec)  # JSON all the way: it goes to Redis as is
 

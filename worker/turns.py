@@ -152,7 +152,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
         flight.started = time.monotonic()
     if not turns:
         return
-    rec = header(sample_id=sid, dataset=dataset, sent=walk(steps, turns).sent, turns=turns, stopped_by=stopped_by,
+    rec = header(sample_id=sid, dataset=dataset, sent=walk(steps, turns).messages, turns=turns, stopped_by=stopped_by,
                  reasoning_parser=chunk.get("reasoning_parser"), sampling_params=sampling_params,
                  failed_reason=failed_reason)
     ended = await d._batched("end conversation", d.ledger.end_conversation_call(dataset, sid, len(turns), rec))
