@@ -5,8 +5,8 @@ prompt here and checks that it carries the model's previous answer (the ``text``
 before) and none of the dataset's answers, without trusting anything budgetq itself recorded.
 
     log = exchanges(path, tokenizer)          # rid -> [Exchange, ...] in the order answered
-    turns = of_sample(log, "ds", "sample-7")  # every answer to one sample's requests, in order
-    assert turns[0].output in turns[1].prompt
+    turns = of_sample(log, "ds", "sample-7")  # [answers to turn 0, answers to turn 1, ...]
+    assert turns[0][-1].output in turns[1][-1].prompt
 
 Not a test module: a support module the tests import, like tests/procs.py.
 """
@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from budget import keys
 from budget.payload import request_id
 
-#: How many leading characters of a rid name its sample (budget.payload.request_id: 28 hex of the hash of
-#: dataset and sample, then 4 digits that differ per request of the sample).
+#: How many leading characters of a rid name its request (budget.payload.request_id: 28 hex of the hash of the
+#: dataset and the sample's turn, then 4 digits that count the attempts).
 SAMPLE_PREFIX = 28
 
 
@@ -80,8 +81,25 @@ def exchanges(path: str | Path, tokenizer: Decoder) -> dict[str, list[Exchange]]
     return out
 
 
-def of_sample(log: dict[str, list[Exchange]], dataset: str, sample_id: str) -> list[Exchange]:
-    """Every answer to a sample's requests (all its turns and attempts), in the order answered."""
-    prefix = request_id(dataset, sample_id, 0)[:SAMPLE_PREFIX]
+def turn_prefix(dataset: str, sample_id: str, turn: int) -> str:
+    """The first 28 characters of every rid a worker sends for a sample's ``turn`` (worker/turns.py: turn 0 is
+    named by the sample id, a later turn by ``keys.turn_field``; the last 4 characters count its attempts)."""
+    key = sample_id if turn == 0 else keys.turn_field(sample_id, turn)
+    return request_id(dataset, key, 0)[:SAMPLE_PREFIX]
+
+
+def of_turn(log: dict[str, list[Exchange]], dataset: str, sample_id: str, turn: int) -> list[Exchange]:
+    """Every answer to the requests of one turn of a sample (its attempts), in the order answered."""
+    prefix = turn_prefix(dataset, sample_id, turn)
     return sorted((x for rid, answers in log.items() if rid.startswith(prefix) for x in answers),
                   key=lambda x: x.line)
+
+
+def of_sample(log: dict[str, list[Exchange]], dataset: str, sample_id: str,
+              max_turns: int = 64) -> list[list[Exchange]]:
+    """A conversation from the server's side: for turn 0, 1, ... the answers to that turn's requests, up to the
+    last turn that has any (a turn without answers before it shows as an empty list)."""
+    turns = [of_turn(log, dataset, sample_id, i) for i in range(max_turns)]
+    while turns and not turns[-1]:
+        turns.pop()
+    return turns

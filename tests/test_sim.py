@@ -614,8 +614,9 @@ def test_request_log_holds_each_answer_as_sent_and_the_helper_finds_each_turn(tm
     decodes prompts and finds a sample's turns in order, the second prompt carrying the first answer."""
     from tokenizers import Tokenizer
 
+    from budget.keys import turn_field
     from budget.payload import request_id
-    from tests.sim_log import exchanges, load, of_sample
+    from tests.sim_log import exchanges, load, of_sample, of_turn
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     log = tmp_path / "requests.jsonl"
     cfg = FAST.replace(tokenizer=str(tokenizer_dir), reasoning_style="none", mean_tokens=30, request_log=str(log))
@@ -632,7 +633,8 @@ def test_request_log_holds_each_answer_as_sent_and_the_helper_finds_each_turn(tm
             turn1 = f"{turn0}{answers[0]['text']}<|im_end|>\n<|im_start|>user\nAnd a tuple?<|im_end|>\n" \
                     "<|im_start|>assistant\n"
             ids1 = tok.encode(turn1, add_special_tokens=False).ids
-            async with client.post(b.url + "/generate", json={"input_ids": ids1, "rid": request_id("ds", "s1", 1),
+            async with client.post(b.url + "/generate", json={"input_ids": ids1,
+                                                              "rid": request_id("ds", turn_field("s1", 1), 0),
                                                               "sampling_params": {"max_new_tokens": 3}}) as resp:
                 answers.append(await resp.json())
             status, _ = await post(client, a.url + "/generate", {"input_ids": [], "rid": request_id("ds", "s2", 0)})
@@ -651,11 +653,13 @@ def test_request_log_holds_each_answer_as_sent_and_the_helper_finds_each_turn(tm
     assert lines[1]["finish_reason"]["type"] == "length"
     with open(log, "ab") as fh:
         fh.write(b'{"rid": "torn')  # a server killed mid-line: the helper leaves the piece out
-    turns = of_sample(exchanges(log, tok), "ds", "s1")
+    found = of_sample(exchanges(log, tok), "ds", "s1")
+    assert [len(t) for t in found] == [1, 1]
+    turns = [t[0] for t in found]
     assert [t.port for t in turns] == ports and [t.finish for t in turns] == ["stop", "length"]
     assert turns[0].prompt == turn0 and turns[0].input_ids == lines[0]["input_ids"]
     assert turns[0].output and turns[0].output in turns[1].prompt
-    assert of_sample(exchanges(log, tok), "ds", "s2") == []
+    assert of_sample(exchanges(log, tok), "ds", "s2") == [] and of_turn(exchanges(log, tok), "ds", "s1", 2) == []
 
 
 def test_request_log_option() -> None:
