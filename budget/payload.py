@@ -10,6 +10,11 @@ import hashlib
 from typing import Any, Final, TypedDict
 
 VERSION = 1
+#: The version of a chunk that holds multi-turn conversations (``conversation`` block). A worker from before
+#: conversations refuses it (its version check) instead of answering turn 0 alone as a one-turn sample, which
+#: would be a silently wrong record; chunks without conversations stay at VERSION, so old workers still run them.
+CONVERSATION_VERSION = 2
+VERSIONS: Final[tuple[int, ...]] = (VERSION, CONVERSATION_VERSION)
 
 #: The reasoning parsers a chunk may name (worker/reasoning.py parses with them; producer/parsers.py chooses one),
 #: spelled as SGLang spells them: the word a user passes to ``sglang.launch_server --reasoning-parser``.

@@ -40,3 +40,17 @@ def test_a_burst_of_failures_opens_the_circuit_once_and_failed_probes_double_the
     for _ in range(10):
         c._mark("http://a", False, probe=True)
     assert c.cooldown["http://a"] == c.MAX_COOLDOWN_S
+
+
+def test_a_conversation_stays_on_its_server_while_that_one_is_healthy_and_not_much_busier() -> None:
+    a, b = "http://a:1", "http://b:1"
+    c = client(a, b)
+    c.in_flight.update({a: 10, b: 6})
+    assert c.pick_server() == b  # least busy
+    assert c.pick_server(prefer=a) == a  # 10 <= 1.25 x 6 + 4
+    c.in_flight[a] = 12
+    assert c.pick_server(prefer=a) == b  # 12 > 11.5: too much busier
+    c.in_flight[a] = 0
+    c.down_until[a] = 1.0
+    assert c.pick_server(prefer=a) == b  # a down server is never preferred
+    assert c.pick_server(prefer="http://gone:1") == b  # a server not configured here: least busy

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from budget.payload import JOB_FUNCTION, REASONING_PARSERS, VERSION, ChunkPayload
+from budget.payload import CONVERSATION_VERSION, JOB_FUNCTION, REASONING_PARSERS, VERSIONS, ChunkPayload
 from worker import runtime
 
 
 def run_chunk(chunk: ChunkPayload) -> dict[str, Any]:
     """Generate and commit one chunk of samples. Returns a small report (RQ keeps it as the job result)."""
-    if not isinstance(chunk, dict) or chunk.get("v") != VERSION:
-        raise ValueError(f"unsupported chunk payload (expected version {VERSION})")
+    if not isinstance(chunk, dict) or chunk.get("v") not in VERSIONS:
+        raise ValueError(f"unsupported chunk payload (expected a version in {VERSIONS})")
+    if (chunk.get("v") == CONVERSATION_VERSION) != bool(chunk.get("conversation")):
+        raise ValueError(f"unsupported chunk payload: version {CONVERSATION_VERSION} and a conversation block go "
+                         "together")
     parser = chunk.get("reasoning_parser")
     if parser is not None and parser not in REASONING_PARSERS:
         # Refused before anything is generated: a newer producer's parser, which this worker cannot apply.
