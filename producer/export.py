@@ -35,7 +35,7 @@ from producer.exportfiles import (DEFAULT_THINK, MANIFEST, ExportError, Results,
                                   markers, run_settings)
 from producer.exportrows import SHAREGPT_FROM, conversation_row, is_truncated, turn_rows
 from producer.manifest import SERVER_INFO_KEYS, Stats, read_manifest, template_hash, write_manifest, write_manifest_of
-from producer.output import RESULTS
+from producer.output import RESULTS, STOPPED_BY_FAILED
 from producer.render import RenderError, Renderer
 
 __all__ = ["CONVERSATION_FORMATS", "DEFAULT_THINK", "FORMATS", "MANIFEST", "REASONING_MODES", "SERVER_INFO_KEYS",
@@ -93,6 +93,7 @@ class ExportReport:
     torn_tail: bool = False  # raw_responses.jsonl ended in a partial line (skipped)
     template_hash: str | None = None
     tokenizer_revision: str | None = None
+    superseded: int = 0  # failed conversations a rerun's record of the same id replaced (only the last is exported)
 
 
 
@@ -124,18 +125,34 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
     results = Results(source)
     with atomic(dest) as fh:
         batch: list[tuple[int, dict[str, Any]]] = []
-        for number, rec in results:
+
+        def take(number: int, rec: dict[str, Any]) -> None:
+            nonlocal batch
             stats.add(rec)
             if rec["id"] in failed:
-                continue
+                return
             if options.truncated == "drop" and is_truncated(rec):
                 _points(rec, number, source)  # a malformed record is an error whether it would be written or not
                 report.dropped_truncated += 1
-                continue
+                return
             batch.append((number, rec))
             if len(batch) >= _BATCH:
                 _write_batch(fh, batch, options, think, ids, report, source)
                 batch = []
+
+        # An id's last record is its record: a conversation that ended with a failed turn may be followed by the
+        # rerun's record of it (producer/output.py ResultsFile). Those are held back until the file is read.
+        held: dict[str, tuple[int, dict[str, Any]]] = {}
+        for number, rec in results:
+            superseded = held.pop(rec["id"], None) is not None
+            if rec.get("stopped_by") == STOPPED_BY_FAILED:
+                held[rec["id"]] = (number, rec)
+                continue
+            if superseded:
+                report.superseded += 1
+            take(number, rec)
+        for number, rec in held.values():
+            take(number, rec)
         _write_batch(fh, batch, options, think, ids, report, source)
         if ids is not None and report.no_output_ids and not report.written:  # inside: dest is left as it was
             raise ExportError(f"{source}: none of its {report.no_output_ids} records has the server's token ids "

@@ -378,3 +378,22 @@ def test_the_manifest_counts_turns_and_why_conversations_stopped(tmp_path: Path,
     assert manifest["counts"]["samples"] == 5 and manifest["counts"]["truncated"] == 3
     assert manifest["conversations"] == {"turns": 12, "multi_turn": 5, "incomplete": 2,
                                          "stopped_by": {"budget": 1, "length": 1}}
+
+
+def test_a_rerun_record_supersedes_the_failed_conversation_of_the_same_id(tmp_path: Path,
+                                                                          family: tuple[str, Any]) -> None:
+    """A conversation whose turn 1 failed, then the rerun's record of it (reopened, carried on to its end): the
+    export holds the id once, the last record, and the manifest counts it once."""
+    _name, tok = family
+    failed, _ = conversation_record(tok, "c", [U1, T("Sum.", "sum(xs)"), U2], incomplete=True, stopped_by="failed")
+    failed["messages"] = [U1]  # it ended at turn 0's prompt
+    done, _ = conversation_record(tok, "c", [U1, T("Sum.", "sum(xs)"), U2, T("Ok.", "Done.")])
+    other, _ = conversation_record(tok, "d", [U1, T("A.", "b")], incomplete=True, stopped_by="failed")
+    ds = write_dataset(tmp_path, tok, [failed, done, other])
+    rows, report = export(ds, tmp_path, tok, format="openai-messages", truncated="keep")
+    assert [r["id"] for r in rows].count("c") == 1 and report.superseded == 1
+    (row,) = [r for r in rows if r["id"] == "c"]
+    assert not row.get("truncated") and row["messages"][-1]["content"].endswith("Done.")
+    assert {r["id"] for r in rows} == {"c", "d"}  # a failed conversation nothing replaced is kept as it is
+    manifest = json.loads((ds / "manifest.json").read_text(encoding="utf-8"))
+    assert manifest["counts"]["samples"] == 2
