@@ -256,3 +256,33 @@ def test_a_stranded_conversation_is_ended_with_the_turns_it_has(r: "redis.Redis"
     assert end_as_is(ledger, DS, "c9", messages, reasoning_parser=None, sampling_params=SAMPLING) is None
     assert ledger.done_ids(DS) == {"c9": 9}
     assert_invariant(r)
+
+
+def test_a_warm_stop_leaves_a_conversation_between_turns_for_another_worker(
+        r: "redis.Redis", redis_url: str, sim_factory: Any, renderer: Renderer) -> None:
+    """SIGTERM's warm stop while turn 0 runs: that turn finishes and is committed (GPU work kept), then the
+    conversation is given back between turns instead of holding the shutdown for its remaining turns; the next
+    worker resumes it at turn 1."""
+    sim = sim_factory("--tokens-per-second-per-request", "10", "--length-dist", "fixed", "--mean-tokens", "20",
+                      "--reasoning-fraction", "0", "--prefill-tokens-per-second", "0")
+    chunk = enqueue(r, renderer, {"c0": conversation("c0")})
+
+    async def go() -> Any:
+        async with dispatcher(redis_url, sim.url, concurrency=4) as d:
+            report = await d.dispatch(chunk)
+            await until(lambda: sim_stats(sim.url)["running"] == 1, "turn 0 to run")
+            d.stop()
+            return report
+
+    report = asyncio.run(go())
+    k = keys.DatasetKeys(DS)
+    assert report.not_started == 1 and report.committed == 0 and sim_stats(sim.url)["submitted"] == 1
+    assert int(r.hget(k.convs, "c0")) == 1 and r.xlen(k.results) == 0
+    assert_invariant(r)
+    # the producer re-enqueues it (its chunk ended); another worker carries it on from turn 1
+    again = enqueue(r, renderer, {"c0": conversation("c0")})
+    fast = sim_factory(*SIM_ARGS)
+    assert run(redis_url, fast.url, again).committed == 1
+    rec = records(r)["c0"]
+    assert len(rec["turns"]) == 3 and sim_stats(fast.url)["submitted"] == 2
+    assert_invariant(r)

@@ -93,6 +93,12 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
             if len(ids) + max_new > chunk["conversation"]["max_context"]:
                 stopped_by = CONTEXT
                 break
+            if d.stopping:
+                # A warm stop (or a fault) between turns: leave the conversation between turns in Redis; its
+                # chunk ends, the producer re-enqueues it and any worker resumes it at this turn. Waiting for all
+                # its turns would hold the worker's shutdown for a whole conversation.
+                report.not_started += 1
+                return
             verdict = await _admit(d, rc, sid, i, flight, later=max(0, len(steps) - state.steps_done - 1))
             if verdict is TurnAdmit.STOP:
                 stopped_by = BUDGET
