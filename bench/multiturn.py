@@ -48,6 +48,9 @@ SYSTEM = "You are a careful assistant. Answer the user's questions one by one, a
 DATASET_MARK = "Dataset-answer"
 PARSER = "none"  # the demo tokenizer without thinking: produce's auto detection says none too
 DATASET = "convs"
+#: Seconds the baseline client runs past the window's planned end: on a loaded machine the window's last snapshot
+#: comes seconds late (64 s instead of 60 once), and a client that stopped before it shows a false idle tail.
+DURATION_MARGIN = 15.0
 
 
 def conversation(c: int, context_words: int) -> list[dict[str, str]]:
@@ -86,11 +89,11 @@ def run_baseline(args: argparse.Namespace, work: Path, tok: Path, data: Path, si
         client = subprocess.Popen([sys.executable, "-m", "bench.multiturn_client", "--url", url, "--data", str(data),
                                    "--tokenizer", str(tok), "--reasoning-parser", PARSER, "--max-tokens",
                                    str(args.max_tokens), "--max-context", "65536", "--in-flight",
-                                   str(args.in_flight), "--duration", str(args.warm + args.window + 3),
+                                   str(args.in_flight), "--duration", str(args.warm + args.window + DURATION_MARGIN),
                                    "--out", str(out)])
         try:
             w = measure(url, args, {"client": client.pid, "sim": proc.pid})
-            client.wait(args.warm + args.window + 60)
+            client.wait(args.warm + args.window + DURATION_MARGIN + 60)
         finally:
             if client.poll() is None:
                 client.kill()
