@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,7 @@ def run_baseline(args: argparse.Namespace, work: Path, tok: Path, data: Path, si
                                    "--out", str(out)])
         try:
             w = measure(url, args, {"client": client.pid, "sim": proc.pid})
+            w["loadavg_1_5_15"] = os.getloadavg()  # the machine is shared: how loaded it was at the window's end
             client.wait(args.warm + args.window + DURATION_MARGIN + 60)
         finally:
             if client.poll() is None:
@@ -118,6 +120,7 @@ def run_budgetq(args: argparse.Namespace, work: Path, tok: Path, data: Path, sim
         try:
             pids = {**stack.pids(), "produce": produce.pid}
             w = measure(stack.sim_urls[0], args, pids, used=lambda: int(r.get(f"bq:ds:{{{DATASET}}}:used") or 0))
+            w["loadavg_1_5_15"] = os.getloadavg()
             w["workers"] = args.workers
             w["concurrency_per_worker"] = args.in_flight // args.workers
             stats: dict[bytes, bytes] = r.hgetall(f"bq:ds:{{{DATASET}}}:stats")  # type: ignore[assignment]
@@ -140,6 +143,9 @@ def efficiency_table(base: dict[str, Any], bq: dict[str, Any]) -> str:
     rows.append(f"| occupancy: mean running / 256 | {base['occupancy']:.4f} | **{bq['occupancy']:.4f}** | |")
     rows.append(f"| occupancy: lowest 1-s value | {base['occupancy_min_1s']:.4f} | {bq['occupancy_min_1s']:.4f} | |")
     rows.append(f"| CPU share (cores) | {fmt_cpu(base['cpu'])} | {fmt_cpu(bq['cpu'])} | |")
+    rows.append(f"| load average at the window's end (1, 5, 15 min) | "
+                f"{', '.join(f'{x:.2f}' for x in base['loadavg_1_5_15'])} | "
+                f"{', '.join(f'{x:.2f}' for x in bq['loadavg_1_5_15'])} | |")
     return "\n".join(rows)
 
 
