@@ -273,7 +273,8 @@ def fmt_cpu(shares: dict[str, float]) -> str:
 
 
 def sim_stats_url(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url + "/sim/stats", timeout=5) as resp:
+    # 30 s: a simulator that tokenizes (--tokenizer) answers a burst of 256 arrivals for seconds on a loaded machine.
+    with urllib.request.urlopen(url + "/sim/stats", timeout=30) as resp:
         return dict(json.loads(resp.read()))
 
 
