@@ -26,8 +26,9 @@ reach their steady mix).
 turn i's server while it is not much busier, worker/sglang.py ``pick_server``), once with BUDGETQ_AFFINITY=0
 (least in flight only). Figures: Σ cached_tokens / Σ prompt_tokens over both servers; the share *cacheable at
 all*: every prompt page an earlier answered prompt holds, in one unbounded cache (replayed from the simulators'
-request log, sglang-sim ``--request-log``, in the order answered); and the share of later turns sent to their
-previous turn's server (from the same log).
+request log, sglang-sim ``--request-log``, in the order answered); the share of later turns sent to their
+previous turn's server; and, from the same log, how many later prompts hold the answer the server gave the turn
+before and how many any of the dataset's answers (0).
 """
 from __future__ import annotations
 
@@ -174,32 +175,40 @@ def efficiency(args: argparse.Namespace) -> None:
 # -- bench 2: prefix-cache affinity ---------------------------------------------------------------------------
 
 
-def replay_log(path: Path, conversations: int, page: int) -> dict[str, Any]:
+def replay_log(path: Path, conversations: int, page: int, tok: Path) -> dict[str, Any]:
     """From the simulators' request log: the share of prompt tokens one unbounded cache would have held (every
-    page of an earlier answered prompt), and how many later turns went to their previous turn's server."""
+    page of an earlier answered prompt), how many later turns went to their previous turn's server, and the
+    history check from the server's side: how many later turns' prompts (decoded) hold the answer the server gave
+    to the turn before, and how many hold any of the dataset's answers (must be 0)."""
+    from tokenizers import Tokenizer
     from budget import keys
     from budget.payload import request_id
     from sglang_sim.prefix_cache import PrefixCache
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     cache = PrefixCache(page, 1 << 40)
     prompt = cacheable = 0
-    port_of: dict[str, int] = {}
+    answer_of: dict[str, dict[str, Any]] = {}  # the last answer to each turn's requests
     for line in lines:
         ids = line["input_ids"]
         prompt += len(ids)
         cacheable += cache.match_and_insert(ids)
-        port_of[line["rid"][:28]] = line["port"]
-    same = later = 0
+        answer_of[line["rid"][:28]] = line
+    decoder = Tokenizer.from_file(str(tok / "tokenizer.json"))
+    same = later = carries = dataset_answers = 0
     for c in range(conversations):
         sid = f"c{c:05d}"
-        ports = [port_of.get(request_id(DATASET, sid if t == 0 else keys.turn_field(sid, t), 0)[:28])
-                 for t in range(3)]
-        for a, b in zip(ports, ports[1:]):
+        answers = [answer_of.get(request_id(DATASET, sid if t == 0 else keys.turn_field(sid, t), 0)[:28])
+                   for t in range(3)]
+        for a, b in zip(answers, answers[1:]):
             if a is not None and b is not None:
                 later += 1
-                same += a == b
+                same += a["port"] == b["port"]
+                text = decoder.decode(b["input_ids"], skip_special_tokens=False)
+                carries += a["text"].strip() in text
+                dataset_answers += DATASET_MARK in text
     return {"requests": len(lines), "prompt_tokens_logged": prompt, "cacheable_share": cacheable / max(1, prompt),
-            "later_turns": later, "same_server_share": same / max(1, later)}
+            "later_turns": later, "same_server_share": same / max(1, later),
+            "later_prompts_with_previous_answer": carries, "later_prompts_with_a_dataset_answer": dataset_answers}
 
 
 def affinity_run(mode: str, args: argparse.Namespace, work: Path, tok: Path, data: Path) -> dict[str, Any]:
@@ -227,17 +236,20 @@ def affinity_run(mode: str, args: argparse.Namespace, work: Path, tok: Path, dat
     out = {"mode": mode, "records": len(records), "turns": sum(len(r.get("turns") or []) for r in records),
            "prompt_tokens": prompt, "cached_tokens": cached, "cached_share": cached / max(1, prompt),
            "requests_per_server": [s["completed"] for s in stats],
-           **replay_log(log, args.conversations, 16)}
+           **replay_log(log, args.conversations, 16, tok)}
     print("affinity", json.dumps(out), flush=True)
     return out
 
 
 def affinity_table(rows: list[dict[str, Any]]) -> str:
     out = ["| affinity | conversations on disk (turns) | requests per server | later turns on their previous "
-           "turn's server | cached_tokens / prompt_tokens | cacheable at all |", "| --- | --- | --- | --- | --- | --- |"]
+           "turn's server | cached_tokens / prompt_tokens | cacheable at all | later prompts holding the previous "
+           "answer / a dataset answer |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         out.append(f"| {r['mode']} | {r['records']} ({r['turns']}) | {r['requests_per_server']} | "
-                   f"{r['same_server_share']:.3f} | **{r['cached_share']:.3f}** | {r['cacheable_share']:.3f} |")
+                   f"{r['same_server_share']:.3f} | **{r['cached_share']:.3f}** | {r['cacheable_share']:.3f} | "
+                   f"{r['later_prompts_with_previous_answer']} of {r['later_turns']} / "
+                   f"{r['later_prompts_with_a_dataset_answer']} |")
     return "\n".join(out)
 
 
