@@ -500,6 +500,10 @@ class Ledger:
         counts = self.r.hmget(self._keys(name).convs, list(samples))
         return {sid: int(n) for sid, n in zip(samples, counts) if n is not None and int(n) > 0}
 
+    def open_conversations(self, name: str) -> int:
+        """How many conversations are started and not ended (``convs``' size)."""
+        return int(self.r.hlen(self._keys(name).convs))
+
     def unwritten_turn_tokens(self, name: str) -> int:
         """Σ of committed turns not yet in a record: with Σ done, what ``used`` must equal."""
         return sum(int(v) for v in self.r.hvals(self._keys(name).turns))

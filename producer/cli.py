@@ -179,6 +179,10 @@ def _connect(redis_url: str) -> "redis.Redis":
           "before it resumes in file order.")
 @opt("--order-seed", type=int, default=None, metavar="N",
      help=f"Seed of --order random (default {DEFAULT_SEED}). Stored with the run.")
+@opt("--turns", type=click.Choice(("all", "last")), default=None,
+     help="Which assistant turns of a conversation are regenerated: all (default: each user turn in order, on "
+          "the model's own earlier answers) or last (only the answer to the last user turn, on the dataset's "
+          "history). Stored with the run; a run stored before it resumes as last.")
 @opt("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"), show_default=True,
      help="Output directory: OUT/<dataset>/raw_responses.jsonl.")
 @redis_url_option
@@ -212,6 +216,9 @@ def _connect(redis_url: str) -> "redis.Redis":
      help="With --dry-run: send N real requests per dataset to SGLANG_URL to measure completion length.")
 @opt("--throughput", type=click.FloatRange(0, min_open=True), default=None, metavar="TOK/S",
      help="With --dry-run: completion tokens per second of the deployment, for the ETA.")
+@opt("--in-flight", type=click.IntRange(1), default=None, metavar="N",
+     help="With --dry-run and multi-turn conversations: requests the deployment runs at once (workers x "
+          "BUDGETQ_CONCURRENCY, default 64), for the ETA: a conversation's turns run one after another.")
 @opt("--json", "as_json", is_flag=True, envvar="BUDGETQ_PLAN_JSON", help="With --dry-run: print the plan as JSON.")
 @opt("--chunk-size", type=click.IntRange(1, 10_000), default=256, show_default=True, help="Samples per RQ job.")
 @opt("--queue-depth", type=click.IntRange(1), default=16, show_default=True,
@@ -242,12 +249,13 @@ def run_cmd(**options: Any) -> None:
 
 def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes: tuple[str, ...],
          max_tokens: int, max_context: int | None, max_samples: int | None, order: str | None,
-         order_seed: int | None, out_dir: Path, redis_url: str,
+         order_seed: int | None, turns: str | None, out_dir: Path, redis_url: str,
          temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
          skip_special_tokens: bool | None, chat_template_kwargs: str | None, reasoning_parser: str,
          skip_invalid: bool, messages_field: str, prompt_field: str,
          conversations_field: str, id_field: str, system_prompt: str | None, expect_mean: float | None, dry_run: bool,
-         pilot: int | None, throughput: float | None, as_json: bool, chunk_size: int, queue_depth: int,
+         pilot: int | None, throughput: float | None, in_flight: int | None, as_json: bool, chunk_size: int,
+         queue_depth: int,
          new_run: bool, detach: bool, job_timeout: int, allow_eviction: bool, require_aof: bool,
          quiet: bool, verbose: bool, log_format: str) -> None:
     # Everything that can be wrong with the options and the input is found before Redis is touched.
@@ -258,8 +266,8 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
         raise InputProblem(str(exc)) from None
     if top_k is not None and top_k != -1 and top_k < 1:
         raise InputProblem("--top-k must be -1 or at least 1")
-    if (pilot or throughput or as_json) and not dry_run:
-        raise InputProblem("--pilot, --throughput and --json go with --dry-run")
+    if (pilot or throughput or in_flight or as_json) and not dry_run:
+        raise InputProblem("--pilot, --throughput, --in-flight and --json go with --dry-run")
     kwargs: dict[str, Any] = {}
     if chat_template_kwargs:
         try:
@@ -279,7 +287,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
 
     from producer.order import RANDOM, Order, choose as choose_order
     from producer.output import RUN
-    from producer.prepare import load_inputs
+    from producer.prepare import ALL, choose_turns, load_inputs
     if order == "file" and order_seed is not None:
         raise InputProblem("--order-seed goes with --order random")
     requested_order = Order(order or RANDOM, DEFAULT_SEED if order_seed is None else order_seed)
@@ -292,7 +300,9 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
                          chat_template_kwargs=kwargs, skip_invalid=skip_invalid, echo=echo, mapping=mapping,
                          show_progress=show_progress,
                          warn=_warn, reasoning_parser=reasoning_parser, order=requested_order,
-                         order_for=lambda name, o: choose_order(o, out_dir / name / RUN, new_run))
+                         order_for=lambda name, o: choose_order(o, out_dir / name / RUN, new_run),
+                         turns=turns or ALL,
+                         turns_for=lambda name, t: choose_turns(t, turns is not None, out_dir / name / RUN, new_run))
     log.debug("read, validated and rendered %d dataset(s) in %.1f s", len(inputs.prepared),
               time.monotonic() - started)
     # Known once the template is read (the parser is detected from it); stored with the run like every parameter.
@@ -308,7 +318,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     per_dataset: dict[str, int | None] = {n: named.get(n, default_budget) for n in names}
 
     if dry_run:
-        _dry_run(inputs, per_dataset, out_dir, expect_mean, pilot, throughput, as_json)
+        _dry_run(inputs, per_dataset, out_dir, expect_mean, pilot, throughput, as_json, in_flight)
         return
 
     from producer.enqueue import JobSettings
@@ -320,6 +330,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
                          settings=inputs.settings, think={"start": think.start, "end": think.end} if think else None,
                          reasoning_parser=inputs.reasoning_parser, parser_explicit=inputs.parser_explicit,
                          order_explicit=order is not None or order_seed is not None,
+                         turns_explicit=turns is not None, tokenizer=tokenizer,
                          modes={n: named_modes.get(n, default_mode) for n in names}, expect_mean=expect_mean,
                          chunk_size=chunk_size, queue_depth=queue_depth, new_run=new_run,
                          job=JobSettings(job_timeout=job_timeout), show_progress=show_progress)
@@ -332,6 +343,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     check_redis(client, allow_eviction=allow_eviction, require_aof=require_aof, warn=_warn)
     _check_server_parsers(client, inputs.reasoning_parser)
     _recheck_context(client, inputs, max_tokens)
+    options.conversation = inputs.conversation()  # after the recheck: the context turn 0 was checked against
     _check_seed(client, inputs.sampling_params)
     producer = Producer(client, inputs.prepared, options, echo=echo)
     try:
@@ -362,12 +374,15 @@ def _recheck_context(client: "redis.Redis", inputs: Any, max_tokens: int) -> Non
     """The SGLang servers' context limit, as their workers recorded it, wins over the offline one: prompts over
     it are skipped now (counted as over context), not sent to be refused one by one."""
     from budget import serverinfo
-    from producer.servercontext import recheck
+    from producer.servercontext import recheck, server_context
     try:
         servers = serverinfo.load(client)
     except redis.RedisError as exc:
         raise RuntimeProblem(f"Redis error: {exc}") from None
     recheck(servers, inputs.prepared, inputs.context, max_tokens, echo=log.info, warn=_warn)
+    limit = server_context(servers)
+    if limit is not None and limit.tokens < inputs.context.tokens:
+        inputs.context = limit  # what later turns of a conversation are checked against too
 
 
 def skip_special_tokens_default(parser: Any) -> bool:
@@ -433,7 +448,7 @@ def _describe_servers(servers: list[dict[str, Any]] | None) -> str:
 
 
 def _dry_run(inputs: Any, budgets: dict[str, int | None], out_dir: Path, expect_mean: float | None,
-             pilot: int | None, throughput: float | None, as_json: bool) -> None:
+             pilot: int | None, throughput: float | None, as_json: bool, in_flight: int | None = None) -> None:
     from producer.plan import pilot_mean, plan_dataset, plan_table
     plans = []
     for p in inputs.prepared:
@@ -447,7 +462,8 @@ def _dry_run(inputs: Any, budgets: dict[str, int | None], out_dir: Path, expect_
             except (OSError, RuntimeError, ValueError) as exc:
                 raise RuntimeProblem(f"--pilot: {exc}") from None
         plans.append(plan_dataset(p, budget=budgets.get(p.name), out_dir=out_dir, expect_mean=expect_mean,
-                                  pilot_mean=measured, pilot_n=pilot or 0, throughput=throughput))
+                                  pilot_mean=measured, pilot_n=pilot or 0, throughput=throughput,
+                                  in_flight=in_flight))
     if as_json:
         context = {"tokens": inputs.context.tokens, "source": inputs.context.source}
         click.echo(json.dumps({"datasets": [x.as_dict() for x in plans], "throughput": throughput,

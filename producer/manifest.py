@@ -22,6 +22,8 @@ from producer.output import RESULTS
 #: it returns every server argument, api_key included, so only what identifies the model and the engine is
 #: copied, never the whole dict.
 SERVER_INFO_KEYS: Final = serverinfo.SERVER_INFO_KEYS
+#: Why a conversation ends before its last user turn (``stopped_by``, docs/multiturn.md "Stopping rules").
+STOPPED_BY: Final = ("budget", "context", "failed", "length", "tool_mismatch")
 
 
 def write_manifest(dataset_dir: Path, *, server_info: Mapping[str, Any] | None = None,
@@ -97,6 +99,13 @@ class Stats:
         if rec.get("stopped_by") is not None:
             self.stopped_by[str(rec["stopped_by"])] += 1
 
+    def stopped(self) -> dict[str, int]:
+        """Conversations by why they ended early: every reason (docs/multiturn.md), 0 when none did, and any other
+        a record holds."""
+        counts = {reason: 0 for reason in STOPPED_BY}
+        counts.update(self.stopped_by)
+        return dict(sorted(counts.items()))
+
     def completion_length(self) -> dict[str, float | int | None]:
         ordered = sorted(self.lengths)
 
@@ -142,7 +151,7 @@ def write_manifest_of(dataset_dir: Path, settings: Mapping[str, Any], stats: Sta
         "record_versions": dict(sorted(stats.record_versions.items())),
         # multi-turn: turns beside conversations, and why conversations ended early (docs/multiturn.md)
         "conversations": {"turns": stats.turns, "multi_turn": stats.multi_turn, "incomplete": stats.incomplete,
-                          "stopped_by": dict(sorted(stats.stopped_by.items()))},
+                          "stopped_by": stats.stopped()},
         "tokens": {"prompt": stats.prompt_tokens, "completion": stats.completion_tokens},
         "finish_reasons": dict(sorted(stats.finish_reasons.items())),
         "completion_length": stats.completion_length(),

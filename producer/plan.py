@@ -5,6 +5,11 @@ reads, validates and renders everything (the same code path as a real run), writ
 projects per dataset: samples needed to reach the budget at the expected completion length, tokens, and the
 time at a given throughput. The expected length comes from ``--expect-mean``, from an existing
 ``raw_responses.jsonl`` (a resumed run), or from ``--pilot N`` real requests sent straight to SGLang.
+
+With ``--turns all`` a multi-turn conversation makes up to k requests: the expected length is per turn, a sample's
+tokens are its turns times it, and the ETA is also bounded by the longest conversation, whose turns run one after
+another: k turns take about k times one turn's latency, ``mean x in_flight / throughput`` when ``in_flight``
+requests share the deployment's throughput (``sequential_eta``).
 """
 from __future__ import annotations
 
@@ -13,13 +18,27 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Final, Sequence
 
 import aiohttp
 
 from producer.modeldir import Context
 from producer.output import RESULTS
 from producer.prepare import Prepared
+
+
+#: Requests the deployment runs at once when --in-flight is not given: one worker's window (BUDGETQ_CONCURRENCY).
+DEFAULT_IN_FLIGHT: Final = 64
+
+
+def sequential_eta(tokens: float, throughput: float, longest_turns: int, mean: float, in_flight: int) -> float:
+    """Seconds to generate ``tokens`` at ``throughput`` when a conversation's turns run in sequence: the larger of
+    the throughput bound and the longest conversation's ``longest_turns`` turn latencies (``mean`` tokens each
+    at ``throughput / in_flight`` tokens a second per request). One-turn samples: the throughput bound alone."""
+    bound = tokens / throughput
+    if longest_turns <= 1:
+        return bound
+    return max(bound, longest_turns * mean * in_flight / throughput)
 
 
 @dataclass(frozen=True)
@@ -40,6 +59,11 @@ class DatasetPlan:
     projected_tokens: int | None
     eta_s: float | None
     order: str = "file"  # the order prompts are sent in (producer/order.py): which ones a budget keeps
+    conversations: int = 0  # --turns all: selected samples that are conversations of more than one turn
+    conversation_turns: int = 0  # the most turns those make together (a turn may end its conversation early)
+    requests_max: int = 0  # the most requests of the selected samples: one each, a conversation's turns
+    longest_conversation: int = 1  # turns of the longest conversation: the ETA's sequential bound
+    in_flight: int | None = None  # requests at once the sequential bound assumes (multi-turn datasets only)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,10 +78,17 @@ def _p95(values: Sequence[int]) -> int:
 
 def existing_output(out_dir: Path, name: str) -> tuple[int, int]:
     """(responses, completion tokens) already in OUT/<name>/raw_responses.jsonl, read without changing it."""
+    count, tokens, _turns = existing_turns(out_dir, name)
+    return count, tokens
+
+
+def existing_turns(out_dir: Path, name: str) -> tuple[int, int, int]:
+    """(records, completion tokens, regenerated turns) already in OUT/<name>/raw_responses.jsonl (a record before
+    version 2 is one turn), read without changing it. The first record of an id counts."""
     path = out_dir / name / RESULTS
     if not path.exists():
-        return 0, 0
-    count = tokens = 0
+        return 0, 0, 0
+    count = tokens = turns = 0
     seen: set[str] = set()
     with open(path, "rb") as fh:
         for raw in fh:
@@ -72,39 +103,52 @@ def existing_output(out_dir: Path, name: str) -> tuple[int, int]:
                 seen.add(sid)
                 count += 1
                 tokens += n
-    return count, tokens
+                turns += len(rec["turns"]) if isinstance(rec.get("turns"), list) and rec["turns"] else 1
+    return count, tokens, turns
 
 
 def plan_dataset(p: Prepared, *, budget: int | None, out_dir: Path, expect_mean: float | None,
-                 pilot_mean: float | None, pilot_n: int, throughput: float | None) -> DatasetPlan:
+                 pilot_mean: float | None, pilot_n: int, throughput: float | None,
+                 in_flight: int | None = None) -> DatasetPlan:
+    """``mean`` (the expected completion length) is per request, so per turn of a conversation: a sample is
+    expected to make ``p.turns_total / len(p.samples)`` requests on average (at most: a turn may end its
+    conversation early, so multi-turn projections are upper bounds)."""
     lengths = [len(a) for a in p.input_ids.values()]
-    done, tokens_done = existing_output(out_dir, p.name)
+    done, tokens_done, turns_done = existing_turns(out_dir, p.name)
     if expect_mean:
         mean, source = expect_mean, "--expect-mean"
     elif done:
-        mean, source = tokens_done / done, f"existing output ({done} responses)"
+        mean, source = tokens_done / turns_done, (f"existing output ({done} responses)" if turns_done == done else
+                                                 f"existing output ({done} responses, {turns_done} turns)")
     elif pilot_mean is not None:
         mean, source = pilot_mean, f"pilot ({pilot_n} requests)"
     else:
         mean, source = None, "unknown (give --expect-mean or --pilot N)"
     remaining_samples = max(0, len(p.samples) - done)
+    per_sample = p.turns_total / len(p.samples) if p.samples else 1.0  # requests a sample makes, at most
     needed: int | None = None
     projected: int | None = None
     if mean:
         if budget is None:
             needed = remaining_samples
         else:
-            needed = min(remaining_samples, math.ceil(max(0, budget - tokens_done) / mean))
-        projected = tokens_done + round(needed * mean)
+            needed = min(remaining_samples, math.ceil(max(0, budget - tokens_done) / (mean * per_sample)))
+        projected = tokens_done + round(needed * mean * per_sample)
         if budget is not None:
             projected = max(tokens_done, min(projected, budget)) if needed < remaining_samples else projected
-    eta = (projected - tokens_done) / throughput if projected is not None and throughput else None
+    longest = max(p.turns.values(), default=1)
+    eta = None
+    if projected is not None and throughput and mean:
+        eta = sequential_eta(projected - tokens_done, throughput, longest if needed else 1, mean,
+                             in_flight or DEFAULT_IN_FLIGHT)
     return DatasetPlan(
         name=p.name, valid=len(p.samples), invalid=len(p.invalid), over_context=len(p.over_context),
         prompt_tokens_sum=sum(lengths), prompt_tokens_mean=sum(lengths) / len(lengths) if lengths else 0.0,
         prompt_tokens_p95=_p95(lengths), expected_completion=mean, expected_source=source,
         done_already=done, tokens_already=tokens_done, budget=budget, samples_needed=needed,
-        projected_tokens=projected, eta_s=eta, order=p.order.describe())
+        projected_tokens=projected, eta_s=eta, order=p.order.describe(), conversations=p.conversations,
+        conversation_turns=p.conversation_turns, requests_max=p.turns_total, longest_conversation=longest,
+        in_flight=(in_flight or DEFAULT_IN_FLIGHT) if p.conversations else None)
 
 
 async def _pilot(urls: Sequence[str], items: Sequence[list[int]], sampling_params: dict[str, Any],
@@ -166,6 +210,11 @@ def plan_table(plans: list[DatasetPlan], throughput: float | None, context: Cont
     lines.insert(len(lines) - 1, "  ".join("-" * w for w in widths))
     for p in plans:
         lines.append(f"{p.name}: expected completion length from {p.expected_source}; order: {p.order}")
+        if p.conversations:
+            lines.append(f"{p.name}: {p.conversations:,} multi-turn conversations, {p.conversation_turns:,} turns at "
+                         f"most (longest {p.longest_conversation}); {p.requests_max:,} requests at most; the "
+                         "expected length is per turn; the eta takes a conversation's turns one after another at "
+                         f"{p.in_flight} requests in flight (--in-flight)")
     lines.append("eta at " + (f"{throughput:,.0f} completion tok/s" if throughput else
                               "an unknown throughput (give --throughput TOK/S)"))
     if context is not None:

@@ -11,8 +11,10 @@ from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Final, Sequence
+from typing import Any, Callable, Final, Literal, Sequence
 
+from budget.history import plan
+from budget.payload import ConversationPayload
 from producer.errors import input_error
 from producer.modeldir import Context, ModelDirError, config_context
 from producer.order import FILE, Order, permute
@@ -20,6 +22,15 @@ from producer.progress import progress_bar
 from producer.reader import Problem, ReadResult, Sample
 from producer.records import FieldMapping
 from producer.render import Rendered, RenderError, Renderer
+
+#: ``--turns``: regenerate every assistant turn of a conversation (``all``, budget/history.py ``plan``), or only
+#: the answer to its last user turn on the dataset's own history (``last``: what every run did before it).
+ALL: Final = "all"
+LAST: Final = "last"
+TURNS_MODES: Final = (ALL, LAST)
+Turns = Literal["all", "last"]
+#: The run.json key; missing in a stored run means ``last`` (producer/run.py ``_settings_for``).
+TURNS_SETTING: Final = "turns"
 
 
 @dataclass
@@ -36,6 +47,10 @@ class Prepared:
     over_context: list[Problem] = field(default_factory=list)
     beyond_max_samples: int = 0
     order: Order = Order(FILE)  # the order of ``samples``: the enqueue order, and what a budget keeps first
+    #: ``--turns all``: the selected samples that are conversations of more than one turn -> their turns at most
+    #: (``len(plan(messages))``); their ``input_ids`` are turn 0's prompt. Empty under ``--turns last``.
+    turns: dict[str, int] = field(default_factory=dict)
+    turns_mode: str = LAST
 
     @cached_property
     def messages_by_id(self) -> dict[str, Any]:
@@ -45,12 +60,33 @@ class Prepared:
     def prompt_tokens(self) -> int:
         return sum(len(a) for a in self.input_ids.values())
 
+    @property
+    def conversations(self) -> int:
+        """Selected samples that are conversations of more than one turn (``--turns all``)."""
+        return len(self.turns)
+
+    @property
+    def turns_total(self) -> int:
+        """The most requests the selected samples make: one each, a conversation's turns for a multi-turn one."""
+        return len(self.samples) - len(self.turns) + sum(self.turns.values())
+
+    @property
+    def conversation_turns(self) -> int:
+        """The most turns the multi-turn conversations make, together."""
+        return sum(self.turns.values())
+
+    def turns_of(self, sample_id: str) -> int:
+        return self.turns.get(sample_id, 1)
+
 
 def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_invalid: bool,
-                 invalid: list[Problem]) -> list[tuple[Sample, Rendered]]:
-    """Render a batch; a sample the template refuses is a bad line of the file, named by its line."""
+                 invalid: list[Problem],
+                 messages_of: Callable[[Sample], Sequence[Any]] = lambda s: s.messages,
+                 ) -> list[tuple[Sample, Rendered]]:
+    """Render a batch (``messages_of`` each sample: its whole messages, or turn 0's); a sample the template refuses
+    is a bad line of the file, named by its line."""
     try:
-        return list(zip(part, renderer.render_many([s.messages for s in part])))
+        return list(zip(part, renderer.render_many([messages_of(s) for s in part])))
     except RenderError as exc:
         if exc.index is None:
             raise
@@ -59,19 +95,56 @@ def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_
     good = []
     for sample in part:
         try:
-            good.append((sample, renderer.render(sample.messages)))
+            good.append((sample, renderer.render(messages_of(sample))))
         except RenderError as exc:
             invalid.append(sample.problem(str(exc)))
     return good
 
 
+def first_turn(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Turn 0's prompt messages under ``--turns all``: the system message and the first user message (what comes
+    before the first answer point: budget/history.py ``plan``)."""
+    return plan(messages)[0].context
+
+
+def _first_turns(read: ReadResult, renderer: Renderer, rendered: list[tuple[Sample, Rendered]], skip_invalid: bool,
+                 invalid: list[Problem]) -> tuple[list[tuple[Sample, Rendered]], dict[str, int]]:
+    """``--turns all``: each multi-turn sample of ``rendered`` (its whole conversation rendered, which checks the
+    template on every later turn's shape before Redis is touched) with turn 0's prompt instead, and the turns of
+    each. One-turn samples stay as they are: exactly what ``--turns last`` sends."""
+    turns: dict[str, int] = {}
+    for sample, _out in rendered:
+        k = len(plan(sample.messages))
+        if k > 1:
+            turns[sample.id] = k
+    if not turns:
+        return rendered, turns
+    multi = [sample for sample, _out in rendered if sample.id in turns]
+    first = dict((s.id, out) for s, out in _render_part(read, renderer, multi, skip_invalid, invalid,
+                                                        lambda s: first_turn(s.messages)))
+    out: list[tuple[Sample, Rendered]] = []
+    for sample, whole in rendered:
+        if sample.id not in turns:
+            out.append((sample, whole))
+        elif sample.id in first:
+            out.append((sample, first[sample.id]))
+        else:  # turn 0 refused by the template (skip_invalid): the sample is invalid, named in ``invalid``
+            del turns[sample.id]
+    return out, turns
+
+
 def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_context: int,
             max_samples: int | None, skip_invalid: bool = False,
             progress: Callable[[int], None] | None = None, context_source: str = "--max-context",
-            order: Order = Order(FILE)) -> Prepared:
+            order: Order = Order(FILE), turns: str = LAST) -> Prepared:
     """Render ``read``'s samples in ``order`` and select them: valid, fitting the context, and the first
-    ``max_samples`` of that order (with --order random: a seeded random subset, not the file's first lines)."""
-    prepared = Prepared(read.name, read.path, [], {}, {}, list(read.invalid), list(read.duplicates), order=order)
+    ``max_samples`` of that order (with --order random: a seeded random subset, not the file's first lines).
+
+    ``turns`` ``all``: a conversation of more than one turn is sent as its turn 0 (the workers render the later
+    turns on the model's own answers), so its prompt and its context check are turn 0's; it is rendered whole
+    as well, so a template that refuses a later turn's shape is found here (exit 2), not by a worker."""
+    prepared = Prepared(read.name, read.path, [], {}, {}, list(read.invalid), list(read.duplicates), order=order,
+                        turns_mode=turns)
     batch = 256
     samples = permute(read.samples, order)
     for start in range(0, len(samples), batch):
@@ -80,6 +153,9 @@ def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_contex
             break
         part = samples[start:start + batch]
         rendered = _render_part(read, renderer, part, skip_invalid, prepared.invalid)
+        conversations: dict[str, int] = {}
+        if turns == ALL:
+            rendered, conversations = _first_turns(read, renderer, rendered, skip_invalid, prepared.invalid)
         if progress is not None:
             progress(len(part))
         for i, (sample, out) in enumerate(rendered):
@@ -95,18 +171,22 @@ def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_contex
             prepared.samples.append(sample)
             prepared.input_ids[sample.id] = array("i", out.input_ids)
             prepared.opens_think[sample.id] = out.opens_think
+            if sample.id in conversations:
+                prepared.turns[sample.id] = conversations[sample.id]
     return prepared
 
 
 def run_settings(renderer: Renderer, sampling_params: dict[str, Any],
                  chat_template_kwargs: dict[str, Any], system_prompt: str | None = None,
-                 reasoning_parser: str | None = None, order: dict[str, Any] | None = None) -> dict[str, Any]:
+                 reasoning_parser: str | None = None, order: dict[str, Any] | None = None,
+                 turns: str | None = None) -> dict[str, Any]:
     """What must not change between a run and its resume: a response made under other settings would mix
     two distributions in one training set (and two parsers, two splits of the same text, in one file).
 
     ``reasoning_parser`` None leaves the key out: a run stored before parsers existed has none, and such a run
     resumes with the think-marker split it started with (producer/run.py ``settings_for``). ``order`` None
-    likewise (producer/order.py): a run stored before --order resumes in file order."""
+    likewise (producer/order.py): a run stored before --order resumes in file order; and ``turns`` None: a run
+    stored before --turns resumes as ``last``."""
     think = renderer.think
     settings = {
         "tokenizer": renderer.fingerprint(),
@@ -119,6 +199,8 @@ def run_settings(renderer: Renderer, sampling_params: dict[str, Any],
         settings["reasoning_parser"] = reasoning_parser
     if order is not None:
         settings["order"] = order
+    if turns is not None:
+        settings[TURNS_SETTING] = turns
     return settings
 
 
@@ -136,6 +218,21 @@ def resolve_parser(choice: str, tokenizer: Any, renderer: Renderer) -> str:
         return detect(evidence(tokenizer, opens))
     except AmbiguousParser as exc:
         raise input_error(str(exc)) from None
+
+
+def choose_turns(requested: str, explicit: bool, run_file: Path, new_run: bool) -> str:
+    """The ``--turns`` mode a dataset is prepared in: ``requested``, except that a stored run.json without the key
+    (a run that predates --turns, which regenerated the last turn only) resumes as ``last`` unless --turns was
+    given (then attach reports the settings change). ``--new-run`` starts over, so it takes the request."""
+    if new_run or explicit:
+        return requested
+    try:
+        stored = json.loads(run_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return requested
+    if isinstance(stored, dict) and TURNS_SETTING not in stored:
+        return LAST
+    return requested
 
 
 def settings_fingerprint(settings: dict[str, Any]) -> str:
@@ -202,6 +299,21 @@ class Inputs:
     reasoning_parser: str = "none"
     parser_explicit: bool = False  # given by --reasoning-parser, not detected
     context: Context = Context(0, "unknown")  # what the prompts were checked against, and where it came from
+    turns: str = LAST  # --turns as given (a dataset resumed from a run before --turns may be prepared as last)
+
+
+    def conversation(self) -> ConversationPayload | None:
+        """The chunk's ``conversation`` block (budget/payload.py) when a dataset has multi-turn conversations:
+        the renderer's fingerprint (its files go to Redis under it), the template kwargs, the context turn 0 was
+        checked against, and the parser's think markers when they are not the template's (Kimi)."""
+        if not any(p.turns for p in self.prepared):
+            return None
+        from producer.parsers import PARSER_MARKERS
+        markers = PARSER_MARKERS[self.reasoning_parser]
+        think = self.renderer.think
+        return {"tokenizer": str(self.settings["tokenizer"]), "chat_template_kwargs": dict(self.chat_template_kwargs),
+                "max_context": self.context.tokens,
+                "open_markers": [markers.start, markers.end] if markers is not None and markers != think else None}
 
 
 def choose_context(max_context: int | None, tokenizer: Any) -> Context:
@@ -232,11 +344,13 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
                 skip_invalid: bool, echo: Callable[[str], None], warn: Callable[[str], None],
                 mapping: FieldMapping | None = None, show_progress: bool = False,
                 reasoning_parser: str = "auto", order: Order = Order(FILE),
-                order_for: Callable[[str, Order], Order] | None = None) -> Inputs:
+                order_for: Callable[[str, Order], Order] | None = None, turns: str = LAST,
+                turns_for: Callable[[str, str], str] | None = None) -> Inputs:
     """Read, validate and render every file. Raises ProduceError (exit 2) on any input problem.
 
     ``order`` is the requested order; ``order_for(dataset, order)`` may change it per dataset (a stored run
-    that predates --order keeps file order: producer/order.py ``choose``)."""
+    that predates --order keeps file order: producer/order.py ``choose``). ``turns`` (--turns) likewise, with
+    ``turns_for(dataset, turns)`` (a stored run that predates --turns keeps ``last``: ``choose_turns``)."""
     from producer.reader import InputError, read_all
     from producer.render import load_tokenizer
 
@@ -267,10 +381,11 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
     echo(f"context: {context.tokens:,} tokens ({context.source})")
     bar = progress_bar(sum(len(r.samples) for r in reads), "rendering", show=show_progress)
     orders = {r.name: order_for(r.name, order) if order_for else order for r in reads}
+    modes = {r.name: turns_for(r.name, turns) if turns_for else turns for r in reads}
     try:
         prepared = [prepare(r, renderer, max_tokens=max_tokens, max_context=context.tokens,
                             max_samples=max_samples, skip_invalid=skip_invalid, progress=bar.update,
-                            context_source=context.source, order=orders[r.name])
+                            context_source=context.source, order=orders[r.name], turns=modes[r.name])
                     for r in reads]
     except RenderError as exc:
         raise input_error(str(exc)) from None
@@ -279,10 +394,12 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
     for p in prepared:
         for problem in p.over_context:
             echo(f"skipped {problem}")
+        conversations = (f"; turns: all, {p.conversations} multi-turn conversations ({p.turns_total} requests at "
+                         "most)" if p.turns_mode == ALL else "")
         echo(f"{p.name}: {len(p.samples)} samples ready ({p.prompt_tokens} prompt tokens), "
              f"{len(p.invalid)} invalid, {len(p.duplicates)} duplicate ids, {len(p.over_context)} over context; "
-             f"order: {p.order.describe()}")
+             f"order: {p.order.describe()}{conversations}")
     settings = run_settings(renderer, sampling_params, chat_template_kwargs,
-                            mapping.system_prompt if mapping else None, parser, order.setting())
+                            mapping.system_prompt if mapping else None, parser, order.setting(), turns)
     return Inputs(prepared, renderer, sampling_params, settings, chat_template_kwargs, parser,
-                  reasoning_parser != AUTO, context)
+                  reasoning_parser != AUTO, context, turns)

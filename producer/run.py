@@ -30,14 +30,14 @@ from typing import Any, Callable, Iterator
 import redis
 
 from budget.ledger import LEASE_MS, REDIS_DOWN, DatasetState, Ledger, default_prior_mean
-from budget.payload import ThinkPayload
+from budget.payload import ConversationPayload, ThinkPayload
 from budget.runstate import RunState
 from producer.errors import ProduceError
 from producer.enqueue import (BATCH_CHUNKS, COMPRESS_THREADS, Item, JobSettings, chunk_size_for, enqueue_chunks,
                               listening_workers, make_queue)
 from producer.order import FILE, SETTING as ORDER
 from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, write_failed
-from producer.prepare import Prepared, resume_settings, settings_diff
+from producer.prepare import ALL, LAST, TURNS_SETTING, Prepared, resume_settings, settings_diff
 from producer.progress import progress_bar
 
 log = logging.getLogger("budgetq.produce")
@@ -72,6 +72,11 @@ class RunOptions:
     reasoning_parser: str | None = None  # what settings["reasoning_parser"] says; None: the think-marker split
     parser_explicit: bool = False  # --reasoning-parser named it (not auto)
     order_explicit: bool = False  # --order or --order-seed given (not the default)
+    turns_explicit: bool = False  # --turns given (not the default)
+    #: ``--turns all``: what a chunk holding a multi-turn sample tells its worker (budget/payload.py), and the
+    #: --tokenizer whose files are stored in Redis for the workers to render later turns with (attach, once).
+    conversation: ConversationPayload | None = None
+    tokenizer: str | None = None
     modes: dict[str, str | None] = field(default_factory=dict)  # --budget-mode; None: stored, else predict
     expect_mean: float | None = None  # prior completion length for predict before results arrive
     chunk_size: int = 256
@@ -103,6 +108,10 @@ class DatasetRun:
     enqueued_samples: int = 0
     reasoning_parser: str | None = None  # None: a run stored before parsers, resumed with the think-marker split
     sampling_params: dict[str, Any] = field(default_factory=dict)  # what its chunks send (resume_settings)
+    #: Conversations whose record on disk ended ``stopped_by: failed`` and that this run carries on (``reopen``):
+    #: not done until their new record is collected, though the file holds an id for them.
+    resuming: set[str] = field(default_factory=set)
+    turns_committed: int = 0  # the stats' ``turns`` (commit_turn): turns of multi-turn conversations committed
 
     @property
     def name(self) -> str:
@@ -167,6 +176,9 @@ class Producer:
                         f"dataset {prepared.name}: this run's settings differ from the stored run ({diff}). "
                         "Use the same options to resume, or --new-run to start the dataset over "
                         "(its old output is kept aside).", 2)
+        for prepared in self.datasets:
+            self._check_turns(prepared)
+        self._share_tokenizer()
         self.epoch = self.store.claim_epoch()
         try:
             for prepared in self.datasets:
@@ -175,6 +187,44 @@ class Producer:
             self.release()
             raise
 
+    def _turns_of(self, prepared: Prepared) -> str:
+        """The --turns mode a dataset runs in: its stored run's (a run stored before --turns: ``last``), or
+        this run's when it starts now."""
+        if self.opt.new_run:
+            return str(self.opt.settings.get(TURNS_SETTING, LAST))
+        stored = self._stored_settings(prepared.name, self.opt.out_dir / prepared.name)
+        settings = self.effective.get(prepared.name) or self._settings_for(stored)
+        return str(settings.get(TURNS_SETTING, LAST))
+
+    def _check_turns(self, prepared: Prepared) -> None:
+        """The samples were prepared for the mode the run goes on in (prepare read run.json; Redis may hold a
+        stored run whose run.json is gone, or another one)."""
+        mode = self._turns_of(prepared)
+        if prepared.turns_mode != mode:
+            what = "every turn" if mode == ALL else "the last turn only"
+            raise ProduceError(
+                f"dataset {prepared.name}: the run stored in Redis regenerates {what} (--turns {mode}), but "
+                f"{self.opt.out_dir / prepared.name / RUN} does not say so: give --turns {mode} to resume it, or "
+                "--new-run to start the dataset over", 2)
+
+    def _share_tokenizer(self) -> None:
+        """A run with multi-turn conversations stores its tokenizer files in Redis once (bq:tok:{fingerprint}):
+        GPU workers render the later turns with them (docs/multiturn.md). Refused files are an input error
+        (exit 2), found before anything of the run is written."""
+        if not any(p.turns and p.turns_mode == ALL for p in self.datasets):
+            return
+        from producer.tokenizer_files import ShareError, share_tokenizer
+        if self.opt.tokenizer is None or self.opt.conversation is None:
+            raise ProduceError("multi-turn conversations need the tokenizer directory and the conversation block "
+                               "(RunOptions.tokenizer, RunOptions.conversation)", 2)
+        try:
+            stored = share_tokenizer(self.r, self.opt.tokenizer, self.opt.conversation["tokenizer"])
+        except ShareError as exc:
+            raise ProduceError(f"--turns all: {exc} (the workers render a conversation's later turns with the run's "
+                               "tokenizer; --turns last regenerates only the last turn)", 2) from None
+        if stored:
+            self.echo(f"stored the tokenizer files in Redis for the workers ({stored} files)")
+
     def _settings_for(self, stored: dict[str, Any] | None) -> dict[str, Any]:
         """This run's settings for a dataset whose stored settings are `stored`.
 
@@ -182,12 +232,17 @@ class Producer:
         think-marker split it started with (a new key is not a settings change), unless --reasoning-parser
         names a parser, which is one (the records would be split two ways in one file). A run stored before
         --order has no ``order``: it resumes in file order (producer/order.py), unless --order or --order-seed
-        is given, which is a settings change (its selection so far is the file's first prompts)."""
+        is given, which is a settings change (its selection so far is the file's first prompts). A run stored
+        before --turns has no ``turns``: it resumes as ``last`` (what it did), unless --turns all is given, which is
+        a settings change (its records so far answer the last turn only)."""
         settings = self.opt.settings
         if stored is not None and "reasoning_parser" not in stored and not self.opt.parser_explicit:
             settings = {key: value for key, value in settings.items() if key != "reasoning_parser"}
         if stored is not None and ORDER not in stored and not self.opt.order_explicit:
             settings = {key: value for key, value in settings.items() if key != ORDER}
+        if stored is not None and TURNS_SETTING not in stored and (
+                not self.opt.turns_explicit or settings.get(TURNS_SETTING) == LAST):
+            settings = {key: value for key, value in settings.items() if key != TURNS_SETTING}
         return settings
 
     def _attach_one(self, p: Prepared) -> DatasetRun:
@@ -230,9 +285,20 @@ class Producer:
             self.ledger.set_prior(p.name, self.opt.expect_mean)
         elif out.tokens:
             self.ledger.set_prior(p.name, out.total_tokens / len(out.tokens))
-        added, tokens = self.ledger.reconcile(p.name, list(out.tokens.items()))
+        # Failed conversations on disk (a later turn failed every attempt) that Redis carries on already: reopened
+        # by an earlier rerun (in convs), or ended again since (in the stream: a newer record to collect). Read in
+        # that order: a conversation ending in between is in the stream. The file does not count for them.
+        carried = set(self.ledger.conversation_turns(p.name, list(out.superseded)))
+        newer = (self.store.result_ids(p.name) & set(out.superseded)) - carried if out.superseded else set()
+        added, tokens = self.ledger.reconcile(
+            p.name, [(sid, n) for sid, n in out.tokens.items() if sid not in carried and sid not in newer])
         if added:
             self.echo(f"{p.name}: counted {added} responses ({tokens} tokens) found in {out.path}")
+        cleaned, turn_tokens = self.ledger.reconcile_turns(p.name, list(out.tokens))
+        if cleaned:
+            self.echo(f"{p.name}: {cleaned} conversations found in {out.path} still had committed turns in Redis "
+                      f"({turn_tokens} tokens): dropped, the file counts them")
+        resuming = carried | self._reopen_failed(p.name, out, skip=carried | newer)
         # Order matters: done first, then the stream. A commit landing in between is in both.
         done = self.ledger.done_ids(p.name)
         in_stream = self.store.result_ids(p.name)
@@ -252,16 +318,40 @@ class Producer:
             if cid in live:
                 chunk_samples.setdefault(cid, []).append(sid)
                 held.add(sid)
-        done_ids = set(done) | set(out.tokens)
+        done_ids = (set(done) | set(out.tokens)) - resuming
         samples = p.samples
         if ORDER not in settings and ORDER in self.opt.settings and p.order.mode != FILE:
             # Stored before --order, found in Redis but not in run.json (which prepare looked at): file order.
             samples = sorted(p.samples, key=lambda s: s.line)
         # The to-do list: the selected samples in the run's order (producer/order.py) - done - held by a live chunk.
+        # A started conversation (in convs) is not done: unless a live chunk holds it, it is enqueued again and its
+        # worker resumes it at the turn Redis has (docs/multiturn.md).
         todo = deque(s.id for s in samples if s.id not in done_ids and s.id not in held)
         return DatasetRun(prepared=p, out=out, lock_token=token, todo=todo, chunk_samples=chunk_samples,
                           done=done_ids, budget=budget, reasoning_parser=settings.get("reasoning_parser"),
-                          sampling_params=dict(settings.get("sampling_params") or self.opt.sampling_params))
+                          sampling_params=dict(settings.get("sampling_params") or self.opt.sampling_params),
+                          resuming=resuming & {s.id for s in samples})
+
+    def _reopen_failed(self, name: str, out: ResultsFile, skip: set[str]) -> set[str]:
+        """The failed conversations on disk (last record ``stopped_by: failed``) made committed-unwritten again
+        (``reopen``), so this run resumes each at the turn that failed; returns their ids. One whose turns do not
+        add up to what Redis counted for it stays as it is (a warning): it is not generated again."""
+        reopened: set[str] = set()
+        refused = []
+        for sid, line in out.superseded.items():
+            if sid in skip:
+                continue
+            verdict = self.ledger.reopen(name, sid, json.loads(line)["turns"])
+            if verdict >= 0:  # 0: reopened already by a rerun that died before enqueueing it
+                reopened.add(sid)
+            else:
+                refused.append(sid)
+        if reopened:
+            self.echo(f"{name}: {len(reopened)} conversations whose turn failed resume at that turn")
+        if refused:
+            self.echo(f"{name}: {len(refused)} failed conversations are not resumed: their turns in {out.path} do "
+                      f"not add up to what Redis counted (first: {refused[0]})")
+        return reopened
 
     def _take_lock(self, name: str, token: str) -> bool:
         """The dataset's collector lock; a lock left by a dead produce on this host is taken over at once
@@ -395,8 +485,10 @@ class Producer:
         messages = d.prepared.messages_by_id
         for rec in collect(self.store, d.name, d.out, lambda sid: messages.get(sid)):
             d.rate.append((time.monotonic(), int(rec["completion_tokens"])))
-        # What is on disk is done, including results a failed collect wrote before Redis could drop them.
-        d.done.update(d.out.tokens.keys() - d.done)
+            d.resuming.discard(rec["id"])
+        # What is on disk is done, including results a failed collect wrote before Redis could drop them (but not
+        # the old record of a failed conversation this run carries on).
+        d.done.update(d.out.tokens.keys() - d.done - d.resuming)
         ended = [cid for cid in d.chunk_samples if cid not in live]
         if ended:
             d.failed = self.ledger.failed(d.name)
@@ -412,6 +504,7 @@ class Producer:
                                f"{d.out.total_tokens}: Redis went back to an older state. Nothing on disk is lost: "
                                "run the same produce command again to recount from the output files.", 1)
         d.status, d.used = state.status, state.used
+        d.turns_committed = int(state.stats.get("turns", 0) or 0)
         self.store.set_progress(d.name, selected=len(d.prepared.samples), todo=len(d.todo))
         if state.status != "open":
             if state.queued_chunks or state.discards_to_mark:
@@ -483,7 +576,7 @@ class Producer:
                     cids = enqueue_chunks(self.r, self.queue, d.name, chunks,
                                           sampling_params=d.sampling_params or self.opt.sampling_params,
                                           think=self.opt.think, settings=self.opt.job, compress=pool,
-                                          reasoning_parser=d.reasoning_parser)
+                                          reasoning_parser=d.reasoning_parser, conversation=self.opt.conversation)
                 except BaseException:
                     # Not enqueued (or, after a lost EXEC reply, perhaps enqueued): the samples go back to the
                     # front of the to-do list either way. Enqueued twice is harmless: the holder hash names the
@@ -514,10 +607,17 @@ class Producer:
                 size = chunk_size_for(len(d.todo), self.opt.chunk_size, workers)
                 ids = [d.todo.popleft() for _ in range(min(size, len(d.todo), samples))]
                 samples -= len(ids)
-                chunks.append([Item(sid, p.input_ids[sid], p.opens_think[sid]) for sid in ids])
+                chunks.append([self._item(p, sid) for sid in ids])
             if chunks_left is not None:
                 chunks_left -= len(chunks)
             yield chunks
+
+    @staticmethod
+    def _item(p: Prepared, sid: str) -> Item:
+        turns = p.turns_of(sid)
+        if turns == 1:
+            return Item(sid, p.input_ids[sid], p.opens_think[sid])
+        return Item(sid, p.input_ids[sid], p.opens_think[sid], messages=p.messages_by_id[sid], turns=turns)
 
     # -- reporting -------------------------------------------------------------------------------------
     def progress_line(self) -> str:
@@ -533,7 +633,12 @@ class Producer:
             if tps > 0 and d.budget is not None and d.used < d.budget:
                 eta = f" eta {int((d.budget - d.used) / tps)}s"
             state = "done" if d.finished else d.status
-            parts.append(f"{d.name}: {state} tokens {budget} samples {len(d.done)}/{len(d.prepared.samples)} "
+            turns = ""
+            if d.prepared.conversations or d.turns_committed:  # --turns all: multi-turn conversations' turns
+                p = d.prepared
+                ended = sum(1 for sid in p.turns if sid in d.done)
+                turns = f" conversations {ended}/{p.conversations} turns {d.turns_committed}/{p.conversation_turns}"
+            parts.append(f"{d.name}: {state} tokens {budget} samples {len(d.done)}/{len(d.prepared.samples)}{turns} "
                          f"{tps:.0f} tok/s{eta}")
         return " | ".join(parts)
 

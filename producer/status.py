@@ -36,6 +36,11 @@ class DatasetStatus:
     mean_completion: float | None
     late: int
     unwritten: int
+    #: --turns all: turns of multi-turn conversations committed (commit_turn), conversations ended
+    #: (end_conversation), conversations started and not ended (still in Redis); 0 for a single-turn run.
+    turns: int = 0
+    conversations: int = 0
+    conversations_open: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,7 +55,7 @@ def tokens_per_second(stats: dict[str, str], now: float | None = None) -> float:
     return total / RATE_WINDOW_S
 
 
-def dataset_status(state: DatasetState, now: float | None = None) -> DatasetStatus:
+def dataset_status(state: DatasetState, now: float | None = None, conversations_open: int = 0) -> DatasetStatus:
     stats = state.stats
     stop, length = int(stats.get("finish_stop", 0)), int(stats.get("finish_length", 0))
     tps = tokens_per_second(stats, now)
@@ -67,14 +72,15 @@ def dataset_status(state: DatasetState, now: float | None = None) -> DatasetStat
         finish_stop=stop, finish_length=length,
         truncation_rate=length / (stop + length) if stop + length else None,
         mean_completion=state.used / state.done if state.done else None,
-        late=int(stats.get("late", 0)), unwritten=state.unwritten)
+        late=int(stats.get("late", 0)), unwritten=state.unwritten, turns=int(stats.get("turns", 0) or 0),
+        conversations=int(stats.get("conversations", 0) or 0), conversations_open=conversations_open)
 
 
 def all_status(client: "redis.Redis", names: list[str] | None = None) -> list[DatasetStatus]:
     ledger = Ledger(client)
     if not names:
         names = RunState(client).datasets()
-    return [dataset_status(ledger.state(n)) for n in names]
+    return [dataset_status(ledger.state(n), conversations_open=ledger.open_conversations(n)) for n in names]
 
 
 def _n(value: float | int | None) -> str:
@@ -93,15 +99,19 @@ def _eta(seconds: float | None) -> str:
 
 
 def status_table(rows: list[DatasetStatus]) -> str:
-    head = ("dataset", "mode", "status", "used", "budget", "reserved", "in flight", "done", "failed", "discarded",
+    head: tuple[str, ...] = ("dataset", "mode", "status", "used", "budget", "reserved", "in flight", "done", "failed", "discarded",
             "tok/s", "eta", "stop/length", "trunc", "mean len")
-    body = [(r.name, r.mode, r.status, _n(r.used), "unlimited" if r.budget is None else _n(r.budget), _n(r.reserved),
+    body: list[tuple[str, ...]] = [(r.name, r.mode, r.status, _n(r.used), "unlimited" if r.budget is None else _n(r.budget), _n(r.reserved),
              _n(r.in_flight), _n(r.done) + (f"/{r.selected:,}" if r.selected else ""), _n(r.failed),
              _n(r.discarded), f"{r.tokens_per_s:,.0f}", _eta(r.eta_s), f"{r.finish_stop}/{r.finish_length}",
              "-" if r.truncation_rate is None else f"{r.truncation_rate:.1%}",
              "-" if r.mean_completion is None else f"{r.mean_completion:,.0f}") for r in rows]
     if not body:
         return "no datasets in this Redis"
+    if any(r.turns or r.conversations_open for r in rows):  # multi-turn: turns beside conversations
+        head = (*head, "conversations", "turns")
+        body = [(*row, f"{r.conversations:,}" + (f" (+{r.conversations_open:,} open)" if r.conversations_open else ""),
+                 _n(r.turns)) for row, r in zip(body, rows)]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *body)]
     lines.insert(1, "  ".join("-" * w for w in widths))
