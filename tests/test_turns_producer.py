@@ -1,0 +1,325 @@
+"""The producer's side of ``--turns all`` (docs/multiturn.md) on the session's redis-server: what prepare renders
+and selects, what a chunk carries, and what attach does with the conversations Redis and the files hold (the
+tokenizer files shared once, failed conversations reopened, started ones resumed unless a live chunk holds them).
+The worker's side is tested where it lives; here no worker runs, the ledger's scripts stand for what workers did.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from budget import keys, tokstore
+from budget.history import plan
+from budget.ledger import Ledger
+from producer.errors import ProduceError
+from producer.manifest import Stats
+from producer.output import RESULTS, RUN
+from producer.plan import plan_dataset, sequential_eta
+from producer.prepare import ALL, LAST, Inputs, choose_turns, load_inputs
+from producer.render import Renderer, load_tokenizer
+from producer.run import Producer, RunOptions
+from producer.status import all_status, status_table
+from tests.test_enqueue import job_payloads
+
+DS = "chats"
+SYSTEM = {"role": "system", "content": "Be brief."}
+MESSAGES: dict[str, list[dict[str, Any]]] = {
+    "one": [{"role": "user", "content": "Only one question here."}],
+    "two": [{"role": "user", "content": "Hello there."}, {"role": "assistant", "content": "Hi, how can I help?"},
+            {"role": "user", "content": "Tell me a story about a cat."}],
+    "three": [{"role": "user", "content": "First question."}, {"role": "assistant", "content": "First answer."},
+              {"role": "user", "content": "Second question."}, {"role": "assistant", "content": "Second answer."},
+              {"role": "user", "content": "Third question."},
+              {"role": "assistant", "content": "The old answer, dropped."}],
+}
+
+
+def write_dataset(directory: Path) -> Path:
+    path = directory / f"{DS}.jsonl"
+    path.write_text("".join(json.dumps({"id": sid, "messages": m}) + "\n" for sid, m in MESSAGES.items()))
+    return path
+
+
+def inputs_for(tmp_path: Path, tokenizer: Path, turns: str, max_context: int | None = None,
+               system_prompt: str | None = "Be brief.") -> Inputs:
+    from producer.records import FieldMapping
+    return load_inputs([str(write_dataset(tmp_path))], tokenizer=str(tokenizer), max_tokens=16,
+                       max_context=max_context, max_samples=None, sampling_params={"max_new_tokens": 16},
+                       chat_template_kwargs={}, skip_invalid=False, echo=lambda m: None, warn=lambda m: None,
+                       mapping=FieldMapping(system_prompt=system_prompt), reasoning_parser="qwen3", turns=turns)
+
+
+def options(tmp_path: Path, inputs: Inputs, tokenizer: Path | None, **kw: Any) -> RunOptions:
+    return RunOptions(out_dir=tmp_path / "out", budgets={DS: None}, sampling_params=inputs.sampling_params,
+                      settings=inputs.settings, think=None, reasoning_parser=inputs.reasoning_parser,
+                      conversation=inputs.conversation(), tokenizer=str(tokenizer) if tokenizer else None,
+                      **{"chunk_size": 2, **kw})
+
+
+def attach(r: "redis.Redis", inputs: Inputs, opts: RunOptions, echoed: list[str] | None = None) -> Producer:
+    producer = Producer(r, inputs.prepared, opts, echo=(echoed.append if echoed is not None else lambda m: None))
+    producer.attach()
+    return producer
+
+
+def test_all_sends_turn_zero_of_a_conversation_and_one_turn_samples_as_last_does(tmp_path: Path,
+                                                                                   tokenizer_dir: Path) -> None:
+    every, last = inputs_for(tmp_path, tokenizer_dir, ALL), inputs_for(tmp_path, tokenizer_dir, LAST)
+    [p], [q] = every.prepared, last.prepared
+    renderer = Renderer(load_tokenizer(str(tokenizer_dir)))
+    sample = {s.id: s for s in p.samples}
+    assert p.turns == {"two": 2, "three": 3} and q.turns == {} and p.turns_mode == ALL
+    assert (p.conversations, p.conversation_turns, p.turns_total) == (2, 5, 6)
+    for sid in ("two", "three"):
+        # System prompt applied, trailing assistant dropped: the messages as --turns last sends them.
+        assert sample[sid].messages[0] == SYSTEM and sample[sid].messages[-1]["role"] == "user"
+        turn0 = [SYSTEM, MESSAGES[sid][0]]
+        assert plan(sample[sid].messages)[0].context == turn0
+        assert list(p.input_ids[sid]) == renderer.render(turn0).input_ids
+        assert list(q.input_ids[sid]) == renderer.render(sample[sid].messages).input_ids
+    assert list(p.input_ids["one"]) == list(q.input_ids["one"]) and p.turns_of("one") == 1
+    assert every.settings["turns"] == ALL and last.settings["turns"] == LAST
+    assert {k: v for k, v in every.settings.items() if k != "turns"} == \
+        {k: v for k, v in last.settings.items() if k != "turns"}
+    block = every.conversation()
+    assert block == {"tokenizer": every.settings["tokenizer"], "chat_template_kwargs": {},
+                     "max_context": every.context.tokens, "open_markers": None}
+    assert last.conversation() is None
+
+
+def test_the_context_check_of_a_conversation_is_its_turn_zero(tmp_path: Path, tokenizer_dir: Path) -> None:
+    renderer = Renderer(load_tokenizer(str(tokenizer_dir)))
+    [q] = inputs_for(tmp_path, tokenizer_dir, LAST).prepared
+    whole = len(q.input_ids["three"])
+    first = len(renderer.render([SYSTEM, MESSAGES["three"][0]]).input_ids)
+    assert first < whole
+    context = first + 16  # turn 0 + --max-tokens fits exactly; the whole conversation does not
+    [p] = inputs_for(tmp_path, tokenizer_dir, ALL, max_context=context).prepared
+    [q] = inputs_for(tmp_path, tokenizer_dir, LAST, max_context=context).prepared
+    assert "three" in {s.id for s in p.samples} and "three" not in {s.id for s in q.samples}
+    assert not any(x.line == 3 for x in p.over_context)
+    [x] = [x for x in q.over_context if x.line == 3]
+    assert f"prompt of {whole} tokens" in x.reason
+
+
+def test_a_template_refusing_a_later_turn_is_found_before_redis(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Turn 0 renders, but the whole conversation (the shape of the later turns) does not: exit 2 naming the
+    line, as --turns last would, although only turn 0 is sent."""
+    tok = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, tok)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if m.role == 'assistant' %}"
+                               "{{ raise_exception('no assistant turns') }}{% endif %}{{ m.content }}{% endfor %}")
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ProduceError) as err:
+        inputs_for(tmp_path, tok, ALL)
+    assert err.value.exit_code == 2 and f"{DS}.jsonl:2" in str(err.value) and "no assistant turns" in str(err.value)
+
+
+def test_a_chunk_of_conversations_carries_messages_turns_and_the_conversation_block(
+        r: "redis.Redis", tmp_path: Path, tokenizer_dir: Path) -> None:
+    inputs = inputs_for(tmp_path, tokenizer_dir, ALL)
+    [p] = inputs.prepared
+    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir, chunk_size=1))
+    producer.run(detach=True)
+    payloads = job_payloads(r)
+    by_id = {pl["samples"][0]["id"]: pl for pl in payloads}
+    assert set(by_id) == {"one", "two", "three"}
+    assert "conversation" not in by_id["one"] and by_id["one"]["samples"][0].keys() == {"id", "input_ids",
+                                                                                          "opens_think"}
+    messages = {s.id: s.messages for s in p.samples}
+    for sid, k in (("two", 2), ("three", 3)):
+        [sample] = by_id[sid]["samples"]
+        assert sample["turns"] == k and sample["messages"] == messages[sid]
+        assert sample["input_ids"] == list(p.input_ids[sid])
+        assert by_id[sid]["conversation"] == inputs.conversation()
+    # The tokenizer files are in Redis once, under the run's fingerprint.
+    fp = inputs.settings["tokenizer"]
+    assert set(tokstore.fetch_files(r, fp)) >= {"tokenizer.json", "tokenizer_config.json"}
+    assert r.keys("bq:tok:*") == [keys.tokenizer_files(fp).encode()]
+    stored = json.loads((tmp_path / "out" / DS / RUN).read_text())
+    assert stored["turns"] == ALL and json.loads(r.hget(keys.DatasetKeys(DS).meta, "settings") or "{}")["turns"] == ALL
+
+
+def test_last_enqueues_what_it_always_did(r: "redis.Redis", tmp_path: Path, tokenizer_dir: Path) -> None:
+    inputs = inputs_for(tmp_path, tokenizer_dir, LAST)
+    [p] = inputs.prepared
+    producer = attach(r, inputs, options(tmp_path, inputs, None, chunk_size=8))
+    producer.run(detach=True)
+    [payload] = job_payloads(r)
+    assert "conversation" not in payload
+    assert [s for s in payload["samples"]] == [
+        {"id": s.id, "input_ids": list(p.input_ids[s.id]), "opens_think": p.opens_think[s.id]} for s in p.samples]
+    assert not r.keys("bq:tok:*")
+
+
+def test_a_tokenizer_that_cannot_be_shared_is_exit_2_before_anything_is_written(
+        r: "redis.Redis", tmp_path: Path, tokenizer_dir: Path) -> None:
+    inputs = inputs_for(tmp_path, tokenizer_dir, ALL)
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "vocab.json").write_text("{}")
+    with pytest.raises(ProduceError) as err:
+        attach(r, inputs, options(tmp_path, inputs, slow))
+    assert err.value.exit_code == 2 and "cannot share the tokenizer" in str(err.value)
+    assert r.dbsize() == 0
+
+
+def test_a_run_stored_before_turns_resumes_as_last_and_all_is_a_settings_change(
+        r: "redis.Redis", tmp_path: Path, tokenizer_dir: Path) -> None:
+    inputs = inputs_for(tmp_path, tokenizer_dir, LAST)
+    old = {k: v for k, v in inputs.settings.items() if k != "turns"}
+    run_file = tmp_path / "out" / DS / RUN
+    run_file.parent.mkdir(parents=True)
+    run_file.write_text(json.dumps(old))
+    # prepare's choice: the default resumes it as last; --turns given is taken as asked (attach decides).
+    assert choose_turns(ALL, False, run_file, new_run=False) == LAST
+    assert choose_turns(ALL, True, run_file, new_run=False) == ALL
+    assert choose_turns(ALL, False, run_file, new_run=True) == ALL
+    assert choose_turns(ALL, False, tmp_path / "none" / RUN, new_run=False) == ALL
+    # Not explicit (the default all, prepared as last), or --turns last: the stored settings as they were.
+    for explicit in (False, True):
+        every = inputs_for(tmp_path, tokenizer_dir, LAST)
+        every.settings["turns"] = LAST if explicit else ALL
+        producer = attach(r, every, options(tmp_path, every, None, turns_explicit=explicit))
+        producer.release()
+        assert json.loads(run_file.read_text()) == old
+        assert json.loads(r.hget(keys.DatasetKeys(DS).meta, "settings") or "{}") == old
+    every = inputs_for(tmp_path, tokenizer_dir, ALL)
+    with pytest.raises(ProduceError) as err:
+        attach(r, every, options(tmp_path, every, tokenizer_dir, turns_explicit=True))
+    assert err.value.exit_code == 2 and "turns: stored None, now 'all'" in str(err.value)
+    # Redis holds the run but run.json says otherwise (prepared as all): refused, naming the option to give.
+    run_file.write_text(json.dumps(every.settings))
+    with pytest.raises(ProduceError) as err:
+        attach(r, every, options(tmp_path, every, tokenizer_dir))
+    assert err.value.exit_code == 2 and "give --turns last" in str(err.value)
+
+
+def turn(sid: str, i: int, tokens: int) -> dict[str, Any]:
+    return {"response": f"answer {i} of {sid}", "completion_tokens": tokens, "finish_reason": "stop",
+            "output_ids": list(range(tokens)), "prompt_tokens": 5}
+
+
+def record(sid: str, turns: list[dict[str, Any]], stopped_by: str | None) -> dict[str, Any]:
+    return {"record_version": 2, "id": sid, "dataset": DS, "messages": None, "turns": turns,
+            "completion_tokens": sum(t["completion_tokens"] for t in turns), "incomplete": stopped_by is not None,
+            "stopped_by": stopped_by}
+
+
+def audit(r: "redis.Redis") -> int:
+    k = keys.DatasetKeys(DS)
+    used = int(r.get(k.used) or 0)
+    assert used == sum(int(v) for v in r.hvals(k.done)) + Ledger(r).unwritten_turn_tokens(DS)
+    return used
+
+
+def test_attach_reopens_a_failed_conversation_and_resumes_started_ones(r: "redis.Redis", tmp_path: Path,
+                                                                     tokenizer_dir: Path) -> None:
+    """On disk: "one" done, "three" failed at turn 2 (turns 0 and 1 kept). In Redis: "two" started (turn 0
+    committed) by a chunk that died. The rerun counts "one", reopens "three" (its turns committed again, used
+    unchanged), and enqueues "two" and "three" to resume; a second attach changes nothing more."""
+    inputs = inputs_for(tmp_path, tokenizer_dir, ALL)
+    out = tmp_path / "out" / DS
+    out.mkdir(parents=True)
+    failed = record("three", [turn("three", 0, 7), turn("three", 1, 11)], "failed")
+    (out / RESULTS).write_text(json.dumps(record("one", [turn("one", 0, 5)], None)) + "\n" + json.dumps(failed) + "\n")
+    ledger = Ledger(r)
+    ledger.set_budget(DS, None)
+    assert ledger.commit_turn(DS, "two", 0, 4, turn("two", 0, 4), chunk="bq-chats-dead").committed
+    echoed: list[str] = []
+    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir), echoed)
+    [d] = producer.runs
+    k = keys.DatasetKeys(DS)
+    assert set(d.todo) == {"two", "three"} and d.done == {"one"} and d.resuming == {"three"}
+    assert audit(r) == 5 + 18 + 4
+    assert not r.hexists(k.done, "three") and ledger.committed_turns(DS, "three") == failed["turns"]
+    assert any("1 conversations whose turn failed resume" in m for m in echoed)
+    producer.release()
+    # Again (the first rerun died before enqueueing): nothing counted twice, the same to-do list.
+    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir))
+    [d] = producer.runs
+    assert set(d.todo) == {"two", "three"} and d.resuming == {"three"} and audit(r) == 27
+    producer.run(detach=True)
+    held = set(ledger.holders(DS))
+    assert held == {"two", "three"}
+    # Attached again while a live chunk holds them: not enqueued twice.
+    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir))
+    [d] = producer.runs
+    assert not d.todo and set(d.chunk_samples.get(next(iter(d.chunk_samples)), [])) <= {"two", "three"}
+    assert audit(r) == 27
+    producer.release()
+
+
+def test_a_conversation_ended_again_while_no_produce_was_attached_is_collected_not_recounted(
+        r: "redis.Redis", tmp_path: Path, tokenizer_dir: Path) -> None:
+    """The failed record on disk, the reopened conversation ended since by a worker (its new record in the
+    stream): attach must not put the old record's count back in done, and the collector writes the new one."""
+    inputs = inputs_for(tmp_path, tokenizer_dir, ALL)
+    out = tmp_path / "out" / DS
+    out.mkdir(parents=True)
+    failed = record("three", [turn("three", 0, 7), turn("three", 1, 11)], "failed")
+    (out / RESULTS).write_text(json.dumps(failed) + "\n")
+    ledger = Ledger(r)
+    ledger.set_budget(DS, None)
+    ledger.reconcile(DS, [("three", 18)])
+    assert ledger.reopen(DS, "three", failed["turns"]) == 1
+    assert ledger.commit_turn(DS, "three", 2, 6, turn("three", 2, 6), chunk="c").committed
+    header = {k: v for k, v in record("three", [], None).items() if k not in ("turns", "completion_tokens")}
+    assert ledger.end_conversation(DS, "three", 3, header).ended
+    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir))
+    [d] = producer.runs
+    assert audit(r) == 24 and int(r.hget(keys.DatasetKeys(DS).done, "three") or 0) == 24
+    assert "three" not in d.todo
+    producer.step()
+    assert d.out.tokens["three"] == 24 and "three" in d.done
+    producer.release()
+
+
+def test_dry_run_counts_conversations_and_turns_and_its_eta_takes_turns_in_sequence(
+        tmp_path: Path, tokenizer_dir: Path) -> None:
+    [p] = inputs_for(tmp_path, tokenizer_dir, ALL).prepared
+    [q] = inputs_for(tmp_path, tokenizer_dir, LAST).prepared
+    a = plan_dataset(p, budget=None, out_dir=tmp_path / "out", expect_mean=100, pilot_mean=None, pilot_n=0,
+                     throughput=1000.0, in_flight=64)
+    b = plan_dataset(q, budget=None, out_dir=tmp_path / "out", expect_mean=100, pilot_mean=None, pilot_n=0,
+                     throughput=1000.0)
+    assert (a.conversations, a.conversation_turns, a.requests_max, a.longest_conversation) == (2, 5, 6, 3)
+    assert a.projected_tokens == 600 and b.projected_tokens == 300
+    # 600 tokens at 1000 tok/s is 0.6 s, but the 3-turn conversation takes 3 turns of 100 tokens at 1000/64
+    # tokens a second each.
+    assert a.eta_s == pytest.approx(3 * 100 * 64 / 1000) and b.eta_s == pytest.approx(0.3)
+    assert sequential_eta(600, 1000.0, 1, 100, 64) == pytest.approx(0.6)
+    assert sequential_eta(600_000, 1000.0, 3, 100, 64) == pytest.approx(600)
+    budgeted = plan_dataset(p, budget=250, out_dir=tmp_path / "out", expect_mean=100, pilot_mean=None, pilot_n=0,
+                            throughput=None)
+    assert budgeted.samples_needed == 2  # 2 requests a sample on average: 200 tokens a sample
+
+
+def test_status_and_progress_count_turns(r: "redis.Redis", tmp_path: Path, tokenizer_dir: Path) -> None:
+    inputs = inputs_for(tmp_path, tokenizer_dir, ALL)
+    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir))
+    ledger = Ledger(r)
+    for i, n in enumerate((3, 4)):
+        assert ledger.commit_turn(DS, "three", i, n, turn("three", i, n), chunk="c").committed
+    producer.step()
+    line = producer.progress_line()
+    assert "conversations 0/2 turns 2/5" in line, line
+    [row] = all_status(r, [DS])
+    assert (row.turns, row.conversations, row.conversations_open) == (2, 0, 1)
+    assert "turns" in status_table([row]).splitlines()[0]
+    producer.release()
+
+
+def test_the_manifest_counts_conversations_by_why_they_stopped() -> None:
+    stats = Stats()
+    stats.add(record("a", [turn("a", 0, 3)], None))
+    stats.add(record("b", [turn("b", 0, 3), turn("b", 1, 2)], "length"))
+    stats.add(record("c", [turn("c", 0, 3)], "tool_mismatch"))
+    assert stats.stopped() == {"budget": 0, "context": 0, "failed": 0, "length": 1, "tool_mismatch": 1}
+    assert (stats.incomplete, stats.multi_turn, stats.turns) == (2, 1, 4)
