@@ -116,7 +116,7 @@ def test_dry_run_writes_nothing_and_projects(redis_url: str, r: "redis.Redis", t
     r.set("someone-elses-key", "x")
     res = produce([str(GLAIVE), str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "1000",
                    "--budget", "code_instruct=10k", "--dry-run", "--expect-mean", "250", "--throughput", "100",
-                   "--json", "--out", str(tmp_path / "out")], redis_url)
+                   "--json", "--out", str(tmp_path / "out"), "--turns", "last"], redis_url)  # one request a sample
     assert res.returncode == 0, res.stderr
     assert r.dbsize() == 1
     plan = {d["name"]: d for d in json.loads(res.stdout)["datasets"]}

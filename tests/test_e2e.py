@@ -206,8 +206,9 @@ def test_final_400_is_recorded_failed_and_retried_on_rerun(redis_url: str, r: "r
     wait_for(lambda: r.hlen(keys.SERVER_INFO) > 0, 60, "the worker recorded its server")
     r.delete(keys.SERVER_INFO)  # it records again in an hour
     out = tmp_path / "out"
+    # --turns last: whole conversations as prompts, long enough for the server's 400 (turn 0 alone mostly fits).
     args = [str(GLAIVE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "200", "--max-samples", "40",
-            "--out", str(out)]
+            "--out", str(out), "--turns", "last"]
     res = produce(args, redis_url)
     assert res.returncode == 0, res.stderr  # failed samples do not change the exit code
     failed = read_jsonl(out / "glaive_fc" / "failed.jsonl")

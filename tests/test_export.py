@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -537,8 +538,10 @@ def demo_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     if find_redis_server() is None:
         pytest.skip("redis-server is not installed")
     workdir = tmp_path_factory.mktemp("demo")
+    # --turns last (BUDGETQ_TURNS): the round trips below check one regenerated turn per record.
     proc = subprocess.Popen([sys.executable, "-m", "demo.run", "--workdir", str(workdir)], cwd=workdir,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "BUDGETQ_TURNS": "last"})
     try:
         output, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:

@@ -377,7 +377,8 @@ def test_the_manifest_counts_turns_and_why_conversations_stopped(tmp_path: Path,
     manifest = json.loads((ds / "manifest.json").read_text(encoding="utf-8"))
     assert manifest["counts"]["samples"] == 5 and manifest["counts"]["truncated"] == 3
     assert manifest["conversations"] == {"turns": 12, "multi_turn": 5, "incomplete": 2,
-                                         "stopped_by": {"budget": 1, "length": 1}}
+                                         "stopped_by": {"budget": 1, "context": 0, "failed": 0, "length": 1,
+                                                        "tool_mismatch": 0}}
 
 
 def test_a_rerun_record_supersedes_the_failed_conversation_of_the_same_id(tmp_path: Path,

@@ -48,7 +48,8 @@ def test_family_end_to_end_exports_are_the_ids_the_model_saw_and_produced(
     out = tmp_path / "out"
     # --skip-invalid: the GLM-4.5 template refuses the dataset's own calls whose arguments are JSON strings.
     res = run([str(GLAIVE), "--tokenizer", str(tok_dir), "--reasoning-parser", family, "--max-tokens", "300",
-               "--max-samples", "16", "--skip-invalid", "--out", str(out), "--redis-url", redis_url])
+               "--max-samples", "16", "--skip-invalid", "--out", str(out), "--redis-url", redis_url,
+               "--turns", "last"])  # one regenerated turn per record, as the checks below read them
     assert res.returncode == 0, res.stderr
     ds = out / "glaive_fc"
     records = {x["id"]: x for x in read_jsonl(ds / "raw_responses.jsonl")}
