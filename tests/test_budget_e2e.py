@@ -144,8 +144,9 @@ def test_status_shows_progress_as_json_and_table(redis_url: str, r: "redis.Redis
                                                  tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     sim = sim_factory("--time-scale", "50", "--mean-tokens", "100")
     workers(sim.url).start("w0")
+    # --turns last: one request per sample, so finish reasons add up to samples done.
     res = produce([str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "400", "--budget", "2000",
-                   "--budget-mode", "strict", "--out", str(tmp_path / "out")], redis_url)
+                   "--budget-mode", "strict", "--out", str(tmp_path / "out"), "--turns", "last"], redis_url)
     assert res.returncode == 0, res.stderr
     js = subprocess.run([*produce_cmd(), "status", "--json", "--redis-url", redis_url], capture_output=True,
                         text=True, timeout=60)

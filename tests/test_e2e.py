@@ -44,9 +44,10 @@ def test_budget_hit_and_unbudgeted_complete(redis_url: str, r: "redis.Redis", to
         pool.start(f"w{i}")
     out = tmp_path / "out"
     budget = 15_000
+    # --turns last: one request and one turn per record (multi-turn runs: tests/test_turns_producer.py).
     res = produce([str(GLAIVE), str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "1024",
                    "--budget", f"code_instruct={budget}", "--chunk-size", "8", "--queue-depth", "4",
-                   "--out", str(out)], redis_url)
+                   "--out", str(out), "--turns", "last"], redis_url)
     assert res.returncode == 0, res.stderr
     assert "budget reached" in res.stdout and "complete" in res.stdout
 
@@ -86,7 +87,7 @@ def test_budget_hit_and_unbudgeted_complete(redis_url: str, r: "redis.Redis", to
     # Running produce again on the finished run enqueues and sends nothing, and changes no file.
     before = {p: p.read_bytes() for p in out.rglob("raw_responses.jsonl")}
     again = produce([str(GLAIVE), str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "1024",
-                     "--out", str(out)], redis_url)
+                     "--out", str(out), "--turns", "last"], redis_url)
     assert again.returncode == 0, again.stderr
     assert sim_stats(sim.url)["submitted"] == stats["submitted"]
     assert r.llen(keys.RQ_QUEUE) == 0
@@ -99,8 +100,9 @@ def test_reasoning_split_from_open_think_prompt(redis_url: str, r: "redis.Redis"
     sim = sim_factory("--time-scale", "50", "--mean-tokens", "120", "--max-running", "64")
     workers(sim.url).start("w0")
     out = tmp_path / "out"
+    # --turns last: a truncated one-turn record is what this checks (a multi-turn one stops with "length").
     res = produce([str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "200", "--out", str(out),
-                   "--max-samples", "30"], redis_url)
+                   "--max-samples", "30", "--turns", "last"], redis_url)
     assert res.returncode == 0, res.stderr
     recs = check_exact(r, out, "agent_traces")
     assert len(recs) == 30
@@ -125,7 +127,8 @@ def test_kill9_worker_mid_run_exactly_once(redis_url: str, r: "redis.Redis", tok
     out = tmp_path / "out"
     proc = subprocess.Popen([*produce_cmd(), str(GLAIVE), "--tokenizer", str(tokenizer_dir), "--max-tokens",
                              "2048", "--chunk-size", "16", "--queue-depth", "2", "--out", str(out),
-                             "--redis-url", redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--redis-url", redis_url, "--turns", "last"],  # one request per record, counted below
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = out / "glaive_fc" / "raw_responses.jsonl"
     try:
         wait_for(lambda: len(read_jsonl(results)) >= 10, 60, "first results")
@@ -258,8 +261,10 @@ def test_sigterm_finishes_running_requests_gives_back_the_rest_then_exits(
     sim = sim_factory("--tokens-per-second-per-request", "25", "--mean-tokens", "150", "--length-dist", "fixed")
     pool = workers(sim.url, BUDGETQ_CONCURRENCY="8")
     worker = pool.start("w0")
+    # --turns last: each sample is one request of 6 s, so 8 finish in the worker's 8 slots (a conversation would
+    # be given back between its turns by the warm stop).
     args = [str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "400", "--chunk-size", "8",
-            "--max-samples", "24", "--out", str(tmp_path / "out")]
+            "--max-samples", "24", "--out", str(tmp_path / "out"), "--turns", "last"]
     res = produce([*args, "--detach"], redis_url)
     assert res.returncode == 0, res.stderr
     k = keys.DatasetKeys("agent_traces")

@@ -323,3 +323,44 @@ def test_the_manifest_counts_conversations_by_why_they_stopped() -> None:
     stats.add(record("c", [turn("c", 0, 3)], "tool_mismatch"))
     assert stats.stopped() == {"budget": 0, "context": 0, "failed": 0, "length": 1, "tool_mismatch": 1}
     assert (stats.incomplete, stats.multi_turn, stats.turns) == (2, 1, 4)
+
+
+SIM_ARGS = ("--tokens-per-second-per-request", "2000", "--prefix-cache-pages", "0", "--prefill-tokens-per-second", "0",
+            "--length-dist", "fixed", "--mean-tokens", "12", "--reasoning-fraction", "0")
+DATASET_ANSWERS = ("Hi, how can I help?", "First answer.", "Second answer.", "The old answer, dropped.")
+
+
+def test_produce_regenerates_every_turn_on_real_workers(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
+                                                        tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    """`produce` (the default --turns all) with a real `rq worker` and the simulator: one record per
+    conversation with every turn, and from the server's side every later turn's prompt holds the model's previous
+    answer and none of the dataset's."""
+    import subprocess
+
+    from producer.render import load_tokenizer
+    from tests import sim_log
+    from tests.procs import produce_cmd, read_jsonl
+    log = tmp_path / "requests.jsonl"
+    sim = sim_factory(*SIM_ARGS, "--request-log", str(log))
+    workers(sim.url).start("w0")
+    out = tmp_path / "out"
+    res = subprocess.run([*produce_cmd(), str(write_dataset(tmp_path)), "--tokenizer", str(tokenizer_dir),
+                          "--max-tokens", "64", "--out", str(out), "--redis-url", redis_url, "--quiet"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    recs = {x["id"]: x for x in read_jsonl(out / DS / RESULTS)}
+    assert {sid: len(rec["turns"]) for sid, rec in recs.items()} == {"one": 1, "two": 2, "three": 3}
+    assert json.loads((out / DS / RUN).read_text())["turns"] == ALL
+    k = keys.DatasetKeys(DS)
+    assert int(r.get(k.used) or 0) == sum(rec["completion_tokens"] for rec in recs.values())
+    assert r.hlen(k.turns) == 0 and r.hlen(k.convs) == 0
+    exchanges = sim_log.exchanges(log, load_tokenizer(str(tokenizer_dir)))
+    for sid in ("two", "three"):
+        seen = sim_log.of_sample(exchanges, DS, sid)
+        assert len(seen) == len(recs[sid]["turns"])
+        for i, answers in enumerate(seen):
+            prompt = answers[-1].prompt
+            assert not any(answer in prompt for answer in DATASET_ANSWERS), f"{sid} turn {i}: {prompt!r}"
+            assert MESSAGES[sid][2 * i]["content"] in prompt
+            if i:
+                assert recs[sid]["turns"][i - 1]["content"].strip() in prompt
