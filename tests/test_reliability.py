@@ -142,8 +142,9 @@ def test_malformed_answers_are_never_counted(redis_url: str, r: "redis.Redis", t
     sim = sim_factory("--time-scale", "50", "--mean-tokens", "100", "--seed", "14", "--malformed-rate", "0.3")
     workers(sim.url, BUDGETQ_BACKOFF_CAP="0.2").start("w0")
     out = tmp_path / "out"
-    res = produce([str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "300", "--out", str(out)],
-                  redis_url)
+    # --turns last: one answer per record, so each record's completion_tokens is within --max-tokens
+    res = produce([str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "300", "--out", str(out),
+                   "--turns", "last"], redis_url)
     assert res.returncode == 0, res.stderr
     recs = check_exact(r, out, "agent_traces")
     failed = read_jsonl(out / "agent_traces" / "failed.jsonl")

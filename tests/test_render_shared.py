@@ -203,12 +203,13 @@ def test_a_single_turn_run_never_imports_transformers_in_the_worker(
                    PYTHONPATH=os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     pool.start("w0")
     out = tmp_path / "out"
-    res = subprocess.run([*produce_cmd(), "run", str(ROOT / "demo" / "data" / "glaive_fc.jsonl"), "--tokenizer",
+    # The default --turns all on a dataset of one user turn per sample (code_instruct): a single-turn run.
+    res = subprocess.run([*produce_cmd(), "run", str(ROOT / "demo" / "data" / "code_instruct.jsonl"), "--tokenizer",
                           str(tokenizer_dir), "--max-tokens", "200", "--max-samples", "8", "--chunk-size", "4",
                           "--out", str(out), "--redis-url", redis_url, "--quiet"],
                          capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert len(read_jsonl(out / "glaive_fc" / "raw_responses.jsonl")) == 8
+    assert len(read_jsonl(out / "code_instruct" / "raw_responses.jsonl")) == 8
     pool.stop_all()  # SIGTERM: a warm shutdown, so the interpreter exits normally and runs atexit
     loaded = json.loads(modules.read_text(encoding="utf-8"))  # missing: the hook never ran, the check proves nothing
     assert "worker.dispatch" in loaded and "rq.worker" in loaded  # it is the worker that served the run

@@ -38,7 +38,7 @@ def test_a_budgeted_run_through_the_router_is_exactly_once(redis_url: str, r: "r
         budget = 15_000
         res = produce([str(GLAIVE), str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "1024",
                        "--budget", f"code_instruct={budget}", "--chunk-size", "8", "--queue-depth", "4",
-                       "--out", str(out)], redis_url)
+                       "--out", str(out), "--turns", "last"], redis_url)  # one request per record, counted below
         assert res.returncode == 0, res.stderr
         code = check_exact(r, out, "code_instruct")
         assert budget <= sum(x["completion_tokens"] for x in code) and len(code) < 150
@@ -74,7 +74,8 @@ def test_a_backend_killed_mid_run_loses_nothing(redis_url: str, r: "redis.Redis"
         out = tmp_path / "out"
         n = 120
         proc = subprocess.Popen([*produce_cmd(), str(GLAIVE), "--tokenizer", str(tokenizer_dir), "--max-tokens",
-                                 "1024", "--chunk-size", "8", "--out", str(out), "--redis-url", redis_url],
+                                 "1024", "--chunk-size", "8", "--out", str(out), "--redis-url", redis_url,
+                                 "--turns", "last"],  # one request per record: the counts below
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             done = keys.DatasetKeys("glaive_fc").done

@@ -86,7 +86,8 @@ def test_worker_bodies_and_simulator_answers_follow_sglang_schema(
         workers: Any) -> None:
     sampling = ["--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--seed", "7"]
     common = [str(DATA / "glaive_fc.jsonl"), "--tokenizer", str(tokenizer_dir), "--max-tokens", "256",
-              "--max-samples", "30", *sampling, "--redis-url", redis_url]
+              "--max-samples", "30", *sampling, "--redis-url", redis_url,
+              "--turns", "last"]  # one /generate per sample: the counts below
     with CapturingSim(SimConfig(time_scale=50.0, mean_tokens=200, seed=3)) as sim:
         env = {**os.environ, "SGLANG_URL": sim.url}
         pilot = subprocess.run([*produce_cmd(), *common, "--dry-run", "--pilot", "3"], capture_output=True,
