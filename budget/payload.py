@@ -73,6 +73,12 @@ class ChunkPayload(_ChunkPayloadRequired, total=False):
     conversation: ConversationPayload
 
 
+def turn_request_key(sample_id: str, turn: int) -> str:
+    """What names turn ``turn`` of conversation ``sample_id`` in its rids and tool-call ids: the sample id for
+    turn 0 (as a one-turn sample), ``"{turn}\x1f{sample}"`` after (ids hold no control characters: unambiguous)."""
+    return sample_id if turn == 0 else f"{turn}\x1f{sample_id}"
+
+
 def request_id(dataset: str, sample_id: str, attempt: int) -> str:
     """A fixed-length SGLang rid: 28 hex of hash(dataset, sample) + 4 digits of attempt.
 

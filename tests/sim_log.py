@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from budget import keys
-from budget.payload import request_id
+
+from budget.payload import request_id, turn_request_key
 
 #: How many leading characters of a rid name its request (budget.payload.request_id: 28 hex of the hash of the
 #: dataset and the sample's turn, then 4 digits that count the attempts).
@@ -83,8 +83,9 @@ def exchanges(path: str | Path, tokenizer: Decoder) -> dict[str, list[Exchange]]
 
 def turn_prefix(dataset: str, sample_id: str, turn: int) -> str:
     """The first 28 characters of every rid a worker sends for a sample's ``turn`` (worker/turns.py: turn 0 is
-    named by the sample id, a later turn by ``keys.turn_field``; the last 4 characters count its attempts)."""
-    key = sample_id if turn == 0 else keys.turn_field(sample_id, turn)
+    named by the sample id, a later turn by ``payload.turn_request_key``; the last 4 characters count its
+    attempts)."""
+    key = turn_request_key(sample_id, turn)
     return request_id(dataset, key, 0)[:SAMPLE_PREFIX]
 
 

@@ -23,10 +23,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from budget import keys
 from budget.history import plan
 from budget.ledger import EndVerdict, TurnAdmit, TurnVerdict
-from budget.payload import SamplePayload
+from budget.payload import SamplePayload, turn_request_key
 from budget.record import make_turn
 from budget.serverinfo import public_url
 from worker.chunk import CLOSE_REASON, generate_sample, parse_response
@@ -106,7 +105,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
             if verdict is not TurnAdmit.START:  # no longer this chunk's, or someone else carries it on
                 report.skipped += 1
                 return
-        key = sid if i == 0 else keys.turn_field(sid, i)
+        key = turn_request_key(sid, i)
         turn_sample: SamplePayload = {"id": key, "input_ids": ids, "opens_think": opens}
         try:
             gen = await generate_sample(d.client, d.config, dataset, turn_sample, sampling_params, report,
