@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterator
 
 import redis
 
-from budget.ledger import LEASE_MS, REDIS_DOWN, DatasetState, Ledger, default_prior_mean
+from budget.conversation import end_as_is
+from budget.ledger import LEASE_MS, REDIS_DOWN, DatasetState, EndVerdict, Ledger, default_prior_mean
 from budget.payload import ConversationPayload, ThinkPayload
 from budget.runstate import RunState
 from producer.errors import ProduceError
@@ -112,6 +113,10 @@ class DatasetRun:
     #: not done until their new record is collected, though the file holds an id for them.
     resuming: set[str] = field(default_factory=set)
     turns_committed: int = 0  # the stats' ``turns`` (commit_turn): turns of multi-turn conversations committed
+    #: Closed: started conversations in the to-do list are looked for once (then only samples given back), since
+    #: no worker may resume them; ``stranded`` are the ones a worker was still committing to when looked at.
+    stranded_checked: bool = False
+    stranded: set[str] = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -490,9 +495,9 @@ class Producer:
         # the old record of a failed conversation this run carries on).
         d.done.update(d.out.tokens.keys() - d.done - d.resuming)
         ended = [cid for cid in d.chunk_samples if cid not in live]
+        back: list[str] = []
         if ended:
             d.failed = self.ledger.failed(d.name)
-            back: list[str] = []
             for cid in ended:  # in enqueue order
                 back.extend(self._release(d, cid, cid in reclaimed))
             # To the front: every sample of a chunk came before the whole to-do list in the run's order, so a
@@ -509,6 +514,8 @@ class Producer:
         if state.status != "open":
             if state.queued_chunks or state.discards_to_mark:
                 self.ledger.discard(d.name, "budget reached")
+            if d.prepared.conversations:
+                self._end_stranded(d, back if ended else [])
         elif d.todo and state.queued_chunks < self.opt.queue_depth and state.has_room():
             self._refill(d, max_chunks=self.opt.queue_depth - state.queued_chunks,
                          max_samples=self._samples_needed(d, state))
@@ -517,6 +524,37 @@ class Producer:
             d.failed = self.ledger.failed(d.name)
             write_failed(self.opt.out_dir / d.name / FAILED, d.failed)
             d.finished = True
+
+    def _end_stranded(self, d: DatasetRun, released: list[str]) -> None:
+        """End, with the turns they have (``stopped_by: budget``), the started conversations of a closed dataset
+        that no live chunk holds: a closed dataset starts no chunk, so none may resume them (their worker died,
+        or gave them back, after the close). Their committed turns are counted; this puts them on disk.
+        docs/multiturn.md, failure cases."""
+        if d.stranded_checked:
+            candidates = list(d.stranded) + [sid for sid in released if sid not in d.stranded]
+        else:
+            candidates = list(d.todo)
+            d.stranded_checked = True
+        if not candidates:
+            return
+        started = self.ledger.conversation_turns(d.name, candidates)
+        if not started:
+            return
+        messages = d.prepared.messages_by_id
+        ended = 0
+        for sid in started:
+            outcome = end_as_is(self.ledger, d.name, sid, messages[sid], reasoning_parser=d.reasoning_parser,
+                                sampling_params=d.sampling_params or self.opt.sampling_params)
+            if outcome is not None and outcome.verdict is EndVerdict.MISMATCH:
+                d.stranded.add(sid)  # a worker still commits to it (a zombie): look again next step
+                continue
+            d.stranded.discard(sid)
+            ended += 1
+        if ended:
+            gone = set(started) - d.stranded
+            d.todo = deque(sid for sid in d.todo if sid not in gone)
+            self.echo(f"{d.name}: {ended} started conversations ended with the turns they have (stopped_by budget): "
+                      "the dataset closed after the worker carrying them stopped")
 
     def _release(self, d: DatasetRun, cid: str, reclaimed: bool) -> list[str]:
         """The chunk's samples that go back to the to-do list (not done, not failed by now)."""

@@ -55,10 +55,10 @@ def inputs_for(tmp_path: Path, tokenizer: Path, turns: str, max_context: int | N
 
 
 def options(tmp_path: Path, inputs: Inputs, tokenizer: Path | None, **kw: Any) -> RunOptions:
-    return RunOptions(out_dir=tmp_path / "out", budgets={DS: None}, sampling_params=inputs.sampling_params,
+    return RunOptions(out_dir=tmp_path / "out", sampling_params=inputs.sampling_params,
                       settings=inputs.settings, think=None, reasoning_parser=inputs.reasoning_parser,
                       conversation=inputs.conversation(), tokenizer=str(tokenizer) if tokenizer else None,
-                      **{"chunk_size": 2, **kw})
+                      **{"chunk_size": 2, "budgets": {DS: None}, **kw})
 
 
 def attach(r: "redis.Redis", inputs: Inputs, opts: RunOptions, echoed: list[str] | None = None) -> Producer:
@@ -364,3 +364,25 @@ def test_produce_regenerates_every_turn_on_real_workers(redis_url: str, r: "redi
             assert MESSAGES[sid][2 * i]["content"] in prompt
             if i:
                 assert recs[sid]["turns"][i - 1]["content"].strip() in prompt
+
+
+def test_a_started_conversation_of_a_closed_dataset_is_ended_with_the_turns_it_has(
+        r: "redis.Redis", tmp_path: Path, tokenizer_dir: Path) -> None:
+    """"two" started (turn 0 committed) by a worker that died, and the dataset is closed (its budget spent): no
+    worker may resume it (a closed dataset starts no chunk), so the attached produce ends it with its one turn,
+    stopped_by budget, collects it, and finishes: nothing counted is missing from the file."""
+    inputs = inputs_for(tmp_path, tokenizer_dir, ALL)
+    ledger = Ledger(r)
+    ledger.set_budget(DS, None)
+    assert ledger.commit_turn(DS, "two", 0, 4, turn("two", 0, 4) | {"content": "hi", "reasoning": None},
+                              chunk="bq-chats-dead").committed
+    echoed: list[str] = []
+    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir, budgets={DS: 4}), echoed)
+    assert ledger.state(DS).status == "closed"
+    producer.run()
+    recs = [json.loads(line) for line in (tmp_path / "out" / DS / RESULTS).read_text().splitlines()]
+    assert [(x["id"], x["stopped_by"], len(x["turns"])) for x in recs] == [("two", "budget", 1)]
+    assert [m["role"] for m in recs[0]["messages"]] == ["system", "user"]  # what its one turn was sent
+    assert audit(r) == 4 == sum(x["completion_tokens"] for x in recs)
+    assert not r.hlen(keys.DatasetKeys(DS).convs)
+    assert any("1 started conversations ended with the turns they have" in m for m in echoed)
