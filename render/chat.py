@@ -179,7 +179,33 @@ def _checked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     # A list of lists would be taken as a batch by apply_chat_template and give nested lists back.
     if isinstance(messages, (str, bytes)) or not messages or not all(isinstance(m, Mapping) for m in messages):
         raise RenderError("messages must be a non-empty list of message objects")
-    return [m if type(m) is dict else dict(m) for m in messages]
+    return [_with_object_arguments(m) for m in messages]
+
+
+def _with_object_arguments(message: Mapping[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool-call ``arguments`` as the JSON object they encode, as SGLang's chat serving
+    gives them to the template (sglang/srt/entrypoints/openai/serving_chat.py
+    ``normalize_assistant_tool_call_arguments``): templates such as GLM-4.5's iterate them as a mapping and
+    refuse a string, and Qwen3's renders an object with ``tojson``. A string that is not a JSON object stays as
+    it is (SGLang refuses such a request; here the template decides). The caller's messages are not changed."""
+    out = message if type(message) is dict else dict(message)
+    calls = out.get("tool_calls")
+    if out.get("role") != "assistant" or not isinstance(calls, list):
+        return out
+    fixed = []
+    changed = False
+    for call in calls:
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
+            try:
+                args = json.loads(fn["arguments"])
+            except ValueError:
+                args = None
+            if isinstance(args, dict):
+                call = {**call, "function": {**fn, "arguments": args}}
+                changed = True
+        fixed.append(call)
+    return {**out, "tool_calls": fixed} if changed else out
 
 
 class Renderer:

@@ -46,7 +46,7 @@ def test_family_end_to_end_exports_are_the_ids_the_model_saw_and_produced(
                       "--tokenizer", str(tok_dir))
     workers(sim.url).start("w0")
     out = tmp_path / "out"
-    # --skip-invalid: the GLM-4.5 template refuses the dataset's own calls whose arguments are JSON strings.
+    # --skip-invalid: a template may refuse a dataset record (arguments that are not a JSON object).
     res = run([str(GLAIVE), "--tokenizer", str(tok_dir), "--reasoning-parser", family, "--max-tokens", "300",
                "--max-samples", "16", "--skip-invalid", "--out", str(out), "--redis-url", redis_url,
                "--turns", "last"])  # one regenerated turn per record, as the checks below read them
@@ -104,3 +104,37 @@ def test_family_end_to_end_exports_are_the_ids_the_model_saw_and_produced(
         assert exact == len(finished) and lossy == 0
     manifest = json.loads((ds / "manifest.json").read_text())
     assert manifest["record_versions"] == {"2": 16} and manifest["counts"]["tool_calls"] == calls
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["qwen3", "glm45"])
+def test_tool_turns_splice_the_datasets_results_and_every_turn_re_renders_to_its_prompt(
+        family: str, redis_url: str, r: "redis.Redis", tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+    """--turns all on function-calling conversations: a regenerated turn that calls the dataset's function gets
+    the dataset's tool result (its tool_call_id now the model's call id) and a next turn; one that calls none
+    skips the dataset's tool exchange. The tokens export re-renders every turn's prompt from the record and
+    checks it id by id against the digest of what the worker sent: none differs."""
+    from producer.export import ExportOptions, export_dataset
+    from producer.render import load_tokenizer
+    tok_dir = build_family_tokenizer(tmp_path / "tok", family)
+    sim = sim_factory("--time-scale", "50", "--mean-tokens", "60", "--seed", "11", "--reasoning-style", family,
+                      "--tokenizer", str(tok_dir))
+    workers(sim.url).start("w0")
+    out = tmp_path / "out"
+    res = run([str(GLAIVE), "--tokenizer", str(tok_dir), "--reasoning-parser", family, "--max-tokens", "300",
+               "--max-samples", "40", "--skip-invalid", "--out", str(out), "--redis-url", redis_url])
+    assert res.returncode == 0, res.stderr
+    recs = read_jsonl(out / "glaive_fc" / "raw_responses.jsonl")
+    spliced = 0
+    for rec in recs:
+        turns = rec["turns"]
+        calls = [c for c in turns[0]["tool_calls"]]
+        tools = [m for m in rec["messages"] if m["role"] == "tool"]
+        if len(turns) > 1 and tools:
+            spliced += 1
+            assert calls and all(m.get("tool_call_id") in {c["id"] for c in calls} for m in tools if "tool_call_id" in m)
+        assert rec["stopped_by"] in (None, "length", "tool_mismatch", "max_new_tokens", "reasoning_unclosed"), rec
+    assert spliced > 0, "some regenerated turns called the dataset's function and went on after its result"
+    report = export_dataset(out / "glaive_fc", tmp_path / "tokens.jsonl", ExportOptions(format="tokens"),
+                            tokenizer=load_tokenizer(str(tok_dir)))
+    assert report.prompt_mismatch == 0 and report.written > len([x for x in recs if not x["incomplete"]])

@@ -272,3 +272,18 @@ def test_sample_datasets_render(tokenizers: dict[str, Any]) -> None:
     elapsed = time.perf_counter() - started
     assert len(rendered) == 350 and all(r.opens_think for r in rendered)
     assert elapsed < 5.0  # about 0.1 ms each here; a loose bound against an accidental quadratic path
+
+
+def test_tool_call_arguments_reach_the_template_as_objects_as_sglang_gives_them() -> None:
+    """SGLang's chat serving parses an assistant history message's JSON-string arguments into an object before
+    the template sees them; rendering here does the same (a copy: the caller's message is unchanged), and leaves
+    a string that is not a JSON object alone."""
+    from render.chat import _checked
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"city\": \"Paris\"}"}}
+    bad = {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}}
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call, bad]}]
+    out = _checked(messages)
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert out[1]["tool_calls"][1]["function"]["arguments"] == "not json"
+    assert call["function"]["arguments"] == "{\"city\": \"Paris\"}"  # not changed in place
+    assert _checked([{"role": "user", "content": "q"}])[0] == {"role": "user", "content": "q"}
