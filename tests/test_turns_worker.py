@@ -286,3 +286,35 @@ def test_a_warm_stop_leaves_a_conversation_between_turns_for_another_worker(
     rec = records(r)["c0"]
     assert len(rec["turns"]) == 3 and sim_stats(fast.url)["submitted"] == 2
     assert_invariant(r)
+
+
+def test_a_turn_the_server_refuses_ends_the_conversation_failed_with_its_reason(
+        r: "redis.Redis", redis_url: str, sim_factory: Any, renderer: Renderer) -> None:
+    """Turn 1's prompt is longer than the server's context (the chunk's max_context let it through): SGLang's
+    400 is final, so the conversation ends stopped_by failed with the reason, its turn 0 written and counted."""
+    messages = conversation("c0", users=2)
+    n0 = len(renderer.render(plan(messages)[0].context).input_ids)
+    sim = sim_factory(*SIM_ARGS, "--context-length", str(n0 + MAX_NEW + 4))
+    report = run(redis_url, sim.url, enqueue(r, renderer, {"c0": messages}, max_context=100_000))
+    rec = records(r)["c0"]
+    assert rec["stopped_by"] == "failed" and rec["incomplete"] is True and len(rec["turns"]) == 1
+    assert rec["failed_reason"].startswith("turn 1: 400")
+    assert report.committed == 1 and report.failed == 0
+    assert not Ledger(r).failed(DS)  # not a failed sample: its turn 0 is good data, on disk
+    assert_invariant(r)
+
+
+def test_strict_stops_a_conversation_whose_next_turn_cannot_fit(r: "redis.Redis", redis_url: str,
+                                                                 sim_factory: Any, renderer: Renderer) -> None:
+    """strict: turn 0 fits (0 + 64 <= 70) and makes 12 tokens; turn 1 would need 12 + 64 > 70 even alone, so it
+    is never sent: stopped_by budget, and strict is never over its budget."""
+    sim = sim_factory(*SIM_ARGS)
+    ledger = Ledger(r)
+    ledger.set_mode(DS, "strict", MAX_NEW)
+    ledger.set_budget(DS, MAX_NEW + 6)
+    report = run(redis_url, sim.url, enqueue(r, renderer, {"c0": conversation("c0")}))
+    rec = records(r)["c0"]
+    assert rec["stopped_by"] == "budget" and len(rec["turns"]) == 1 and report.committed == 1
+    assert sim_stats(sim.url)["submitted"] == 1
+    assert ledger.state(DS).used <= MAX_NEW + 6
+    assert_invariant(r)
