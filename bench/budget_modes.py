@@ -3,6 +3,8 @@
     python -m bench.budget_modes            # ~2 minutes; results in bench/results/budget_modes.json
     # the taper (docs/budget.md): budgets of 10x, 2x, 1x (requests in flight x mean), seeds, taper on and off
     python -m bench.budget_modes --modes predict --budget-factors 10,2,1 --seeds 1,2,3 --tapers 2,0
+    # the model's own error in the reservations (BUDGETQ_PREDICT_MODEL_ERROR) on and off, back to back
+    python -m bench.budget_modes --modes predict --budget-factors 2 --seeds 1,2,3 --tapers 2 --model-errors 1,0
 
 The workload is the issue's: lognormal completion lengths (mean 3.8K, sigma 0.8, capped at max_new_tokens
 16K), 256 requests in flight over 4 workers, a budget worth minutes of simulated GPU time (the simulator runs
@@ -11,7 +13,8 @@ time from 90% of the budget to the dataset's close and to the last commit. drain
 
 With ``--budget-factors`` the budget is each factor x in-flight x mean; ``--seeds`` reruns each case with the
 simulator's lengths drawn from another seed; ``--tapers`` runs predict once per BUDGETQ_PREDICT_TAPER value
-(0 = the margin rule alone). The taper table then gives, per budget size and taper, the median and largest
+(0 = the margin rule alone); ``--model-errors`` once per BUDGETQ_PREDICT_MODEL_ERROR value (0 = the plain
+estimate, as before it). The taper table then gives, per budget size and taper, the median and largest
 overshoot, how many runs land in the issue's bound [0, max(0.5% of the budget, max_new_tokens)], and the median
 simulated time from 90% of the budget to the close.
 """
@@ -65,7 +68,7 @@ class Watch(threading.Thread):
 
 
 def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: Path, budget: int | None = None,
-             seed: int | None = None, taper: str | None = None) -> dict[str, Any]:
+             seed: int | None = None, taper: str | None = None, model_error: str | None = None) -> dict[str, Any]:
     budget = args.budget if budget is None else budget
     seed = args.seed if seed is None else seed
     sim = ["--length-dist", "lognormal", "--mean-tokens", str(args.mean), "--sigma", str(args.sigma),
@@ -77,7 +80,10 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
            "BUDGETQ_RESERVE_INTERVAL": str(max(0.02, 2.0 / args.time_scale))}
     if taper is not None:
         env["BUDGETQ_PREDICT_TAPER"] = taper
-    label = f"{mode}-b{budget}-s{seed}" + (f"-t{taper}" if taper is not None else "")
+    if model_error is not None:
+        env["BUDGETQ_PREDICT_MODEL_ERROR"] = model_error
+    label = (f"{mode}-b{budget}-s{seed}" + (f"-t{taper}" if taper is not None else "")
+             + (f"-z{model_error}" if model_error is not None else ""))
     with Stack(work / label, sim_args=sim, workers=args.workers, worker_env=env) as stack:
         watch = Watch(stack, "prompts", budget)
         watch.start()
@@ -102,7 +108,7 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
         t90 = watch.t90 or t_end
         (work / f"{label}-history.json").write_text(json.dumps(watch.history))
         return {
-            "mode": mode, "budget": budget, "seed": seed, "taper": taper, "tokens": total, "ratio": total / budget,
+            "mode": mode, "budget": budget, "seed": seed, "taper": taper, "model_error": model_error, "tokens": total, "ratio": total / budget,
             "samples": len(recs), "discarded_samples": int(meta.get("todo", 0)),
             "discarded_chunks": int(meta.get("discarded_chunks", 0)), "late": int(stats.get("late", 0)),
             "s_90_to_close": (watch.t_closed - t90) if watch.t_closed else None,
@@ -132,16 +138,18 @@ def table(rows: list[dict[str, Any]]) -> str:
 def taper_table(rows: list[dict[str, Any]], in_flight: int, mean: float, max_new: int) -> str:
     """Per budget size and taper: the issue's bound, how many runs land in it, median and largest overshoot,
     median simulated 90% -> close."""
-    lines = ["| budget (x in flight x mean) | taper | runs | in [0, bound] | median over | max over | bound | "
-             "median 90% -> close (simulated) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    cases = sorted({(r["budget"], r["taper"]) for r in rows if r["mode"] == "predict"}, key=lambda c: (-c[0], c[1] or ""))
-    for budget, taper in cases:
-        rs = [r for r in rows if r["mode"] == "predict" and (r["budget"], r["taper"]) == (budget, taper)]
+    lines = ["| budget (x in flight x mean) | taper | model error | runs | in [0, bound] | median over | max over | bound | "
+             "median 90% -> close (simulated) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    def case(r: dict[str, Any]) -> tuple[int, str, str]:
+        return r["budget"], r["taper"] or "", r.get("model_error") or ""
+    cases = sorted({case(r) for r in rows if r["mode"] == "predict"}, key=lambda c: (-c[0], c[1], c[2]))
+    for budget, taper, model_error in cases:
+        rs = [r for r in rows if r["mode"] == "predict" and case(r) == (budget, taper, model_error)]
         bound = max(0.005 * budget, max_new)
         over = sorted(r["tokens"] - budget for r in rs)
         closes = sorted(r["sim_s_90_to_close"] for r in rs if r["sim_s_90_to_close"] is not None)
         med_close = f"{statistics.median(closes):.0f} s" if closes else "-"
-        lines.append(f"| {budget:,} ({budget / (in_flight * mean):.3g}x) | {taper if taper is not None else 'default'} "
+        lines.append(f"| {budget:,} ({budget / (in_flight * mean):.3g}x) | {taper or 'default'} | {model_error or 'default'} "
                      f"| {len(rs)} | {sum(0 <= o <= bound for o in over)}/{len(rs)} | "
                      f"{statistics.median(over):+,.0f} ({statistics.median(over) / budget:+.2%}) | {over[-1]:+,} | "
                      f"{bound:,.0f} | {med_close} |")
@@ -167,12 +175,15 @@ def main() -> None:
     ap.add_argument("--seeds", default="", help="comma list of simulator seeds (replaces --seed), e.g. 1,2,3")
     ap.add_argument("--tapers", default="",
                     help="comma list of BUDGETQ_PREDICT_TAPER values for predict (0 = off), e.g. 2,0")
+    ap.add_argument("--model-errors", default="",
+                    help="comma list of BUDGETQ_PREDICT_MODEL_ERROR values for predict (0 = off), e.g. 1,0")
     ap.add_argument("--results", default="budget_modes.json", help="file name under bench/results/")
     args = ap.parse_args()
     budgets = ([round(float(f) * args.in_flight * args.mean) for f in args.budget_factors.split(",")]
                if args.budget_factors else [args.budget])
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     tapers: list[str | None] = [t.strip() for t in args.tapers.split(",")] if args.tapers else [None]
+    errors: list[str | None] = [z.strip() for z in args.model_errors.split(",")] if args.model_errors else [None]
     n_prompts = int(max(budgets) / args.mean * 1.6) + args.in_flight
     results = []
     with scratch("modes") as work:
@@ -182,12 +193,14 @@ def main() -> None:
             for budget in budgets:
                 for mode in args.modes.split(","):
                     for taper in (tapers if mode == "predict" else [None]):
-                        row = run_mode(mode, args, tok, data, work, budget=budget, seed=seed, taper=taper)
-                        print(json.dumps(row), flush=True)
-                        results.append(row)
-                        RESULTS.mkdir(exist_ok=True)
-                        (RESULTS / args.results).write_text(
-                            json.dumps({"args": vars(args), "rows": results}, indent=2) + "\n")
+                        for model_error in (errors if mode == "predict" else [None]):
+                            row = run_mode(mode, args, tok, data, work, budget=budget, seed=seed, taper=taper,
+                                           model_error=model_error)
+                            print(json.dumps(row), flush=True)
+                            results.append(row)
+                            RESULTS.mkdir(exist_ok=True)
+                            (RESULTS / args.results).write_text(
+                                json.dumps({"args": vars(args), "rows": results}, indent=2) + "\n")
     if any(r["mode"] == "drain" for r in results) and len(budgets) == 1 and len(seeds) == 1:
         print(table(results))
     if any(r["mode"] == "predict" for r in results):

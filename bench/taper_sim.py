@@ -2,6 +2,7 @@
 
     python -m bench.taper_sim                      # ~1 minute: budgets 10x, 2x, 1x; margin rule vs tapers
     python -m bench.taper_sim --tapers 0,1,2,3 --seeds 10
+    python -m bench.taper_sim --model km --tapers 2   # the worker's own length model instead of the exact one
 
 No Redis, no simulator, no clock: a slot-level model of the loop, so the figures are not CPU-sensitive. Every
 simulated second each running request decodes ``--tps`` tokens; a request that reaches its length commits; the
@@ -9,6 +10,13 @@ reservations of the running ones are restated as E[L | L > progress] (from 4096 
 model is exact, so what is left is the rule's own error); then the free slots are admitted in one batch, in
 order, by the rule the admit script runs (worker.estimate.predict_admits). The dataset closes when used reaches
 the budget; requests in flight finish and count.
+
+``--model km`` replaces the exact model with the one the worker runs (worker.estimate.LengthModel): the prior
+from ``--mean`` (as ``--expect-mean`` gives it) plus the completion lengths observed so far (the last 4096),
+with the running requests' progress as censored observations, rebuilt every ``--refresh`` simulated seconds
+(the worker rebuilds it every 5 reservation intervals: 10 simulated s in bench/budget_modes.py); admission
+uses its E[L] and sd(L), and each running request reserves its E[L | L > progress]. That is the model's own
+error early in a run, which the exact model leaves out.
 """
 from __future__ import annotations
 
@@ -18,19 +26,25 @@ import statistics
 
 import numpy as np
 
-from worker.estimate import predict_admits
+from worker.estimate import LengthModel, predict_admits
 
 
 def run(budget: int, taper: float, seed: int, margin: float = 1.0, slots: int = 256, mean: float = 3800,
-        sigma: float = 0.8, cap: int = 16384, tps: float = 30.0) -> tuple[int, float]:
+        sigma: float = 0.8, cap: int = 16384, tps: float = 30.0, model: str = "exact",
+        refresh: float = 10.0, z: float = 0.0) -> tuple[int, float]:
     """One run: (final - budget, simulated seconds from 90% of the budget to the close)."""
     rng = np.random.default_rng(seed)
     mu = math.log(mean) - sigma ** 2 / 2
     ref = np.sort(np.minimum(cap, np.maximum(1, np.round(rng.lognormal(mu, sigma, 4096)))))
     expected, sd = round(float(ref.mean())), float(ref.std())
     suffix = np.concatenate([np.cumsum(ref[::-1])[::-1], [0.0]])
+    observed: list[int] = []
+    km: LengthModel | None = None
+    built = -math.inf
 
     def reserve(progress: np.ndarray) -> float:
+        if km is not None:
+            return float(sum(km.reserve(float(x), z) for x in progress))
         i = np.searchsorted(ref, progress, side="right")
         left = len(ref) - i
         cond = np.where(left > 0, suffix[np.minimum(i, len(ref))] / np.maximum(left, 1), cap)
@@ -43,6 +57,7 @@ def run(budget: int, taper: float, seed: int, margin: float = 1.0, slots: int = 
         done = (t - starts) * tps >= lengths
         for length in lengths[done]:
             used += int(length)
+            observed.append(int(length))
             if not closed and used >= budget:
                 closed, t_close = True, t
         if t90 is None and used >= 0.9 * budget:
@@ -50,6 +65,9 @@ def run(budget: int, taper: float, seed: int, margin: float = 1.0, slots: int = 
         lengths, starts = lengths[~done], starts[~done]
         if closed and not len(lengths):
             return used - budget, t_close - (t90 or t_close)
+        if not closed and model == "km" and t - built >= refresh:
+            km = LengthModel(observed[-4096:], mean, cap, running=list((t - starts) * tps))
+            expected, sd, built = km.reserve(0, z), km.sd(), t
         if not closed:
             held = reserve((t - starts) * tps) if len(lengths) else 0.0
             n, new = len(lengths), []
@@ -71,6 +89,11 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--mean", type=float, default=3800)
     ap.add_argument("--max-tokens", type=int, default=16384)
+    ap.add_argument("--model", choices=("exact", "km"), default="exact",
+                    help="exact: the true distribution; km: the worker's LengthModel as it learns")
+    ap.add_argument("--refresh", type=float, default=10.0, help="km: simulated seconds between model rebuilds")
+    ap.add_argument("--model-error", type=float, default=0.0,
+                    help="km: BUDGETQ_PREDICT_MODEL_ERROR, z standard errors of the model added to each reservation")
     args = ap.parse_args()
     print("| budget | taper | in [0, bound] | median over | max over | bound | median 90% -> close (simulated) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -78,7 +101,8 @@ def main() -> None:
         budget = round(factor * args.slots * args.mean)
         bound = max(0.005 * budget, args.max_tokens)
         for taper in (float(x) for x in args.tapers.split(",")):
-            res = [run(budget, taper, seed, args.margin, args.slots, args.mean, cap=args.max_tokens)
+            res = [run(budget, taper, seed, args.margin, args.slots, args.mean, cap=args.max_tokens,
+                       model=args.model, refresh=args.refresh, z=args.model_error)
                    for seed in range(args.seeds)]
             over = sorted(r[0] for r in res)
             print(f"| {budget:,} ({factor:g}x) | {taper:g} | {sum(0 <= o <= bound for o in over)}/{len(over)} | "

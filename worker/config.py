@@ -68,6 +68,10 @@ class WorkerConfig:
     # ... and, while requests are in flight, only if used + reserved + E[L] + t x sd x sqrt(in flight + 1) <= budget
     # (the taper, docs/budget.md); 0 turns it off
     predict_taper: float = 2.0
+    # each predict reservation adds z standard errors of the length model's own estimate (worker/estimate.py
+    # LengthModel.reserve): the model's error is shared by every request in flight, so it adds up as n, not
+    # sqrt(n), and early in a run it is what overshoots small budgets; 0 reserves the plain estimate
+    predict_model_error: float = 1.0
     # a conversation's next turn goes to the server of its previous turn while that one is healthy and not much
     # busier than the least busy (its prompt repeats the previous one: SGLang's prefix cache holds it)
     affinity: bool = True
@@ -95,6 +99,7 @@ class WorkerConfig:
             reserve_interval=_float(env, "BUDGETQ_RESERVE_INTERVAL", cls.reserve_interval),
             predict_margin=_nonneg(env, "BUDGETQ_PREDICT_MARGIN", cls.predict_margin),
             predict_taper=_nonneg(env, "BUDGETQ_PREDICT_TAPER", cls.predict_taper),
+            predict_model_error=_nonneg(env, "BUDGETQ_PREDICT_MODEL_ERROR", cls.predict_model_error),
             affinity=_flag(env, "BUDGETQ_AFFINITY", cls.affinity),
         )
 

@@ -71,8 +71,10 @@ class Budgeting:
     outage). Only a dataset's first model is awaited; after that a stale model is answered at once while one
     refresh per dataset runs in the background, and stays in use for as long as Redis does not answer."""
 
-    def __init__(self, fetch: Callable[[str], Awaitable[LengthSample]], refresh_s: float = 5.0) -> None:
+    def __init__(self, fetch: Callable[[str], Awaitable[LengthSample]], refresh_s: float = 5.0,
+                 model_error: float = 0.0) -> None:
         self.fetch = fetch
+        self.model_error = model_error  # z: reservations add z standard errors of the model (LengthModel.reserve)
         self.REFRESH_S = refresh_s
         self.rates = RateTracker()
         self._models: dict[str, tuple[float, str, LengthModel]] = {}
@@ -105,7 +107,7 @@ class Budgeting:
             task.cancel()
 
     async def expected(self, dataset: str, elapsed: float = 0.0) -> int:
-        return (await self.model(dataset))[1].expected(self.rates.progress(elapsed))
+        return (await self.model(dataset))[1].reserve(self.rates.progress(elapsed), self.model_error)
 
     async def sd(self, dataset: str) -> float:
         return (await self.model(dataset))[1].sd()
@@ -159,7 +161,7 @@ class Dispatcher:
         self.fault: str | None = None  # why this worker cannot work (a refused API key), once known
         self._beat: asyncio.Task[None] | None = None  # the worker-level RQ heartbeat (_keep_heartbeat)
         self.budgeting = Budgeting(lambda dataset: self._batched("length model", ledger.length_sample_call(dataset)),
-                                   refresh_s=5 * config.reserve_interval)
+                                   refresh_s=5 * config.reserve_interval, model_error=config.predict_model_error)
         self.batcher = Batcher(ledger)
         self.slots = asyncio.Semaphore(config.concurrency)
         self.ended = asyncio.Event()  # set whenever any request of this worker ends
@@ -466,7 +468,7 @@ class Dispatcher:
                     progress = []
                     for f in rc.flights.values():
                         done = self.budgeting.rates.progress(now - f.started)
-                        f.reserved = model.expected(done) + f.future
+                        f.reserved = model.reserve(done, self.budgeting.model_error) + f.future
                         progress.append(int(done))
                     reserved = sum(f.reserved for f in rc.flights.values())
                 elif now - last_lease < LEASE_MS / 4000:

@@ -68,6 +68,7 @@ class LengthModel:
         # Survival S(t) = P(L > t) as a step function: knots[i] with S just after knots[i] = surv[i].
         self.knots: list[float] = [0.0]
         self.surv: list[float] = [1.0]
+        weights: list[float] = [0.0]  # Greenwood's d / (n (n - d)) at each knot (the model's own error, below)
         n_at_risk = len(events) + len(censored)
         ci = 0
         s_now = 1.0
@@ -83,12 +84,16 @@ class LengthModel:
                 i += 1
             if n_at_risk > 0:
                 s_now *= 1 - d / n_at_risk
+                weights.append(d / (n_at_risk * max(n_at_risk - d, 1)))
+            else:
+                weights.append(0.0)
             n_at_risk -= d
             self.knots.append(float(t))
             self.surv.append(s_now)
         if self.knots[-1] < self.max_new:  # every request ends by max_new_tokens
             self.knots.append(float(self.max_new))
             self.surv.append(0.0)
+            weights.append(0.0)
         else:
             self.surv[-1] = 0.0
         # cumulative integral of S from 0 to each knot, and of 2t S(t) (the second moment)
@@ -99,6 +104,13 @@ class LengthModel:
             self.area.append(self.area[-1] + self.surv[j - 1] * (b - a))
             second += self.surv[j - 1] * (b * b - a * a)
         self.variance = max(0.0, second - self.area[-1] ** 2)
+        # The model's own error. The variance of a Kaplan-Meier mean is sum_j A_j^2 d_j / (n_j (n_j - d_j)), A_j
+        # the area under S beyond knot j; the mean beyond a progress x sums the knots past x (over S(x)^2).
+        # tail_var[j] = that sum over knots j, j+1, ...
+        self.tail_var = [0.0] * (len(self.knots) + 1)
+        for j in range(len(self.knots) - 1, -1, -1):
+            beyond = self.area[-1] - self.area[j]
+            self.tail_var[j] = self.tail_var[j + 1] + beyond * beyond * weights[j]
 
     def _survival_and_area(self, x: float) -> tuple[float, float]:
         j = bisect_right(self.knots, x) - 1
@@ -123,6 +135,23 @@ class LengthModel:
             return self.max_new
         value = progress + (self.area[-1] - area) / s
         return min(self.max_new, max(math.ceil(progress) + 1, round(value)))
+
+    def error(self, progress: float = 0.0) -> float:
+        """Standard error of ``expected(progress)`` as an estimate (not the spread of L itself)."""
+        if progress >= self.max_new:
+            return 0.0
+        progress = max(progress, 0.0)
+        s = self._survival_and_area(progress)[0]
+        if s <= 1e-9:
+            return 0.0
+        return math.sqrt(self.tail_var[bisect_right(self.knots, progress)]) / s
+
+    def reserve(self, progress: float, z: float) -> int:
+        """What a request reserves: ``expected(progress)`` plus z standard errors of the model, capped."""
+        base = self.expected(progress)
+        if z <= 0:
+            return base
+        return min(self.max_new, base + math.ceil(z * self.error(progress)))
 
 
 class RateTracker:
