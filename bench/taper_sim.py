@@ -2,7 +2,7 @@
 
     python -m bench.taper_sim                      # ~1 minute: budgets 10x, 2x, 1x; margin rule vs tapers
     python -m bench.taper_sim --tapers 0,1,2,3 --seeds 10
-    python -m bench.taper_sim --model km --tapers 2   # the worker's own length model instead of the exact one
+    python -m bench.taper_sim --models exact,km --model-errors 0,1 --tapers 2   # + the worker's own model
 
 No Redis, no simulator, no clock: a slot-level model of the loop, so the figures are not CPU-sensitive. Every
 simulated second each running request decodes ``--tps`` tokens; a request that reaches its length commits; the
@@ -11,12 +11,13 @@ model is exact, so what is left is the rule's own error); then the free slots ar
 order, by the rule the admit script runs (worker.estimate.predict_admits). The dataset closes when used reaches
 the budget; requests in flight finish and count.
 
-``--model km`` replaces the exact model with the one the worker runs (worker.estimate.LengthModel): the prior
+``--models km`` replaces the exact model with the one the worker runs (worker.estimate.LengthModel): the prior
 from ``--mean`` (as ``--expect-mean`` gives it) plus the completion lengths observed so far (the last 4096),
 with the running requests' progress as censored observations, rebuilt every ``--refresh`` simulated seconds
 (the worker rebuilds it every 5 reservation intervals: 10 simulated s in bench/budget_modes.py); admission
 uses its E[L] and sd(L), and each running request reserves its E[L | L > progress]. That is the model's own
-error early in a run, which the exact model leaves out.
+error early in a run, which the exact model leaves out; ``--model-errors`` adds z of the model's standard
+errors to each reservation (BUDGETQ_PREDICT_MODEL_ERROR, worker.estimate.LengthModel.reserve).
 """
 from __future__ import annotations
 
@@ -89,26 +90,30 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--mean", type=float, default=3800)
     ap.add_argument("--max-tokens", type=int, default=16384)
-    ap.add_argument("--model", choices=("exact", "km"), default="exact",
-                    help="exact: the true distribution; km: the worker's LengthModel as it learns")
+    ap.add_argument("--models", default="exact",
+                    help="comma list: exact (the true distribution) and/or km (the worker's LengthModel as it learns)")
     ap.add_argument("--refresh", type=float, default=10.0, help="km: simulated seconds between model rebuilds")
-    ap.add_argument("--model-error", type=float, default=0.0,
-                    help="km: BUDGETQ_PREDICT_MODEL_ERROR, z standard errors of the model added to each reservation")
+    ap.add_argument("--model-errors", default="0", help="km: comma list of BUDGETQ_PREDICT_MODEL_ERROR values "
+                    "(z standard errors of the model added to each reservation; 0 = the plain estimate)")
+    ap.add_argument("--first-seed", type=int, default=0)
     args = ap.parse_args()
-    print("| budget | taper | in [0, bound] | median over | max over | bound | median 90% -> close (simulated) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| budget | taper | model | in [0, bound] | median over | max over | bound | median 90% -> close (simulated) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    cases = [(m, float(z)) for m in args.models.split(",")
+             for z in (args.model_errors.split(",") if m == "km" else ["0"])]
     for factor in (float(f) for f in args.factors.split(",")):
         budget = round(factor * args.slots * args.mean)
         bound = max(0.005 * budget, args.max_tokens)
         for taper in (float(x) for x in args.tapers.split(",")):
-            res = [run(budget, taper, seed, args.margin, args.slots, args.mean, cap=args.max_tokens,
-                       model=args.model, refresh=args.refresh, z=args.model_error)
-                   for seed in range(args.seeds)]
-            over = sorted(r[0] for r in res)
-            print(f"| {budget:,} ({factor:g}x) | {taper:g} | {sum(0 <= o <= bound for o in over)}/{len(over)} | "
-                  f"{statistics.median(over):+,.0f} | {over[-1]:+,} | {bound:,.0f} | "
-                  f"{statistics.median(r[1] for r in res):.0f} s |", flush=True)
-
+            for model, z in cases:
+                res = [run(budget, taper, seed, args.margin, args.slots, args.mean, cap=args.max_tokens,
+                           model=model, refresh=args.refresh, z=z)
+                       for seed in range(args.first_seed, args.first_seed + args.seeds)]
+                over = sorted(r[0] for r in res)
+                label = model if model == "exact" else f"km, z = {z:g}"
+                print(f"| {budget:,} ({factor:g}x) | {taper:g} | {label} | {sum(0 <= o <= bound for o in over)}/"
+                      f"{len(over)} | {statistics.median(over):+,.0f} | {over[-1]:+,} | {bound:,.0f} | "
+                      f"{statistics.median(r[1] for r in res):.0f} s |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,8 @@ def test_values_are_read() -> None:
     assert (cfg.concurrency, cfg.retry_for, cfg.request_timeout, cfg.predict_margin, cfg.backoff_cap) == \
         (8, 0.0, 30.0, 0.0, 2.5)
     assert cfg.servers == ("http://a:1", "http://b:2")
+    assert WorkerConfig.from_env({}).predict_model_error == 1.0
+    assert WorkerConfig.from_env({"BUDGETQ_PREDICT_MODEL_ERROR": "0"}).predict_model_error == 0.0
 
 
 @pytest.mark.parametrize("name, raw, message", [
@@ -28,6 +30,7 @@ def test_values_are_read() -> None:
     ("BUDGETQ_BACKOFF_CAP", "soon", "expected a number of seconds"),
     ("BUDGETQ_RETRY_FOR", "-1", "must be 0 or more"),
     ("BUDGETQ_PREDICT_MARGIN", "lots", "expected a number"),
+    ("BUDGETQ_PREDICT_MODEL_ERROR", "-1", "must be 0 or more"),
     ("SGLANG_URL", "sglang:30000", "not an http(s) URL"),
 ])
 def test_a_bad_value_names_the_variable(name: str, raw: str, message: str) -> None:
