@@ -9,6 +9,12 @@ reservation grows while it runs.
 
 Progress is estimated as elapsed time x the per-request decode rate this worker observes (tokens per second
 of completed requests), so no streaming is needed.
+
+The model is an estimate from the few hundred lengths seen early in a run, and its error is the same for every
+request in flight: the in-flight sum misses by n x that error, not by sqrt(n) x sd(L) as the lengths' own spread
+does. So a reservation adds z standard errors of the estimate (``LengthModel.reserve``, z =
+BUDGETQ_PREDICT_MODEL_ERROR): large while the model is young, nearly nothing once lengths accumulate
+(docs/budget.md, "The model's own error").
 """
 from __future__ import annotations
 
