@@ -5,6 +5,10 @@ RQ's stdlib json + zlib level 6. Workers read it with rq's ``JSONSerializer`` (s
 tests read it the same way; tests/test_e2e.py runs real ``rq worker -w worker.Worker`` processes on it.
 ``produce --detach`` sends a dataset in batches of ``BATCH_CHUNKS`` chunks, one MULTI/EXEC each: MONITOR shows
 the transactions as Redis executes them.
+
+Connections that wait on Redis for long (MONITOR, a blocking command) are made with ``socket_timeout=None``:
+redis-py 8 gives every connection a 5 s read timeout by default, and produce sends nothing for longer than that
+while it loads the tokenizer and renders the prompts on a loaded machine.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import zlib
 from array import array
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -101,31 +105,44 @@ def test_chunk_job_hash_is_rqs_own_but_for_the_zlib_level(r: "redis.Redis") -> N
 class Monitor:
     """Redis MONITOR in a thread: every command Redis executes, grouped into each client's MULTI/EXEC blocks.
 
-    ``on_batch`` is called (in the monitor thread) at the EXEC of each transaction that pushed onto the RQ queue."""
+    It only records; the reader may lag behind Redis by many batches under load (MONITOR streams every command, job
+    data included), so nothing is decided from it while produce runs: `PauseAfterFirstBatch` does that in Redis."""
 
     STOP = "bq-test-monitor-stop"
 
-    def __init__(self, url: str, on_batch: Callable[[list[str]], None] | None = None) -> None:
+    def __init__(self, url: str) -> None:
         self.url = url
-        self.on_batch = on_batch
         self.batches: list[list[str]] = []  # the commands of each transaction that enqueued chunks
         self.ready = threading.Event()
+        self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> "Monitor":
         self.thread.start()
-        assert self.ready.wait(10), "MONITOR did not start"
+        assert self.ready.wait(30), "MONITOR did not start"
+        if self.error is not None:
+            raise AssertionError(f"MONITOR did not start: {self.error!r}") from self.error
         return self
 
     def __exit__(self, *exc: Any) -> None:
         client = redis.Redis.from_url(self.url)
         client.echo(self.STOP)  # MONITOR shows it last: every command before it has been seen
         client.close()
-        self.thread.join(10)
+        self.thread.join(120)  # a reader that is far behind catches up; it never waits for Redis past the STOP
+        if self.error is not None:
+            raise AssertionError(f"the MONITOR reader failed: {self.error!r}") from self.error
+        assert not self.thread.is_alive(), "the MONITOR reader never saw the end marker"
 
     def _run(self) -> None:
+        try:
+            self._read()
+        except BaseException as e:  # noqa: BLE001 - handed to __exit__, which fails the test with it
+            self.error = e
+            self.ready.set()
+
+    def _read(self) -> None:
         open_tx: dict[str, list[str]] = {}
-        with redis.Redis.from_url(self.url).monitor() as m:
+        with redis.Redis.from_url(self.url, socket_timeout=None).monitor() as m:
             self.ready.set()
             for entry in m.listen():
                 cmd, client = entry["command"], f"{entry.get('client_address')}:{entry.get('client_port')}"
@@ -137,8 +154,6 @@ class Monitor:
                     tx = open_tx.pop(client, [])
                     if any(c.startswith(f"RPUSH {keys.RQ_QUEUE} ") for c in tx):
                         self.batches.append(tx)
-                        if self.on_batch is not None:
-                            self.on_batch(tx)
                 elif client in open_tx:
                     open_tx[client].append(cmd)
 
@@ -196,51 +211,78 @@ def many_prompts(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def pauser(redis_url: str) -> Iterator[Callable[[], None]]:
-    """CLIENT PAUSE WRITE on the test server, always lifted at the end."""
-    client = redis.Redis.from_url(redis_url)
-    yield lambda: client.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
-    client.execute_command("CLIENT", "UNPAUSE")
-    client.close()
+class PauseAfterFirstBatch:
+    """Redis pauses writes right after the EXEC of the first transaction that creates the RQ queue, before it runs
+    a command of any other client: decided inside Redis, so however late this process is scheduled, produce gets
+    no write in after its first batch.
+
+    One connection sends ``BLMOVE queue queue RIGHT RIGHT 0`` and ``CLIENT PAUSE ... WRITE`` in one write. BLMOVE
+    waits while the queue does not exist (a flushed database) and Redis serves it once the EXEC that created it has
+    run (a transaction is one unit: a blocked client is never served in its middle); moving a list's tail onto its
+    own tail leaves the list as it was. Redis runs the CLIENT PAUSE waiting in that connection's input when it
+    unblocks it, before it polls its clients again (beforeSleep), and produce can send nothing more before then:
+    it waits for that EXEC's reply. A pause sent by the test when it sees the EXEC, through MONITOR or otherwise,
+    can come after produce has sent every batch."""
+
+    def __init__(self, url: str) -> None:
+        self.client = redis.Redis.from_url(url, socket_timeout=None)
+        self.client_id = int(self.client.client_id())  # the pool holds this one connection: the thread reuses it
+        self.paused = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.blmove(keys.RQ_QUEUE, keys.RQ_QUEUE, 0, "RIGHT", "RIGHT")
+                pipe.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+                moved, ok = pipe.execute()
+            assert moved is not None and ok, (moved, ok)
+            self.paused.set()
+        except redis.ConnectionError:
+            pass  # cancel(): the connection was killed before the queue existed
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            self.error = e
+
+    def cancel(self, admin: "redis.Redis") -> None:
+        """Drop the waiting connection (and the CLIENT PAUSE behind its BLMOVE) if the queue never appeared."""
+        if self.thread.is_alive():
+            admin.client_kill_filter(_id=str(self.client_id))
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the BLMOVE connection did not end"
+        self.client.close()
 
 
 def test_produce_killed_between_batches_leaves_whole_batches_and_the_rerun_adds_the_rest(
-        redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, many_prompts: Path,
-        pauser: Callable[[], None]) -> None:
-    """Writes are paused the moment the first batch's EXEC runs, and produce is killed -9 while blocked: Redis
-    holds whole batches only. The rerun enqueues exactly the samples that are not held by a queued chunk."""
+        redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, many_prompts: Path) -> None:
+    """Writes are paused inside Redis the moment the first batch's EXEC has run, and produce is killed -9 while
+    blocked on its next write: Redis holds that whole batch and nothing of the next. The rerun enqueues exactly the
+    samples that are not held by a queued chunk."""
     total = 2_000
     args = [f"many={many_prompts}", "--tokenizer", str(tokenizer_dir), "--max-tokens", "64", "--chunk-size", "1",
             "--out", str(tmp_path / "out"), "--detach", "--redis-url", redis_url]
-    first_batch = threading.Event()
-
-    def pause_writes(tx: list[str]) -> None:
-        if not first_batch.is_set():
-            pauser()
-            first_batch.set()
-
-    with Monitor(redis_url, on_batch=pause_writes):
-        proc = subprocess.Popen([*produce_cmd(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
-        try:
-            # The batch, or produce ending without one (then its stderr says why, at once, instead of a timeout).
-            deadline = time.monotonic() + 240
-            while not first_batch.wait(0.1) and proc.poll() is None and time.monotonic() < deadline:
-                pass
-            ended = proc.poll()
-        finally:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-            _, err = proc.communicate(30)
-        assert first_batch.is_set(), f"produce never enqueued a batch (exit {ended}): {err}"
+    pause = PauseAfterFirstBatch(redis_url)
+    proc = subprocess.Popen([*produce_cmd(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        # The pause, or produce ending without a batch (then its stderr says why, at once, instead of a timeout).
+        deadline = time.monotonic() + 240
+        while not pause.paused.wait(0.1) and proc.poll() is None and time.monotonic() < deadline:
+            pass
+        ended = proc.poll()
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate(30)
+        pause.cancel(r)
         r.execute_command("CLIENT", "UNPAUSE")
-    assert proc.returncode == -signal.SIGKILL, err
+    assert pause.error is None, repr(pause.error)
+    assert pause.paused.is_set(), f"produce never enqueued a batch (exit {ended}): {err}"
+    assert ended is None and proc.returncode == -signal.SIGKILL, (ended, err)  # killed mid-run, not after it
     k = keys.DatasetKeys("many")
-    queued = r.llen(keys.RQ_QUEUE)
-    assert 0 < queued < total and queued % BATCH_CHUNKS == 0, queued  # whole batches, and not all of them
+    assert r.llen(keys.RQ_QUEUE) == BATCH_CHUNKS  # the first batch whole, nothing of the second
     held = [s["id"] for p in job_payloads(r) for s in p["samples"]]
-    assert len(held) == len(set(held)) == queued == r.hlen(k.pending) == r.zcard(k.chunks)
+    assert len(held) == len(set(held)) == BATCH_CHUNKS == r.hlen(k.pending) == r.zcard(k.chunks)
 
     res = subprocess.run([*produce_cmd(), *args], capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr
