@@ -39,6 +39,10 @@ class SamplePayload(_SamplePayloadRequired, total=False):
     #: turn, committed with ``commit`` as always.
     messages: list[dict[str, Any]]
     turns: int  # len(plan(messages)) > 1: the most turns the conversation makes
+    #: Several generations of a prompt (docs/generations.md): what this generation sends differently from the
+    #: chunk's ``sampling_params`` (a temperature of a list, a derived seed), merged over them for every turn.
+    #: Missing: the chunk's, as every sample before generations.
+    sampling_params: dict[str, Any]
 
 
 class ConversationPayload(TypedDict):
@@ -71,6 +75,15 @@ class ChunkPayload(_ChunkPayloadRequired, total=False):
     reasoning_parser: str
     #: Present when a sample of the chunk has ``turns`` > 1 (``--turns all``).
     conversation: ConversationPayload
+
+
+def sampling_params_of(chunk: ChunkPayload, sample: SamplePayload) -> dict[str, Any]:
+    """What ``sample`` sends (and its record says it was sent with): the chunk's sampling parameters, with the
+    sample's own override merged over them (the chunk's object itself when there is none)."""
+    override = sample.get("sampling_params")
+    if not override:
+        return chunk["sampling_params"]
+    return {**chunk["sampling_params"], **override}
 
 
 def turn_request_key(sample_id: str, turn: int) -> str:

@@ -123,6 +123,8 @@ def ordered(rec: Mapping[str, Any]) -> dict[str, Any]:
     """``rec`` with its fields in the documented order (v2 or v1), unknown keys after them."""
     fields: Iterable[str] = RECORD_FIELDS if version(rec) >= 2 else V1_FIELDS
     out = {k: rec.get(k) for k in fields}
+    if "generation" in rec:  # beside the id it completes (docs/generations.md); absent in older records
+        out = {**{k: out[k] for k in list(out)[:list(out).index("id") + 1]}, "generation": rec["generation"], **out}
     out.update((k, v) for k, v in rec.items() if k not in out)
     turns = out.get("turns")
     if version(rec) >= 2 and isinstance(turns, list):

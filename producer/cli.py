@@ -109,11 +109,13 @@ def main() -> None:
     _LOG["json"] = False  # set again by the commands that configure logging
 
 
-def _sampling_params(max_tokens: int, temperature: float | None, top_p: float | None, top_k: int | None,
+def _sampling_params(max_tokens: int, temperature: list[float] | None, top_p: float | None, top_k: int | None,
                      seed: int | None) -> dict[str, Any]:
+    """The run's sampling parameters (run.json ``sampling_params``): a --temperature list stays a list (generation
+    k takes entry k mod len: producer/generations.py); one value is a number, as it always was."""
     params: dict[str, Any] = {"max_new_tokens": max_tokens}
     if temperature is not None:
-        params["temperature"] = temperature
+        params["temperature"] = temperature[0] if len(temperature) == 1 else list(temperature)
     if top_p is not None:
         params["top_p"] = top_p
     if top_k is not None:
@@ -186,8 +188,13 @@ def _connect(redis_url: str) -> "redis.Redis":
 @opt("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"), show_default=True,
      help="Output directory: OUT/<dataset>/raw_responses.jsonl.")
 @redis_url_option
-@opt("--temperature", type=click.FloatRange(0), default=None,
-     help="Sampling temperature (>= 0). Default: not sent (SGLang's default).")
+@opt("--temperature", default=None, metavar="T[,T...]",
+     help="Sampling temperature (>= 0). A comma-separated list (0,0.6,1.0) goes with --generations: generation k "
+          "uses entry k mod the list's length. Default: not sent (SGLang's default).")
+@opt("--generations", type=click.IntRange(1), default=1, show_default=True, metavar="N",
+     help="Samples of each prompt. Sent in rounds: every prompt's generation 0 in --order, then generation 1, ...; "
+          "so a budget keeps as many distinct prompts as it can. Raising N on a rerun extends the run; lowering it "
+          "is a settings change. Records keep the prompt's id and say their generation.")
 @opt("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
      help="Nucleus sampling p, in (0, 1]. Default: not sent.")
 @opt("--top-k", type=int, default=None, help="Top-k: -1 (off) or >= 1. Default: not sent.")
@@ -250,7 +257,7 @@ def run_cmd(**options: Any) -> None:
 def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes: tuple[str, ...],
          max_tokens: int, max_context: int | None, max_samples: int | None, order: str | None,
          order_seed: int | None, turns: str | None, out_dir: Path, redis_url: str,
-         temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
+         temperature: str | None, generations: int, top_p: float | None, top_k: int | None, seed: int | None,
          skip_special_tokens: bool | None, chat_template_kwargs: str | None, reasoning_parser: str,
          skip_invalid: bool, messages_field: str, prompt_field: str,
          conversations_field: str, id_field: str, system_prompt: str | None, expect_mean: float | None, dry_run: bool,
@@ -266,6 +273,16 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
         raise InputProblem(str(exc)) from None
     if top_k is not None and top_k != -1 and top_k < 1:
         raise InputProblem("--top-k must be -1 or at least 1")
+    from producer.generations import parse_temperatures
+    temperatures: list[float] | None = None
+    if temperature is not None:
+        try:
+            temperatures = parse_temperatures(temperature)
+        except ValueError as exc:
+            raise InputProblem(f"--temperature: {exc}") from None
+        if len(temperatures) > 1 and generations == 1:
+            raise InputProblem(f"--temperature {temperature}: a list goes with --generations N > 1 (generation k "
+                               "uses entry k mod its length; one generation would use the first only)")
     if (pilot or throughput or in_flight or as_json) and not dry_run:
         raise InputProblem("--pilot, --throughput, --in-flight and --json go with --dry-run")
     kwargs: dict[str, Any] = {}
@@ -295,7 +312,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     # Bars for validating, rendering and (with --detach) enqueueing: for a person at a terminal, never in JSON logs.
     show_progress = not quiet and log_format == "text" and sys.stderr.isatty()
     inputs = load_inputs(files, tokenizer=tokenizer, max_tokens=max_tokens, max_context=max_context,
-                         max_samples=max_samples, sampling_params=_sampling_params(max_tokens, temperature, top_p,
+                         max_samples=max_samples, sampling_params=_sampling_params(max_tokens, temperatures, top_p,
                                                                                    top_k, seed),
                          chat_template_kwargs=kwargs, skip_invalid=skip_invalid, echo=echo, mapping=mapping,
                          show_progress=show_progress,
@@ -309,7 +326,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     parser = inputs.settings.get("reasoning_parser")
     inputs.sampling_params["skip_special_tokens"] = (skip_special_tokens if skip_special_tokens is not None
                                                      else skip_special_tokens_default(parser))
-    inputs.settings["sampling_params"] = inputs.sampling_params
+    mix = inputs.set_generations(generations)
     names = {p.name for p in inputs.prepared}
     unknown = sorted((set(named) | set(named_modes)) - names)
     if unknown:
@@ -318,7 +335,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     per_dataset: dict[str, int | None] = {n: named.get(n, default_budget) for n in names}
 
     if dry_run:
-        _dry_run(inputs, per_dataset, out_dir, expect_mean, pilot, throughput, as_json, in_flight)
+        _dry_run(inputs, per_dataset, out_dir, expect_mean, pilot, throughput, as_json, in_flight, mix.describe())
         return
 
     from producer.enqueue import JobSettings
@@ -333,7 +350,7 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
                          turns_explicit=turns is not None, tokenizer=tokenizer,
                          modes={n: named_modes.get(n, default_mode) for n in names}, expect_mean=expect_mean,
                          chunk_size=chunk_size, queue_depth=queue_depth, new_run=new_run,
-                         job=JobSettings(job_timeout=job_timeout), show_progress=show_progress)
+                         job=JobSettings(job_timeout=job_timeout), show_progress=show_progress, generations=mix)
     log.debug("run settings: out %s, chunk size %d, queue depth %d, job timeout %d s, %s", out_dir, chunk_size,
               queue_depth, job_timeout, "detach" if detach else "attached",
               extra={"budgets": per_dataset, "modes": options.modes, "sampling_params": inputs.sampling_params})
@@ -448,7 +465,8 @@ def _describe_servers(servers: list[dict[str, Any]] | None) -> str:
 
 
 def _dry_run(inputs: Any, budgets: dict[str, int | None], out_dir: Path, expect_mean: float | None,
-             pilot: int | None, throughput: float | None, as_json: bool, in_flight: int | None = None) -> None:
+             pilot: int | None, throughput: float | None, as_json: bool, in_flight: int | None = None,
+             settings_mix: str = "") -> None:
     from producer.plan import pilot_mean, plan_dataset, plan_table
     plans = []
     for p in inputs.prepared:
@@ -463,7 +481,7 @@ def _dry_run(inputs: Any, budgets: dict[str, int | None], out_dir: Path, expect_
                 raise RuntimeProblem(f"--pilot: {exc}") from None
         plans.append(plan_dataset(p, budget=budgets.get(p.name), out_dir=out_dir, expect_mean=expect_mean,
                                   pilot_mean=measured, pilot_n=pilot or 0, throughput=throughput,
-                                  in_flight=in_flight))
+                                  in_flight=in_flight, settings_mix=settings_mix))
     if as_json:
         context = {"tokens": inputs.context.tokens, "source": inputs.context.source}
         click.echo(json.dumps({"datasets": [x.as_dict() for x in plans], "throughput": throughput,

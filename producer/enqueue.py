@@ -75,6 +75,8 @@ class Item:
     #: (budget/payload.py SamplePayload); None and 1 for every other sample, which is sent exactly as before.
     messages: list[dict[str, Any]] | None = None
     turns: int = 1
+    #: What this sample's generation sends differently from the chunk (producer/generations.py); None: the chunk's.
+    sampling_params: dict[str, Any] | None = None
 
 
 class ChunkSerializer:
@@ -146,6 +148,8 @@ def _sample(it: Item) -> dict[str, Any]:
     if it.turns > 1:
         sample["messages"] = it.messages
         sample["turns"] = it.turns
+    if it.sampling_params:
+        sample["sampling_params"] = it.sampling_params
     return sample
 
 

@@ -35,6 +35,7 @@ from producer.exportfiles import (DEFAULT_THINK, MANIFEST, ExportError, Results,
                                   markers, run_settings)
 from producer.exportrows import SHAREGPT_FROM, conversation_row, is_truncated, turn_rows
 from producer.manifest import SERVER_INFO_KEYS, Stats, read_manifest, template_hash, write_manifest, write_manifest_of
+from producer.generations import record_key
 from producer.output import RESULTS, STOPPED_BY_FAILED
 from producer.render import RenderError, Renderer
 
@@ -129,7 +130,7 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
         def take(number: int, rec: dict[str, Any]) -> None:
             nonlocal batch
             stats.add(rec)
-            if rec["id"] in failed:
+            if record_key(rec) in failed:
                 return
             if options.truncated == "drop" and is_truncated(rec):
                 _points(rec, number, source)  # a malformed record is an error whether it would be written or not
@@ -144,9 +145,10 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
         # rerun's record of it (producer/output.py ResultsFile). Those are held back until the file is read.
         held: dict[str, tuple[int, dict[str, Any]]] = {}
         for number, rec in results:
-            superseded = held.pop(rec["id"], None) is not None
+            key = record_key(rec)  # a sample: the prompt's id and the generation (producer/generations.py)
+            superseded = held.pop(key, None) is not None
             if rec.get("stopped_by") == STOPPED_BY_FAILED:
-                held[rec["id"]] = (number, rec)
+                held[key] = (number, rec)
                 continue
             if superseded:
                 report.superseded += 1
@@ -236,7 +238,7 @@ def _rows(rec: Mapping[str, Any], points: list[int], checked: list[tuple[list[in
             if pair is None:
                 continue
             prompt, output = pair
-            row: dict[str, Any] = {"id": rec["id"], "turn": i, "input_ids": prompt + output,
+            row: dict[str, Any] = {"id": rec["id"], "generation": int(rec.get("generation") or 0), "turn": i, "input_ids": prompt + output,
                                    "loss_mask": [0] * len(prompt) + [1] * len(output)}
             if is_truncated(rec):
                 row["truncated"] = True

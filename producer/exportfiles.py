@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import IO, Any, Final, Iterator, Mapping
 
 from budget import record
+from producer.generations import record_key
 from producer.output import FAILED, RESULTS, RUN
 
 MANIFEST: Final = "manifest.json"
@@ -112,7 +113,7 @@ def failed_ids(dataset_dir: Path) -> set[str]:
         if not line.strip():
             continue
         try:
-            ids.add(str(json.loads(line)["id"]))
+            ids.add(record_key(json.loads(line)))
         except (ValueError, KeyError, TypeError):
             raise ExportError(f"{path}:{number}: expected a JSON object with an id") from None
     return ids

@@ -82,7 +82,7 @@ def conversation_row(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, thin
                      points: Sequence[int]) -> dict[str, Any]:
     """One conversation: the record's messages with every regenerated turn at its answer point (a one-turn
     record: the messages, then the turn)."""
-    out: dict[str, Any] = {"id": rec["id"]}
+    out: dict[str, Any] = {"id": rec["id"], "generation": int(rec.get("generation") or 0)}
     out.update(_shaped(fmt, history.conversation(rec["messages"], answers(rec, reasoning_mode, think), points)))
     if is_truncated(rec):
         out["truncated"] = True
@@ -98,7 +98,7 @@ def turn_rows(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, think: tupl
     past = [history.history_message(t) for t in rec["turns"]]
     rows = []
     for i, answer in enumerate(written):
-        row: dict[str, Any] = {"id": rec["id"], "turn": i}
+        row: dict[str, Any] = {"id": rec["id"], "generation": int(rec.get("generation") or 0), "turn": i}
         row.update(_shaped(fmt, [*history.conversation(rec["messages"], past, points, upto=i), answer]))
         if is_truncated(rec):
             row["truncated"] = True

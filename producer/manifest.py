@@ -79,6 +79,10 @@ class Stats:
     multi_turn: int = 0  # conversations of more than one regenerated turn
     incomplete: int = 0
     stopped_by: Counter[str] = field(default_factory=Counter)
+    #: records per generation (docs/generations.md; a record without ``generation`` is 0) and per temperature sent
+    #: (the record's ``sampling_params``; "not sent": SGLang's default)
+    generations: Counter[str] = field(default_factory=Counter)
+    temperatures: Counter[str] = field(default_factory=Counter)
 
     def add(self, rec: Mapping[str, Any]) -> None:
         turns = rec["turns"]
@@ -98,6 +102,9 @@ class Stats:
         self.incomplete += bool(rec.get("incomplete"))
         if rec.get("stopped_by") is not None:
             self.stopped_by[str(rec["stopped_by"])] += 1
+        self.generations[str(int(rec.get("generation") or 0))] += 1
+        temperature = (rec.get("sampling_params") or {}).get("temperature")
+        self.temperatures["not sent" if temperature is None else f"{float(temperature):g}"] += 1
 
     def stopped(self) -> dict[str, int]:
         """Conversations by why they ended early: every reason (docs/multiturn.md), 0 when none did, and any other
@@ -152,6 +159,9 @@ def write_manifest_of(dataset_dir: Path, settings: Mapping[str, Any], stats: Sta
         # multi-turn: turns beside conversations, and why conversations ended early (docs/multiturn.md)
         "conversations": {"turns": stats.turns, "multi_turn": stats.multi_turn, "incomplete": stats.incomplete,
                           "stopped_by": stats.stopped()},
+        # several generations of a prompt (docs/generations.md): records per generation and per temperature sent
+        "generations": dict(sorted(stats.generations.items(), key=lambda kv: int(kv[0]))),
+        "temperatures": dict(sorted(stats.temperatures.items())),
         "tokens": {"prompt": stats.prompt_tokens, "completion": stats.completion_tokens},
         "finish_reasons": dict(sorted(stats.finish_reasons.items())),
         "completion_length": stats.completion_length(),

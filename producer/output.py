@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 
 from budget import record
 from budget.runstate import RESULTS_BATCH, RunState
+from producer.generations import record_key, split_key
 
 RESULTS = "raw_responses.jsonl"
 FAILED = "failed.jsonl"
@@ -56,7 +57,7 @@ class ResultsFile:
                     break  # torn tail: a crash mid-write
                 try:
                     rec = json.loads(raw)
-                    sid, n = str(rec["id"]), int(rec["completion_tokens"])
+                    sid, n = record_key(rec), int(rec["completion_tokens"])
                 except (ValueError, KeyError, TypeError):
                     break  # cannot trust anything after a line we cannot read
                 self._note(sid, n, rec, raw.decode("utf-8").rstrip("\n"))
@@ -86,7 +87,7 @@ class ResultsFile:
         lines, written = [], []
         for rec in records:
             line = json.dumps(record.ordered(rec), ensure_ascii=False)
-            if not self._note(rec["id"], int(rec["completion_tokens"]), rec, line):
+            if not self._note(record_key(rec), int(rec["completion_tokens"]), rec, line):
                 continue
             written.append(rec)
             lines.append(line + "\n")
@@ -130,7 +131,7 @@ def entry_record(fields: dict[Any, Any], messages_for: Callable[[str], Any]) -> 
     rec = json.loads(text["r"])
     if "t0" not in text:
         rec["messages"] = messages_for(rec["id"])
-        return rec
+        return on_disk(rec)
     turns: list[dict[str, Any]] = []
     while f"t{len(turns)}" in text:
         turns.append(json.loads(text[f"t{len(turns)}"]))
@@ -141,7 +142,22 @@ def entry_record(fields: dict[Any, Any], messages_for: Callable[[str], Any]) -> 
         rec["messages"] = messages_for(sid)
     rec["turns"] = turns
     rec["completion_tokens"] = sum(int(t["completion_tokens"]) for t in turns)
+    return on_disk(rec)
+
+
+def on_disk(rec: dict[str, Any]) -> dict[str, Any]:
+    """A worker's record (``id``: the sample key) as it is written: ``id`` the prompt's and ``generation`` beside
+    it (producer/generations.py), so every reader of the file groups a prompt's generations by its own id."""
+    prompt, generation = split_key(str(rec["id"]))
+    rec["id"] = prompt
+    rec["generation"] = generation
     return rec
+
+
+def failed_line(key: str, failure: dict[str, Any]) -> dict[str, Any]:
+    """A failed.jsonl line of sample ``key``: the prompt's ``id`` and its ``generation``, then why it failed."""
+    prompt, generation = split_key(key)
+    return {**failure, "id": prompt, "generation": generation}
 
 
 def write_failed(path: Path, failures: dict[str, dict[str, Any]]) -> None:
@@ -152,7 +168,7 @@ def write_failed(path: Path, failures: dict[str, dict[str, Any]]) -> None:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         for sid in sorted(failures):
-            fh.write(json.dumps({"id": sid, **failures[sid]}, ensure_ascii=False) + "\n")
+            fh.write(json.dumps(failed_line(sid, failures[sid]), ensure_ascii=False) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)

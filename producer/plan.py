@@ -23,6 +23,7 @@ from typing import Any, Final, Sequence
 import aiohttp
 
 from producer.modeldir import Context
+from producer.generations import record_key
 from producer.output import RESULTS
 from producer.prepare import Prepared
 
@@ -64,6 +65,9 @@ class DatasetPlan:
     requests_max: int = 0  # the most requests of the selected samples: one each, a conversation's turns
     longest_conversation: int = 1  # turns of the longest conversation: the ETA's sequential bound
     in_flight: int | None = None  # requests at once the sequential bound assumes (multi-turn datasets only)
+    generations: int = 1  # --generations: samples per prompt (docs/generations.md)
+    samples: int = 0  # samples planned: valid prompts x generations
+    settings_mix: str = ""  # what generation k sends differently (a temperature list, derived seeds)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,7 +100,7 @@ def existing_turns(out_dir: Path, name: str) -> tuple[int, int, int]:
                 break
             try:
                 rec = json.loads(raw)
-                sid, n = str(rec["id"]), int(rec["completion_tokens"])
+                sid, n = record_key(rec), int(rec["completion_tokens"])
             except (ValueError, KeyError, TypeError):
                 break
             if sid not in seen:
@@ -109,7 +113,7 @@ def existing_turns(out_dir: Path, name: str) -> tuple[int, int, int]:
 
 def plan_dataset(p: Prepared, *, budget: int | None, out_dir: Path, expect_mean: float | None,
                  pilot_mean: float | None, pilot_n: int, throughput: float | None,
-                 in_flight: int | None = None) -> DatasetPlan:
+                 in_flight: int | None = None, settings_mix: str = "") -> DatasetPlan:
     """``mean`` (the expected completion length) is per request, so per turn of a conversation: a sample is
     expected to make ``p.turns_total / len(p.samples)`` requests on average (at most: a turn may end its
     conversation early, so multi-turn projections are upper bounds)."""
@@ -124,8 +128,8 @@ def plan_dataset(p: Prepared, *, budget: int | None, out_dir: Path, expect_mean:
         mean, source = pilot_mean, f"pilot ({pilot_n} requests)"
     else:
         mean, source = None, "unknown (give --expect-mean or --pilot N)"
-    remaining_samples = max(0, len(p.samples) - done)
-    per_sample = p.turns_total / len(p.samples) if p.samples else 1.0  # requests a sample makes, at most
+    remaining_samples = max(0, p.selected - done)  # samples: prompts x generations
+    per_sample = p.turns_total / p.selected if p.samples else 1.0  # requests a sample makes, at most
     needed: int | None = None
     projected: int | None = None
     if mean:
@@ -148,7 +152,8 @@ def plan_dataset(p: Prepared, *, budget: int | None, out_dir: Path, expect_mean:
         done_already=done, tokens_already=tokens_done, budget=budget, samples_needed=needed,
         projected_tokens=projected, eta_s=eta, order=p.order.describe(), conversations=p.conversations,
         conversation_turns=p.conversation_turns, requests_max=p.turns_total, longest_conversation=longest,
-        in_flight=(in_flight or DEFAULT_IN_FLIGHT) if p.conversations else None)
+        in_flight=(in_flight or DEFAULT_IN_FLIGHT) if p.conversations else None, generations=p.generations,
+        samples=p.selected, settings_mix=settings_mix)
 
 
 async def _pilot(urls: Sequence[str], items: Sequence[list[int]], sampling_params: dict[str, Any],
@@ -210,6 +215,10 @@ def plan_table(plans: list[DatasetPlan], throughput: float | None, context: Cont
     lines.insert(len(lines) - 1, "  ".join("-" * w for w in widths))
     for p in plans:
         lines.append(f"{p.name}: expected completion length from {p.expected_source}; order: {p.order}")
+        if p.generations > 1:
+            lines.append(f"{p.name}: {p.generations} generations of each prompt: {p.samples:,} samples, sent in "
+                         "rounds (every prompt's generation 0, then 1, ...)"
+                         + (f"; {p.settings_mix}" if p.settings_mix else ""))
         if p.conversations:
             lines.append(f"{p.name}: {p.conversations:,} multi-turn conversations, {p.conversation_turns:,} turns at "
                          f"most (longest {p.longest_conversation}); {p.requests_max:,} requests at most; the "

@@ -16,6 +16,7 @@ from typing import Any, Callable, Final, Literal, Sequence
 from budget.history import plan
 from budget.payload import ConversationPayload
 from producer.errors import input_error
+from producer.generations import SETTING as GENERATIONS, Generations, chunk_params, rounds, split_key
 from producer.modeldir import Context, ModelDirError, config_context
 from producer.order import FILE, Order, permute
 from producer.progress import progress_bar
@@ -51,10 +52,23 @@ class Prepared:
     #: (``len(plan(messages))``); their ``input_ids`` are turn 0's prompt. Empty under ``--turns last``.
     turns: dict[str, int] = field(default_factory=dict)
     turns_mode: str = LAST
+    #: ``--generations``: samples per prompt (producer/generations.py). ``samples`` are the prompts; the sample
+    #: keys are ``keys()``, in rounds.
+    generations: int = 1
 
     @cached_property
     def messages_by_id(self) -> dict[str, Any]:
         return {s.id: s.messages for s in self.samples}
+
+    def keys(self, samples: Sequence[Sample] | None = None) -> list[str]:
+        """The sample keys of ``samples`` (default the selected prompts), in the order they are sent: rounds,
+        generation 0 of every prompt first (producer/generations.py ``rounds``)."""
+        return rounds([s.id for s in (self.samples if samples is None else samples)], self.generations)
+
+    @property
+    def selected(self) -> int:
+        """Samples selected: prompts x generations."""
+        return len(self.samples) * self.generations
 
     @property
     def prompt_tokens(self) -> int:
@@ -62,21 +76,22 @@ class Prepared:
 
     @property
     def conversations(self) -> int:
-        """Selected samples that are conversations of more than one turn (``--turns all``)."""
-        return len(self.turns)
+        """Selected samples that are conversations of more than one turn (``--turns all``), every generation."""
+        return len(self.turns) * self.generations
 
     @property
     def turns_total(self) -> int:
         """The most requests the selected samples make: one each, a conversation's turns for a multi-turn one."""
-        return len(self.samples) - len(self.turns) + sum(self.turns.values())
+        return (len(self.samples) - len(self.turns) + sum(self.turns.values())) * self.generations
 
     @property
     def conversation_turns(self) -> int:
-        """The most turns the multi-turn conversations make, together."""
-        return sum(self.turns.values())
+        """The most turns the multi-turn conversations make, together (every generation)."""
+        return sum(self.turns.values()) * self.generations
 
     def turns_of(self, sample_id: str) -> int:
-        return self.turns.get(sample_id, 1)
+        """The most turns of a prompt, or of a sample key (any generation of the prompt)."""
+        return self.turns.get(split_key(sample_id)[0], 1)
 
 
 def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_invalid: bool,
@@ -301,6 +316,21 @@ class Inputs:
     context: Context = Context(0, "unknown")  # what the prompts were checked against, and where it came from
     turns: str = LAST  # --turns as given (a dataset resumed from a run before --turns may be prepared as last)
 
+
+    def set_generations(self, n: int) -> Generations:
+        """``--generations n`` over the run's sampling parameters (``sampling_params`` and ``settings`` as they will
+        be sent and stored): run.json keeps a temperature list and says ``generations`` (left out for one, so the
+        run.json of a one-generation run is what it always was); the chunks send the list's first entry, and
+        each later generation carries what it sends differently (producer/generations.py)."""
+        self.settings["sampling_params"] = dict(self.sampling_params)
+        self.sampling_params = chunk_params(self.sampling_params)
+        if n > 1:
+            self.settings[GENERATIONS] = n
+        else:
+            self.settings.pop(GENERATIONS, None)
+        for prepared in self.prepared:
+            prepared.generations = n
+        return Generations.from_params(n, self.settings["sampling_params"])
 
     def conversation(self) -> ConversationPayload | None:
         """The chunk's ``conversation`` block (budget/payload.py) when a dataset has multi-turn conversations:

@@ -36,6 +36,7 @@ from budget.runstate import RunState
 from producer.errors import ProduceError
 from producer.enqueue import (BATCH_CHUNKS, COMPRESS_THREADS, Item, JobSettings, chunk_size_for, enqueue_chunks,
                               listening_workers, make_queue)
+from producer.generations import SETTING as GENERATIONS, Generations, chunk_params, record_key, split_key
 from producer.order import FILE, SETTING as ORDER
 from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, write_failed
 from producer.prepare import ALL, LAST, TURNS_SETTING, Prepared, resume_settings, settings_diff
@@ -50,6 +51,11 @@ MAX_RECLAIMS = 3
 #: A queued chunk whose RQ job ended without the chunk ever starting (a failed job, a worker killed between
 #: dequeue and start) is checked this often and taken back.
 STALE_CHECK_S = 5.0
+
+
+def _less_generations(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings a rerun must keep: all but ``generations``, which may grow (``Producer._check_generations``)."""
+    return {key: value for key, value in settings.items() if key != GENERATIONS}
 
 
 def pid_alive(pid: int) -> bool:
@@ -88,6 +94,8 @@ class RunOptions:
     poll_s: float = 0.2
     progress_s: float = 5.0
     show_progress: bool = False  # a bar on stderr while --detach enqueues (produce: a terminal and not --quiet)
+    #: --generations and what generation k sends differently (producer/generations.py); one generation: as ever.
+    generations: Generations = field(default_factory=Generations)
 
 
 @dataclass
@@ -175,8 +183,9 @@ class Producer:
                 for note in notes:
                     self.echo(f"{prepared.name}: {note}")
                 self.effective[prepared.name] = settings
-                if stored != settings:
-                    diff = "; ".join(settings_diff(stored, settings))
+                self._check_generations(prepared.name, stored, settings)
+                if _less_generations(stored) != _less_generations(settings):
+                    diff = "; ".join(settings_diff(_less_generations(stored), _less_generations(settings)))
                     raise ProduceError(
                         f"dataset {prepared.name}: this run's settings differ from the stored run ({diff}). "
                         "Use the same options to resume, or --new-run to start the dataset over "
@@ -191,6 +200,20 @@ class Producer:
         except BaseException:
             self.release()
             raise
+
+    def _check_generations(self, name: str, stored: dict[str, Any], settings: dict[str, Any]) -> None:
+        """More generations than the stored run extends it (new rounds; nothing made is made again); fewer is a
+        settings change (exit 2): the records of the dropped rounds would stay in a run that no longer asks for
+        them. A stored run without the key made one generation."""
+        old, new = int(stored.get(GENERATIONS, 1)), int(settings.get(GENERATIONS, 1))
+        if new < old:
+            raise ProduceError(
+                f"dataset {name}: this run's settings differ from the stored run (generations: stored {old}, now "
+                f"{new}: fewer generations is a settings change). Give --generations {old} (or more) to resume, or "
+                "--new-run to start the dataset over (its old output is kept aside).", 2)
+        if new > old:
+            self.echo(f"{name}: --generations {new} extends the stored run of {old}: generations {old}..{new - 1} "
+                      "are new samples")
 
     def _turns_of(self, prepared: Prepared) -> str:
         """The --turns mode a dataset runs in: its stored run's (a run stored before --turns: ``last``), or
@@ -328,14 +351,17 @@ class Producer:
         if ORDER not in settings and ORDER in self.opt.settings and p.order.mode != FILE:
             # Stored before --order, found in Redis but not in run.json (which prepare looked at): file order.
             samples = sorted(p.samples, key=lambda s: s.line)
-        # The to-do list: the selected samples in the run's order (producer/order.py) - done - held by a live chunk.
+        # The to-do list: the selected samples in the run's order (producer/order.py), in rounds of generations
+        # (producer/generations.py) - done - held by a live chunk.
         # A started conversation (in convs) is not done: unless a live chunk holds it, it is enqueued again and its
         # worker resumes it at the turn Redis has (docs/multiturn.md).
-        todo = deque(s.id for s in samples if s.id not in done_ids and s.id not in held)
+        keys = p.keys(samples)
+        todo = deque(k for k in keys if k not in done_ids and k not in held)
         return DatasetRun(prepared=p, out=out, lock_token=token, todo=todo, chunk_samples=chunk_samples,
                           done=done_ids, budget=budget, reasoning_parser=settings.get("reasoning_parser"),
-                          sampling_params=dict(settings.get("sampling_params") or self.opt.sampling_params),
-                          resuming=resuming & {s.id for s in samples})
+                          sampling_params=chunk_params(dict(settings.get("sampling_params")
+                                                            or self.opt.sampling_params)),
+                          resuming=resuming & set(keys))
 
     def _reopen_failed(self, name: str, out: ResultsFile, skip: set[str]) -> set[str]:
         """The failed conversations on disk (last record ``stopped_by: failed``) made committed-unwritten again
@@ -488,9 +514,9 @@ class Producer:
             self.echo(f"{d.name}: chunk {cid} lost its worker; its unfinished samples go back in the queue")
         live = self.ledger.live_chunks(d.name)
         messages = d.prepared.messages_by_id
-        for rec in collect(self.store, d.name, d.out, lambda sid: messages.get(sid)):
+        for rec in collect(self.store, d.name, d.out, lambda sid: messages.get(split_key(sid)[0])):
             d.rate.append((time.monotonic(), int(rec["completion_tokens"])))
-            d.resuming.discard(rec["id"])
+            d.resuming.discard(record_key(rec))
         # What is on disk is done, including results a failed collect wrote before Redis could drop them (but not
         # the old record of a failed conversation this run carries on).
         d.done.update(d.out.tokens.keys() - d.done - d.resuming)
@@ -510,7 +536,7 @@ class Producer:
                                "run the same produce command again to recount from the output files.", 1)
         d.status, d.used = state.status, state.used
         d.turns_committed = int(state.stats.get("turns", 0) or 0)
-        self.store.set_progress(d.name, selected=len(d.prepared.samples), todo=len(d.todo))
+        self.store.set_progress(d.name, selected=d.prepared.selected, todo=len(d.todo))
         if state.status != "open":
             if state.queued_chunks or state.discards_to_mark:
                 self.ledger.discard(d.name, "budget reached")
@@ -650,12 +676,15 @@ class Producer:
                 chunks_left -= len(chunks)
             yield chunks
 
-    @staticmethod
-    def _item(p: Prepared, sid: str) -> Item:
-        turns = p.turns_of(sid)
+    def _item(self, p: Prepared, key: str) -> Item:
+        """The sample ``key``: its prompt's rendering, and what its generation sends differently from the chunk."""
+        pid, generation = split_key(key)
+        overrides = self.opt.generations.overrides(pid, generation)
+        turns = p.turns_of(pid)
         if turns == 1:
-            return Item(sid, p.input_ids[sid], p.opens_think[sid])
-        return Item(sid, p.input_ids[sid], p.opens_think[sid], messages=p.messages_by_id[sid], turns=turns)
+            return Item(key, p.input_ids[pid], p.opens_think[pid], sampling_params=overrides)
+        return Item(key, p.input_ids[pid], p.opens_think[pid], messages=p.messages_by_id[pid], turns=turns,
+                    sampling_params=overrides)
 
     # -- reporting -------------------------------------------------------------------------------------
     def progress_line(self) -> str:
@@ -674,9 +703,9 @@ class Producer:
             turns = ""
             if d.prepared.conversations or d.turns_committed:  # --turns all: multi-turn conversations' turns
                 p = d.prepared
-                ended = sum(1 for sid in p.turns if sid in d.done)
+                ended = sum(1 for sid in d.done if p.turns_of(sid) > 1)
                 turns = f" conversations {ended}/{p.conversations} turns {d.turns_committed}/{p.conversation_turns}"
-            parts.append(f"{d.name}: {state} tokens {budget} samples {len(d.done)}/{len(d.prepared.samples)}{turns} "
+            parts.append(f"{d.name}: {state} tokens {budget} samples {len(d.done)}/{d.prepared.selected}{turns} "
                          f"{tps:.0f} tok/s{eta}")
         return " | ".join(parts)
 
@@ -685,12 +714,13 @@ class Producer:
         for d in self.runs:
             p = d.prepared
             closed = d.status == "closed"
-            complete = all(s.id in d.done or s.id in d.failed for s in p.samples)
+            keys = p.keys()
+            complete = all(k in d.done or k in d.failed for k in keys)
             status = "complete" if complete else ("budget reached" if closed else
                                                   ("running (detached)" if d.chunk_samples else "incomplete"))
-            not_run = sum(1 for s in p.samples if s.id not in d.done and s.id not in d.failed)
+            not_run = sum(1 for k in keys if k not in d.done and k not in d.failed)
             out.append(DatasetSummary(
-                name=d.name, status=status, done=len(d.done), selected=len(p.samples), tokens=d.used,
+                name=d.name, status=status, done=len(d.done), selected=p.selected, tokens=d.used,
                 budget=d.budget, failed=d.failed, not_run=not_run, invalid=len(p.invalid),
                 duplicates=len(p.duplicates), over_context=len(p.over_context),
                 output=self.opt.out_dir / d.name / RESULTS))

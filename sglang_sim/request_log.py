@@ -26,7 +26,8 @@ class RequestLog:
         # O_APPEND: every write lands at the current end, whoever else appends; 0o644 like any log.
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def write(self, *, rid: str, prompt: list[int] | str, body: dict[str, Any], port: int) -> None:
+    def write(self, *, rid: str, prompt: list[int] | str, body: dict[str, Any], port: int,
+              sampling_params: dict[str, Any] | None = None) -> None:
         """One line for one answer: what was sent (``input_ids``, or ``input_text`` for a text prompt) and what
         the server answered (``output_ids``, ``text``, ``finish_reason``, ``completion_tokens``)."""
         if self._fd is None:
@@ -36,6 +37,8 @@ class RequestLog:
         entry["input_ids" if isinstance(prompt, list) else "input_text"] = prompt
         entry.update(output_ids=body["output_ids"], text=body["text"], finish_reason=meta["finish_reason"],
                      completion_tokens=meta["completion_tokens"])
+        if sampling_params is not None:  # what the request asked for (temperature, seed), as sent
+            entry["sampling_params"] = sampling_params
         line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
         written = 0
         while written < len(line):  # a regular file takes it in one write; loop only for a short write

@@ -141,7 +141,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if injected_abort:
         faults.counters.aborts_injected += 1
     if st.request_log is not None:  # answered as the contract says (a mangled reply above is not an answer)
-        st.request_log.write(rid=rid, prompt=spec.raw_prompt, body=body, port=st.cfg.port)
+        st.request_log.write(rid=rid, prompt=spec.raw_prompt, body=body, port=st.cfg.port,
+                             sampling_params=spec.sampling_params)
     return web.json_response(body)
 
 

@@ -69,6 +69,8 @@ class GenerateSpec:
     sampling_seed: int | None
     greedy: bool
     skip_special_tokens: bool = True  # SGLang's default: special tokens left out of `text`
+    #: the request's sampling_params as sent (for the request log: which temperature and seed a request asked for)
+    sampling_params: dict[str, Any] | None = None
 
 
 def _is_int(v: object) -> bool:
@@ -216,4 +218,5 @@ def parse_generate(body: object, cfg: SimConfig) -> GenerateSpec:
         sampling_seed=sampling["sampling_seed"],
         greedy=sampling["greedy"],
         skip_special_tokens=sampling["skip_special_tokens"],
+        sampling_params=dict(body.get("sampling_params") or {}),
     )

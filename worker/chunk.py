@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from budget.payload import ChunkPayload, SamplePayload, request_id
+from budget.payload import ChunkPayload, SamplePayload, request_id, sampling_params_of
 from budget.record import make_record, make_turn
 from worker.config import WorkerConfig
 from worker.reasoning import parse_turn, split_reasoning
@@ -121,6 +121,6 @@ def result_record(dataset: str, sample: SamplePayload, gen: Generation, chunk: C
                      prompt_ids=sample["input_ids"], output_ids=gen.output_ids, **parsed)
     rec = make_record(sample_id=sample["id"], dataset=dataset, turns=[turn],
                       reasoning_parser=chunk.get("reasoning_parser"),
-                      sampling_params=chunk["sampling_params"])
+                      sampling_params=sampling_params_of(chunk, sample))
     del rec["messages"]
     return rec

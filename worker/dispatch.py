@@ -34,7 +34,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 from rq.serializers import JSONSerializer
 
 from budget.ledger import LEASE_MS, REDIS_DOWN, Admission, Admit, Call, LengthSample, Ledger
-from budget.payload import ChunkPayload, SamplePayload
+from budget.payload import ChunkPayload, SamplePayload, sampling_params_of
 from budget.serverinfo import public_url
 from worker.batch import Batcher
 from worker.chunk import CLOSE_REASON, ChunkReport, generate_sample, result_record
@@ -373,7 +373,7 @@ class Dispatcher:
             try:
                 try:
                     gen = await generate_sample(self.client, self.config, rc.dataset, sample,
-                                                rc.chunk["sampling_params"], report)
+                                                sampling_params_of(rc.chunk, sample), report)
                 finally:
                     # A slot is a request at SGLang: the next sample may start while this one is committed.
                     # Held until the commit's reply, each slot spent ~1/3 of its time waiting on Redis

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from budget.history import plan
 from budget.ledger import EndVerdict, TurnAdmit, TurnVerdict
-from budget.payload import SamplePayload, turn_request_key
+from budget.payload import SamplePayload, sampling_params_of, turn_request_key
 from budget.record import make_turn
 from budget.serverinfo import public_url
 from worker.chunk import CLOSE_REASON, generate_sample, parse_response
@@ -54,7 +54,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
     committed turns already (another worker started it); its turn 0 was not admitted with the chunk."""
     from worker.tokenizer_cache import TokenizerFault
     dataset, sid, report, chunk = rc.dataset, sample["id"], rc.report, rc.chunk
-    sampling_params = chunk["sampling_params"]
+    sampling_params = sampling_params_of(chunk, sample)  # the generation's override, for every turn
     max_new = int(sampling_params["max_new_tokens"])
     steps = plan(sample["messages"])
     turns: list[dict[str, Any]] = []
