@@ -33,7 +33,7 @@ from typing import IO, Any, Final, Mapping, Sequence
 from budget import history, record
 from producer.exportfiles import (DEFAULT_THINK, MANIFEST, ExportError, Results, atomic, check_dest, failed_ids,
                                   markers, run_settings)
-from producer.exportrows import SHAREGPT_FROM, conversation_row, is_truncated, turn_rows
+from producer.exportrows import SHAREGPT_FROM, conversation_row, generation, is_truncated, turn_rows
 from producer.manifest import SERVER_INFO_KEYS, Stats, read_manifest, template_hash, write_manifest, write_manifest_of
 from producer.generations import record_key
 from producer.output import RESULTS, STOPPED_BY_FAILED
@@ -238,7 +238,7 @@ def _rows(rec: Mapping[str, Any], points: list[int], checked: list[tuple[list[in
             if pair is None:
                 continue
             prompt, output = pair
-            row: dict[str, Any] = {"id": rec["id"], "generation": int(rec.get("generation") or 0), "turn": i, "input_ids": prompt + output,
+            row: dict[str, Any] = {"id": rec["id"], **generation(rec), "turn": i, "input_ids": prompt + output,
                                    "loss_mask": [0] * len(prompt) + [1] * len(output)}
             if is_truncated(rec):
                 row["truncated"] = True

@@ -78,11 +78,17 @@ def _shaped(fmt: str, messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"conversations": [sharegpt_turn(m) for m in messages]}
 
 
+def generation(rec: Mapping[str, Any]) -> dict[str, int]:
+    """A row's ``generation`` (docs/generations.md), after its ``id``: the record's; none for a record written
+    before generations, whose rows stay what they were."""
+    return {"generation": int(rec["generation"])} if "generation" in rec else {}
+
+
 def conversation_row(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, think: tuple[str, str],
                      points: Sequence[int]) -> dict[str, Any]:
     """One conversation: the record's messages with every regenerated turn at its answer point (a one-turn
     record: the messages, then the turn)."""
-    out: dict[str, Any] = {"id": rec["id"], "generation": int(rec.get("generation") or 0)}
+    out: dict[str, Any] = {"id": rec["id"], **generation(rec)}
     out.update(_shaped(fmt, history.conversation(rec["messages"], answers(rec, reasoning_mode, think), points)))
     if is_truncated(rec):
         out["truncated"] = True
@@ -98,7 +104,7 @@ def turn_rows(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, think: tupl
     past = [history.history_message(t) for t in rec["turns"]]
     rows = []
     for i, answer in enumerate(written):
-        row: dict[str, Any] = {"id": rec["id"], "generation": int(rec.get("generation") or 0), "turn": i}
+        row: dict[str, Any] = {"id": rec["id"], **generation(rec), "turn": i}
         row.update(_shaped(fmt, [*history.conversation(rec["messages"], past, points, upto=i), answer]))
         if is_truncated(rec):
             row["truncated"] = True

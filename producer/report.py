@@ -1,7 +1,14 @@
 """The summary table ``produce`` prints when it ends."""
 from __future__ import annotations
 
+from producer.generations import split_key
 from producer.run import DatasetSummary
+
+
+def sample_name(key: str) -> str:
+    """A sample key as a person reads it: the id, with ``(generation k)`` for k >= 1 (producer/generations.py)."""
+    prompt, generation = split_key(key)
+    return prompt if generation == 0 else f"{prompt} (generation {generation})"
 
 
 def _fmt(n: int | None) -> str:
@@ -21,7 +28,7 @@ def summary_table(rows: list[DatasetSummary], detached: bool = False, max_failed
             continue
         lines.append(f"{r.name}: {r.output}")
         for sid in sorted(r.failed)[:max_failed]:
-            lines.append(f"  failed {sid}: {r.failed[sid].get('reason')}")
+            lines.append(f"  failed {sample_name(sid)}: {r.failed[sid].get('reason')}")
         if len(r.failed) > max_failed:
             lines.append(f"  ... and {len(r.failed) - max_failed} more in {r.output.parent / 'failed.jsonl'}")
     if detached:
