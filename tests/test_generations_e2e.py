@@ -114,3 +114,21 @@ def test_rounds_under_a_budget_keep_the_most_distinct_prompts(redis_url: str, r:
     res = produce([*args, "--budget", "6000"], redis_url)
     assert res.returncode == 0, res.stderr
     assert check_samples(r, out, CODE_DS) == recs
+
+
+def test_dry_run_plans_n_times_the_prompts_and_says_the_mix(redis_url: str, r: "redis.Redis",
+                                                           tokenizer_dir: Path, tmp_path: Path) -> None:
+    before = r.dbsize()
+    args = [str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "300", "--out", str(tmp_path / "out"),
+            "--turns", "last", "--dry-run", "--expect-mean", "100", "--generations", "3", "--temperature",
+            "0,0.6,1.0", "--seed", "9"]
+    res = produce([*args, "--json"], redis_url)
+    assert res.returncode == 0, res.stderr
+    [plan] = json.loads(res.stdout)["datasets"]
+    assert (plan["valid"], plan["generations"], plan["samples"], plan["samples_needed"]) == (150, 3, 450, 450)
+    assert "temperature 0, 0.6, 1" in plan["settings_mix"] and "derived from (9, id, k)" in plan["settings_mix"]
+    res = produce(args, redis_url)
+    assert res.returncode == 0 and "3 generations of each prompt: 450 samples, sent in rounds" in res.stdout
+    res = produce([*args[:-6], "--temperature", "0,1"], redis_url)  # a list without --generations
+    assert res.returncode == 2 and "--temperature 0,1: a list goes with --generations N > 1" in res.stderr
+    assert r.dbsize() == before
