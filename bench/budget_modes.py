@@ -17,11 +17,21 @@ simulator's lengths drawn from another seed; ``--tapers`` runs predict once per 
 estimate, as before it). The taper table then gives, per budget size and taper, the median and largest
 overshoot, how many runs land in the issue's bound [0, max(0.5% of the budget, max_new_tokens)], and the median
 simulated time from 90% of the budget to the close.
+
+Multi-turn (issue 14, bench 3): ``--turns 3`` runs the modes on 3-turn conversations (bench/multiturn.py's
+dataset: system, u1, a1, u2, a2, u3, the dataset's answers never sent) with ``produce --turns all``, the
+simulator answering in the demo tokenizer's real ids (``--tokenizer``, as bench 1: a re-rendered answer is as
+long in the next prompt as it was generated). ``--turns 1,3`` runs single-turn and 3-turn side by side in one
+command. The multi-turn table adds conversations and turns on disk, how they stopped, and the checks: predict in
+[0, bound], strict over <= 0 and under by at most one max_new_tokens.
+
+    python -m bench.budget_modes --turns 1,3 --results budget_modes_turns.json   # ~12 minutes
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import threading
@@ -30,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import Stack, produce_cmd, scratch, write_prompts
+from bench.multiturn import DATASET as CONV_DATASET, PARSER, write_conversations
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -68,13 +79,19 @@ class Watch(threading.Thread):
 
 
 def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: Path, budget: int | None = None,
-             seed: int | None = None, taper: str | None = None, model_error: str | None = None) -> dict[str, Any]:
+             seed: int | None = None, taper: str | None = None, model_error: str | None = None,
+             turns: int = 1) -> dict[str, Any]:
     budget = args.budget if budget is None else budget
     seed = args.seed if seed is None else seed
+    name = "prompts" if turns == 1 else CONV_DATASET
     sim = ["--length-dist", "lognormal", "--mean-tokens", str(args.mean), "--sigma", str(args.sigma),
            "--tokens-per-second-per-request", str(args.per_request_tps), "--saturation-batch", "256",
            "--max-running", "256", "--time-scale", str(args.time_scale), "--seed", str(seed),
            "--prefix-cache-pages", "0"]
+    multi: list[str] = []
+    if turns > 1:  # real ids, so an answer re-rendered into the next prompt is as long as it was generated
+        sim += ["--tokenizer", str(tok), "--no-reasoning", "--context-length", "131072"]
+        multi = ["--turns", "all", "--reasoning-parser", PARSER]
     # Reservations are restated every simulated 2 s (1 s of real time at --time-scale 1 is the default).
     env = {"BUDGETQ_CONCURRENCY": str(args.in_flight // args.workers),
            "BUDGETQ_RESERVE_INTERVAL": str(max(0.02, 2.0 / args.time_scale))}
@@ -83,13 +100,13 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
     if model_error is not None:
         env["BUDGETQ_PREDICT_MODEL_ERROR"] = model_error
     label = (f"{mode}-b{budget}-s{seed}" + (f"-t{taper}" if taper is not None else "")
-             + (f"-z{model_error}" if model_error is not None else ""))
+             + (f"-z{model_error}" if model_error is not None else "") + f"-turns{turns}")
     with Stack(work / label, sim_args=sim, workers=args.workers, worker_env=env) as stack:
-        watch = Watch(stack, "prompts", budget)
+        watch = Watch(stack, name, budget)
         watch.start()
         t0 = time.monotonic()
         out = work / label / "out"
-        res = subprocess.run([*produce_cmd(), f"prompts={data}", "--tokenizer", str(tok), "--max-tokens",
+        res = subprocess.run([*produce_cmd(), f"{name}={data}", *multi, "--tokenizer", str(tok), "--max-tokens",
                               str(args.max_tokens), "--budget", str(budget), "--budget-mode", mode,
                               "--chunk-size", str(args.chunk_size), "--queue-depth", "8", "--max-context", "65536",
                               "--expect-mean", str(args.mean), "--out", str(out), "--redis-url", stack.redis_url,
@@ -99,16 +116,27 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
         watch.join()
         if res.returncode != 0:
             raise RuntimeError(f"{mode}: produce failed: {res.stderr[-2000:]}")
-        recs = [json.loads(line) for line in (out / "prompts" / "raw_responses.jsonl").read_text().splitlines()]
+        recs = [json.loads(line) for line in (out / name / "raw_responses.jsonl").read_text().splitlines()]
         r = stack.client()
-        meta = {k.decode(): v.decode() for k, v in r.hgetall("bq:ds:{prompts}").items()}
-        stats = {k.decode(): v.decode() for k, v in r.hgetall("bq:ds:{prompts}:stats").items()}
+        meta = {k.decode(): v.decode() for k, v in r.hgetall(f"bq:ds:{{{name}}}").items()}
+        stats = {k.decode(): v.decode() for k, v in r.hgetall(f"bq:ds:{{{name}}}:stats").items()}
+        used = int(r.get(f"bq:ds:{{{name}}}:used") or 0)
+        unwritten = sum(int(v) for v in r.hvals(f"bq:ds:{{{name}}}:turns"))
         total = sum(x["completion_tokens"] for x in recs)
         sim_stats = stack.sim_stats()
         t90 = watch.t90 or t_end
         (work / f"{label}-history.json").write_text(json.dumps(watch.history))
+        stopped: dict[str, int] = {}
+        for x in recs:
+            key = str(x.get("stopped_by"))
+            stopped[key] = stopped.get(key, 0) + 1
         return {
-            "mode": mode, "budget": budget, "seed": seed, "taper": taper, "model_error": model_error, "tokens": total, "ratio": total / budget,
+            "turns_mode": turns, "conversations": len(recs),
+            "turns_on_disk": sum(len(x.get("turns") or [1]) for x in recs), "stopped_by": stopped,
+            "redis_used": used, "unwritten_turn_tokens": unwritten, "drift": used - total - unwritten,
+            "loadavg_1_5_15": os.getloadavg(),
+            "mode": mode, "budget": budget, "seed": seed, "taper": taper, "model_error": model_error,
+            "tokens": total, "ratio": total / budget,
             "samples": len(recs), "discarded_samples": int(meta.get("todo", 0)),
             "discarded_chunks": int(meta.get("discarded_chunks", 0)), "late": int(stats.get("late", 0)),
             "s_90_to_close": (watch.t_closed - t90) if watch.t_closed else None,
@@ -132,6 +160,28 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['discarded_samples']} / {r['discarded_chunks']} | "
             + (f"{close:.1f} s / {r['sim_s_90_to_close']:.0f} s" if close else "-")
             + f" | {r['s_90_to_end']:.1f} s / {r['sim_s_90_to_end']:.0f} s | {vs} |")
+    return "\n".join(lines)
+
+
+def turns_table(rows: list[dict[str, Any]], max_new: int) -> str:
+    """Issue 14's bench 3: each mode at each turns setting, side by side, with the target checked: predict in
+    [0, max(0.5% of the budget, max_new_tokens)], strict never over and under by at most one max_new_tokens,
+    drain reported; and the invariant used = Σ on disk + Σ committed turns not written (drift)."""
+    lines = ["| turns | mode | final tokens / budget | over budget | target | conversations on disk (turns) | "
+             "stopped_by | never sent / chunks discarded | 90% -> close / last commit (simulated) | drift | load (1 min) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        over, budget = r["tokens"] - r["budget"], r["budget"]
+        bound = max(0.005 * budget, max_new)
+        target = {"predict": f"[0, {bound:,.0f}]: " + ("**met**" if 0 <= over <= bound else "**not met**"),
+                  "strict": f"[-{max_new:,}, 0]: " + ("**met**" if -max_new <= over <= 0 else "**not met**")
+                  }.get(r["mode"], "(reported)")
+        close = f"{r['sim_s_90_to_close']:.0f} s" if r["sim_s_90_to_close"] is not None else "-"
+        stops = ", ".join(f"{k}: {v}" for k, v in sorted(r.get("stopped_by", {}).items()))
+        lines.append(f"| {r.get('turns_mode', 1)} | {r['mode']} | {r['ratio']:.4f} | {over:+,} ({over / budget:+.2%}) | "
+                     f"{target} | {r.get('conversations', r['samples'])} ({r.get('turns_on_disk', '-')}) | {stops} | "
+                     f"{r['discarded_samples']} / {r['discarded_chunks']} | {close} / {r['sim_s_90_to_end']:.0f} s | "
+                     f"{r.get('drift', '-')} | {r.get('loadavg_1_5_15', [float('nan')])[0]:.2f} |")
     return "\n".join(lines)
 
 
@@ -178,30 +228,40 @@ def main() -> None:
     ap.add_argument("--model-errors", default="",
                     help="comma list of BUDGETQ_PREDICT_MODEL_ERROR values for predict (0 = off), e.g. 1,0")
     ap.add_argument("--results", default="budget_modes.json", help="file name under bench/results/")
+    ap.add_argument("--turns", default="1", help="comma list of turns per conversation: 1 (single-turn prompts) "
+                    "and/or 3 (3-turn conversations, produce --turns all), e.g. 1,3")
     args = ap.parse_args()
     budgets = ([round(float(f) * args.in_flight * args.mean) for f in args.budget_factors.split(",")]
                if args.budget_factors else [args.budget])
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     tapers: list[str | None] = [t.strip() for t in args.tapers.split(",")] if args.tapers else [None]
     errors: list[str | None] = [z.strip() for z in args.model_errors.split(",")] if args.model_errors else [None]
+    turns_list = [int(x) for x in args.turns.split(",")]
+    if any(t not in (1, 3) for t in turns_list):
+        ap.error(f"--turns {args.turns}: each value must be 1 or 3")
     n_prompts = int(max(budgets) / args.mean * 1.6) + args.in_flight
     results = []
     with scratch("modes") as work:
         tok = build_tokenizer(work / "tok")
-        data = write_prompts(work / "prompts.jsonl", n_prompts)
+        datasets = {1: write_prompts(work / "prompts.jsonl", n_prompts)} if 1 in turns_list else {}
+        if 3 in turns_list:  # a conversation is ~3 turns' worth of the budget
+            datasets[3] = write_conversations(work / "convs.jsonl", int(max(budgets) / args.mean / 3 * 1.6)
+                                              + args.in_flight)
         for seed in seeds:  # seed-major: a run cut short still has every case of its first seeds
             for budget in budgets:
-                for mode in args.modes.split(","):
+                for mode, turns in [(m, t) for m in args.modes.split(",") for t in turns_list]:
                     for taper in (tapers if mode == "predict" else [None]):
                         for model_error in (errors if mode == "predict" else [None]):
-                            row = run_mode(mode, args, tok, data, work, budget=budget, seed=seed, taper=taper,
-                                           model_error=model_error)
+                            row = run_mode(mode, args, tok, datasets[turns], work, budget=budget, seed=seed,
+                                           taper=taper, model_error=model_error, turns=turns)
                             print(json.dumps(row), flush=True)
                             results.append(row)
                             RESULTS.mkdir(exist_ok=True)
                             (RESULTS / args.results).write_text(
                                 json.dumps({"args": vars(args), "rows": results}, indent=2) + "\n")
-    if any(r["mode"] == "drain" for r in results) and len(budgets) == 1 and len(seeds) == 1:
+    if turns_list != [1]:
+        print(turns_table(results, args.max_tokens))
+    elif any(r["mode"] == "drain" for r in results) and len(budgets) == 1 and len(seeds) == 1:
         print(table(results))
     if any(r["mode"] == "predict" for r in results):
         print(taper_table(results, args.in_flight, args.mean, args.max_tokens))
