@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from bench import chaos_auth, chaos_outage, chaos_redis, chaos_sglang, chaos_workers
+from bench import chaos_auth, chaos_outage, chaos_redis, chaos_sglang, chaos_turns, chaos_workers
 from bench.chaos_audit import Result
 from bench.chaos_run import SCALES, Ctx, Scale
 from bench.harness import scratch, write_prompts
@@ -32,6 +32,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SCENARIOS: dict[str, tuple[str, Callable[[Ctx], Result]]] = {
     "worker-kill": ("kill -9 a whole worker every 5 s (ci: 3 s), a replacement started at once",
                     chaos_workers.worker_kill),
+    "worker-kill-turns": ("kill -9 a worker every 5 s (ci: 3 s) during a produce --turns all run of 3-turn "
+                          "conversations; per-turn checks from the simulator's request log", chaos_turns.worker_kill_turns),
+    "worker-kill-turns-budget": ("the same with a budget of half the run: kills go on past the close",
+                                 chaos_turns.worker_kill_turns_budget),
     "worker-restart": ("kill -9 + restart under the same name; a chunk run twice; finished chunks requeued",
                        chaos_workers.worker_restart),
     "sigterm": ("SIGTERM every worker mid-run", chaos_workers.sigterm_all),
