@@ -34,7 +34,7 @@ SCENARIOS: dict[str, tuple[str, Callable[[Ctx], Result]]] = {
                     chaos_workers.worker_kill),
     "worker-kill-turns": ("kill -9 a worker every 5 s (ci: 3 s) during a produce --turns all run of 3-turn "
                           "conversations; per-turn checks from the simulator's request log", chaos_turns.worker_kill_turns),
-    "worker-kill-turns-budget": ("the same with a budget of half the run: kills go on past the close",
+    "worker-kill-turns-budget": ("the same with a budget of 30% of the run: kills go on for 60 s past the close",
                                  chaos_turns.worker_kill_turns_budget),
     "worker-restart": ("kill -9 + restart under the same name; a chunk run twice; finished chunks requeued",
                        chaos_workers.worker_restart),

@@ -2,7 +2,7 @@
 carries 3-turn conversations, a replacement started at once, and check the promise per turn.
 
     python -m bench.chaos --scenario worker-kill-turns          # no budget: every conversation to its end
-    python -m bench.chaos --scenario worker-kill-turns-budget   # a budget of half the run: kills go on past the close
+    python -m bench.chaos --scenario worker-kill-turns-budget   # a budget of 30% of the run: kills go on for 60 s past the close
 
 Checks, beyond bench/chaos_audit.py's (every conversation once, none lost, no traceback):
 - the invariant (docs/multiturn.md): Redis ``used`` = Σ completion_tokens in the file + Σ committed turns not yet
@@ -66,6 +66,8 @@ def turn_audit(res: Result, st: ChaosStack, out: Path, log: Path, n: int) -> dic
     unwritten = sum(int(v) for v in r.hvals(KEYS + ":turns"))
     file_tokens = sum(int(x["completion_tokens"]) for x in recs)
     stats_turns = int(r.hget(KEYS + ":stats", "turns") or 0)
+    unwritten_turns = int(r.hlen(KEYS + ":turns"))
+    stranded = [k.decode() for k in r.hkeys(KEYS + ":convs")]
     disk_turns = sum(len(x.get("turns") or []) for x in recs)
     bad_sums = [x["id"] for x in recs if int(x["completion_tokens"]) != sum(int(t["completion_tokens"])
                                                                              for t in x.get("turns") or [])]
@@ -96,14 +98,19 @@ def turn_audit(res: Result, st: ChaosStack, out: Path, log: Path, n: int) -> dic
         "log_answers": sum(len(v) for v in answers.values()), "answers_per_turn": dict(sorted(per_turn.items())),
         "committed_turns_regenerated": len(regenerated), "answered_not_committed_then_redone": redone,
         "answered_after_the_conversation_ended": beyond, "committed_turns_missing_from_log": len(missing),
-        "turns_counted_twice": stats_turns - disk_turns, "stopped_by": dict(stopped),
+        "turns_counted_twice": stats_turns - disk_turns - unwritten_turns, "unwritten_turns": unwritten_turns,
+        "conversations_with_committed_turns_not_written": len(stranded), "stopped_by": dict(stopped),
     }
     res.figures.update(figures)
     res.check("drift 0: used = Σ file + Σ unwritten turns", figures["turn_drift"] == 0,
               f"used {used}, file {file_tokens}, unwritten {unwritten}")
     res.check("each record's completion_tokens = Σ its turns", not bad_sums, bad_sums[:5])
-    res.check("0 turns counted twice (stats.turns = turns on disk, none beyond the plan)",
-              stats_turns == disk_turns and not too_many, f"stats {stats_turns}, disk {disk_turns}, {too_many[:5]}")
+    res.check("0 turns counted twice (stats.turns = turns on disk + turns still in Redis, none beyond the plan)",
+              stats_turns == disk_turns + unwritten_turns and not too_many,
+              f"stats {stats_turns}, disk {disk_turns}, in Redis {unwritten_turns}, {too_many[:5]}")
+    res.check("0 lost turns: no committed turn left unwritten when produce exits", not stranded and not unwritten,
+              f"{len(stranded)} conversations ({unwritten_turns} turns, {unwritten} tokens) still in Redis, "
+              f"e.g. {stranded[:5]}")
     res.check("0 committed turns regenerated (server's log)", not regenerated, regenerated[:5])
     res.check("every committed turn is in the server's log", not missing, missing[:5])
     return figures
@@ -143,14 +150,18 @@ def _kill_run(ctx: Ctx, scenario: str, budget_share: float | None) -> Result:
         kills, kills_after_close, t_last = 0, 0, 0.0
         loads = [os.getloadavg()[0]]
         t_first = time.monotonic()
+        t_closed: float | None = None
 
         def going() -> bool:
             if prod.proc.poll() is not None:
                 return False
-            if time.monotonic() - t_first > KILL_PHASE_S:
-                return False
-            # with a budget: through the close, until produce is done; without: until 70% is written
-            return budget is not None or r.hlen(KEYS + ":done") < 0.7 * n
+            now = time.monotonic()
+            if budget is not None:  # through the close: until KILL_PHASE_S after it (at most 3 x KILL_PHASE_S)
+                nonlocal t_closed
+                if t_closed is None and r.hget(KEYS, "status") != b"open":
+                    t_closed = now
+                return now - t_first < 3 * KILL_PHASE_S and (t_closed is None or now - t_closed < KILL_PHASE_S)
+            return now - t_first < KILL_PHASE_S and r.hlen(KEYS + ":done") < 0.7 * n
 
         while going():
             slot = kills % len(names)
@@ -167,7 +178,11 @@ def _kill_run(ctx: Ctx, scenario: str, budget_share: float | None) -> Result:
         rc = prod.finish(st, 240 + n / 5, res=res)
         watch.stop()
         t_end = time.monotonic()
-        figures = audit(res, st, st.workdir / "out", conv_ids(n), log_files(st.workdir))
+        # With a budget, a conversation never sent, or whose first turn was never committed, is not lost: the
+        # audit's ids are those with a committed turn (on disk, or still in Redis' convs: stranded).
+        on_disk = {str(x["id"]) for x in read_jsonl(st.workdir / "out" / DATASET / "raw_responses.jsonl")}
+        ids = conv_ids(n) if budget is None else sorted(on_disk | {k.decode() for k in r.hkeys(KEYS + ":convs")})
+        figures = audit(res, st, st.workdir / "out", ids, log_files(st.workdir))
         turn_audit(res, st, st.workdir / "out", log, n)
         res.figures.pop("wasted", None)  # audit's is per sample; per turn below
         res.figures.update(
@@ -191,6 +206,6 @@ def worker_kill_turns(ctx: Ctx) -> Result:
 
 
 def worker_kill_turns_budget(ctx: Ctx) -> Result:
-    """The same with a budget of half the run (predict): the dataset closes mid-run and the kills go on, so some
+    """The same with a budget of 30% of the run (predict): the dataset closes mid-run and the kills go on, so some
     conversations lose their worker after the close and are ended by produce with stopped_by budget."""
-    return _kill_run(ctx, "worker-kill-turns-budget", 0.5)
+    return _kill_run(ctx, "worker-kill-turns-budget", 0.3)
