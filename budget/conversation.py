@@ -125,10 +125,11 @@ def header(*, sample_id: str, dataset: str, sent: list[dict[str, Any]], turns: S
 
 def end_as_is(ledger: Any, name: str, sample_id: str, messages: Sequence[Mapping[str, Any]], *,
               reasoning_parser: str | None, sampling_params: Mapping[str, Any],
-              stopped_by: str = BUDGET) -> Any:
+              stopped_by: str = BUDGET, failed_reason: str | None = None) -> Any:
     """End a started conversation with the turns it has (``stopped_by`` budget): for one no worker carries any
     more and none may pick up, because its dataset closed after the worker carrying it died (a closed dataset
-    starts nothing, and its queued chunks are discarded). Its committed turns are counted; this writes them.
+    starts nothing, and its queued chunks are discarded); or ``failed`` with ``failed_reason`` for one whose
+    workers died too often (producer/run.py: a rerun reopens it at the turn it had reached). Its committed turns are counted; this writes them.
     Returns the EndOutcome; MISMATCH means a worker committed a turn meanwhile (it is carried on after all)."""
     from budget.history import plan
     turns = ledger.committed_turns(name, sample_id)
@@ -137,5 +138,6 @@ def end_as_is(ledger: Any, name: str, sample_id: str, messages: Sequence[Mapping
     state = walk(plan(messages), turns)
     rec = header(sample_id=sample_id, dataset=name, sent=state.messages, turns=turns,
                  stopped_by=state.stopped_by if state.prompt is None else stopped_by,
-                 reasoning_parser=reasoning_parser, sampling_params=sampling_params)
+                 reasoning_parser=reasoning_parser, sampling_params=sampling_params,
+                 failed_reason=failed_reason if state.prompt is not None else None)
     return ledger.end_conversation(name, sample_id, len(turns), rec)

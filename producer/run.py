@@ -38,7 +38,7 @@ from producer.enqueue import (BATCH_CHUNKS, COMPRESS_THREADS, Item, JobSettings,
                               listening_workers, make_queue)
 from producer.generations import SETTING as GENERATIONS, Generations, chunk_params, record_key, split_key
 from producer.order import FILE, SETTING as ORDER
-from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, write_failed
+from producer.output import FAILED, RESULTS, RUN, STOPPED_BY_FAILED, ResultsFile, collect, write_failed
 from producer.prepare import ALL, LAST, TURNS_SETTING, Prepared, resume_settings, settings_diff
 from producer.progress import progress_bar
 
@@ -123,6 +123,7 @@ class DatasetRun:
     turns_committed: int = 0  # the stats' ``turns`` (commit_turn): turns of multi-turn conversations committed
     #: Closed: started conversations in the to-do list are looked for once (then only samples given back), since
     #: no worker may resume them; ``stranded`` are the ones a worker was still committing to when looked at.
+    reclaim_turns: dict[str, int] = field(default_factory=dict)  # a conversation's turns at its last reclaim
     stranded_checked: bool = False
     stranded: set[str] = field(default_factory=set)
 
@@ -569,7 +570,8 @@ class Producer:
         messages = d.prepared.messages_by_id
         ended = 0
         for sid in started:
-            outcome = end_as_is(self.ledger, d.name, sid, messages[sid], reasoning_parser=d.reasoning_parser,
+            outcome = end_as_is(self.ledger, d.name, sid, messages[split_key(sid)[0]],
+                                reasoning_parser=d.reasoning_parser,
                                 sampling_params=d.sampling_params or self.opt.sampling_params)
             if outcome is not None and outcome.verdict is EndVerdict.MISMATCH:
                 d.stranded.add(sid)  # a worker still commits to it (a zombie): look again next step
@@ -585,16 +587,33 @@ class Producer:
     def _release(self, d: DatasetRun, cid: str, reclaimed: bool) -> list[str]:
         """The chunk's samples that go back to the to-do list (not done, not failed by now)."""
         back: list[str] = []
-        for sid in d.chunk_samples.pop(cid, []):
-            if sid in d.done or sid in d.failed:
-                continue
+        samples = [sid for sid in d.chunk_samples.pop(cid, []) if sid not in d.done and sid not in d.failed]
+        # A conversation that committed a turn since its last reclaim made progress: not a sample that kills its
+        # worker, so its count starts again (a long conversation may outlive several workers that die for other
+        # reasons, as bench.chaos worker-kill-turns kills one every 5 s).
+        started = self.ledger.conversation_turns(d.name, samples) if reclaimed and d.prepared.conversations else {}
+        for sid in samples:
             if reclaimed:
+                if started.get(sid, 0) > d.reclaim_turns.get(sid, 0):
+                    d.reclaims[sid] = 0
+                    d.reclaim_turns[sid] = started[sid]
                 d.reclaims[sid] = d.reclaims.get(sid, 0) + 1
                 if d.reclaims[sid] >= MAX_RECLAIMS:
-                    reason = {"id": sid, "reason": f"its chunk lost its worker {MAX_RECLAIMS} times", "status": None}
-                    if self.ledger.fail(d.name, sid, cid, reason):
-                        d.failed[sid] = reason
-                        continue
+                    why = f"its chunk lost its worker {MAX_RECLAIMS} times"
+                    if started.get(sid):
+                        # Its committed turns are counted: they go to the file as a conversation that failed
+                        # (a rerun reopens it at the failed turn), never left in Redis unwritten.
+                        outcome = end_as_is(self.ledger, d.name, sid, d.prepared.messages_by_id[split_key(sid)[0]],
+                                            reasoning_parser=d.reasoning_parser,
+                                            sampling_params=d.sampling_params or self.opt.sampling_params,
+                                            stopped_by=STOPPED_BY_FAILED, failed_reason=why)
+                        if outcome is not None and outcome.verdict is not EndVerdict.MISMATCH:
+                            continue
+                    else:
+                        reason = {"id": sid, "reason": why, "status": None}
+                        if self.ledger.fail(d.name, sid, cid, reason):
+                            d.failed[sid] = reason
+                            continue
             back.append(sid)
         return back
 

@@ -386,3 +386,31 @@ def test_a_started_conversation_of_a_closed_dataset_is_ended_with_the_turns_it_h
     assert audit(r) == 4 == sum(x["completion_tokens"] for x in recs)
     assert not r.hlen(keys.DatasetKeys(DS).convs)
     assert any("1 started conversations ended with the turns they have" in m for m in echoed)
+
+
+def test_a_conversation_whose_workers_keep_dying_is_written_failed_unless_it_progresses(
+        r: "redis.Redis", tmp_path: Path, tokenizer_dir: Path) -> None:
+    """The three-deaths rule for a started conversation: reclaims without a new committed turn count to 3, and
+    then its committed turns go to the file as a failed conversation (a rerun reopens it), never left counted in
+    Redis and unwritten; a reclaim after a new committed turn starts the count again."""
+    inputs = inputs_for(tmp_path, tokenizer_dir, ALL)
+    ledger = Ledger(r)
+    ledger.set_budget(DS, None)
+    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir))
+    [d] = producer.runs
+    assert ledger.commit_turn(DS, "three", 0, 4, turn("three", 0, 4) | {"content": "a", "reasoning": None}).committed
+    for n in (1, 2):
+        d.chunk_samples[f"dead{n}"] = ["three"]
+        assert producer._release(d, f"dead{n}", reclaimed=True) == ["three"]
+    assert ledger.commit_turn(DS, "three", 1, 6, turn("three", 1, 6) | {"content": "b", "reasoning": None}).committed
+    for n in (3, 4):  # progress since: counted from 1 again
+        d.chunk_samples[f"dead{n}"] = ["three"]
+        assert producer._release(d, f"dead{n}", reclaimed=True) == ["three"]
+    d.chunk_samples["dead5"] = ["three"]
+    assert producer._release(d, "dead5", reclaimed=True) == []
+    assert not ledger.failed(DS) and ledger.done_ids(DS) == {"three": 10}
+    (_id, fields), = r.xrange(keys.DatasetKeys(DS).results)
+    header = json.loads(fields[b"r"])
+    assert header["stopped_by"] == "failed" and header["failed_reason"] == "its chunk lost its worker 3 times"
+    assert audit(r) == 10 and not r.hlen(keys.DatasetKeys(DS).convs)
+    producer.release()
