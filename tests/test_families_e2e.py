@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import redis
 
+from render.chat import _checked
 from tests.families import build_family_tokenizer
 from tests.procs import produce_cmd, read_jsonl
 
@@ -78,14 +79,13 @@ def test_family_end_to_end_exports_are_the_ids_the_model_saw_and_produced(
     exact = lossy = 0
     for sid in finished:
         rec, row, turn = records[sid], rows[sid], records[sid]["turns"][0]
-        prompt = tok.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=True,
+        # As SGLang's chat serving and budgetq's renderer give them to the template: tool-call arguments as
+        # objects (render/chat.py _checked), which GLM-4.5's template requires.
+        prompt = tok.apply_chat_template(_checked(rec["messages"]), add_generation_prompt=True, tokenize=True,
                                          return_dict=False)
         assert row["input_ids"] == prompt + turn["output_ids"]
         assert row["loss_mask"] == [0] * len(prompt) + [1] * len(turn["output_ids"])
-        messages = conversations[sid]["messages"]
-        if family == "glm45":  # its template renders arguments from an object: what a GLM trainer passes it
-            for call in messages[-1].get("tool_calls", []):
-                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        messages = _checked(conversations[sid]["messages"])  # GLM-4.5 renders arguments from an object
         whole = tok.apply_chat_template(messages, tokenize=True, return_dict=False)
         body = row["input_ids"][:-1]  # without the EOS: the template writes its own end of turn
         if whole[:len(body)] == body:
