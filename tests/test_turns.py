@@ -453,7 +453,10 @@ def test_the_collector_writes_a_conversation_as_one_record_v2(r: "redis.Redis", 
     assert conv["turns"] == [{**dict.fromkeys(record.TURN_FIELDS), **turn("c1", i, n)}
                              for i, n in enumerate((7, 11, 13))]
     assert conv["completion_tokens"] == total and conv["messages"] == prompts["c1"]
-    assert conv["sampling_params"] == {"temperature": 0.7} and list(conv)[:5] == list(record.RECORD_FIELDS)[:5]
+    assert conv["sampling_params"] == {"temperature": 0.7}
+    # record v2's field order, with ``generation`` right after the id it completes (0: --generations 1)
+    assert list(conv)[:6] == ["record_version", "id", "generation", *list(record.RECORD_FIELDS)[2:5]]
+    assert conv["generation"] == 0
     assert next(rec for rec in lines if rec["id"] == "s1")["completion_tokens"] == 4
     k = keys.DatasetKeys(DS)
     assert r.xlen(k.results) == 0
