@@ -14,7 +14,11 @@ VERSION = 1
 #: conversations refuses it (its version check) instead of answering turn 0 alone as a one-turn sample, which
 #: would be a silently wrong record; chunks without conversations stay at VERSION, so old workers still run them.
 CONVERSATION_VERSION = 2
-VERSIONS: Final[tuple[int, ...]] = (VERSION, CONVERSATION_VERSION)
+#: The version of a chunk with a sample of its own ``chat_template_kwargs`` (``--template-kwargs-mix``), with or
+#: without a conversation block. A worker from before the mix refuses it: it would write the record without the
+#: kwargs that made it, and render a conversation's later turns with the run's kwargs instead of the sample's.
+TEMPLATE_KWARGS_VERSION = 3
+VERSIONS: Final[tuple[int, ...]] = (VERSION, CONVERSATION_VERSION, TEMPLATE_KWARGS_VERSION)
 
 #: The reasoning parsers a chunk may name (worker/reasoning.py parses with them; producer/parsers.py chooses one),
 #: spelled as SGLang spells them: the word a user passes to ``sglang.launch_server --reasoning-parser``.
@@ -43,6 +47,12 @@ class SamplePayload(_SamplePayloadRequired, total=False):
     #: chunk's ``sampling_params`` (a temperature of a list, a derived seed), merged over them for every turn.
     #: Missing: the chunk's, as every sample before generations.
     sampling_params: dict[str, Any]
+    #: ``--template-kwargs-mix`` (docs/generations.md): the chat_template_kwargs this sample was rendered with (the
+    #: run's, with its drawn values merged over them), for its record and a conversation's later turns; and, for a
+    #: conversation, the fingerprint of the Renderer they make (the tokenizer files stay under the conversation
+    #: block's). Missing: the run's, as every sample before the mix (chunk version 3 when present).
+    chat_template_kwargs: dict[str, Any]
+    tokenizer: str
 
 
 class ConversationPayload(TypedDict):

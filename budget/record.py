@@ -61,15 +61,21 @@ def make_turn(*, response: str, reasoning: str | None, content: str, reasoning_t
 
 
 def make_record(*, sample_id: str, dataset: str, turns: list[dict[str, Any]], reasoning_parser: str | None,
-                sampling_params: Mapping[str, Any], messages: Any = None) -> dict[str, Any]:
-    """A version 2 record over ``turns``; ``messages`` is filled by the producer when it writes the line."""
+                sampling_params: Mapping[str, Any], messages: Any = None,
+                chat_template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A version 2 record over ``turns``; ``messages`` is filled by the producer when it writes the line.
+    ``chat_template_kwargs``: what a sample of a ``--template-kwargs-mix`` was rendered with (the field is left
+    out otherwise: the run's, in run.json)."""
     incomplete, stopped_by = _ending(turns)
-    return {
+    rec = {
         "record_version": RECORD_VERSION, "id": sample_id, "dataset": dataset, "messages": messages,
         "turns": turns, "completion_tokens": sum(int(t["completion_tokens"]) for t in turns),
         "incomplete": incomplete, "stopped_by": stopped_by, "reasoning_parser": reasoning_parser,
         "sampling_params": dict(sampling_params),
     }
+    if chat_template_kwargs is not None:
+        rec["chat_template_kwargs"] = dict(chat_template_kwargs)
+    return rec
 
 
 def _ending(turns: Sequence[Mapping[str, Any]]) -> tuple[bool, str | None]:

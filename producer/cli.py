@@ -206,6 +206,11 @@ def _connect(redis_url: str) -> "redis.Redis":
           "what the run's reasoning parser needs (false for gpt-oss, whose channels are special tokens).")
 @opt("--chat-template-kwargs", default=None, metavar="JSON",
      help='Extra chat template arguments, e.g. \'{"enable_thinking": true}\'.')
+@opt("--template-kwargs-mix", default=None, metavar="KEY=V:W,V:W[;KEY=...]",
+     help="A chat template argument drawn per sample with these weights, e.g. "
+          "'reasoning_effort=low:4,medium:4,high:2' (values read as JSON when they are: true, 0.5). The draw is a "
+          "keyed hash of (key, id, generation) with --order-seed, so reruns draw the same; merged over "
+          "--chat-template-kwargs for every turn; each record says what it drew. Stored with the run.")
 @opt("--reasoning-parser", type=click.Choice(("auto", *REASONING_PARSERS)), default="auto", show_default=True,
      help="How workers split responses into reasoning, answer and tool calls: SGLang's parser name (what the "
           "server is launched with); auto detects it from the tokenizer and refuses when that is ambiguous.")
@@ -258,7 +263,8 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
          max_tokens: int, max_context: int | None, max_samples: int | None, order: str | None,
          order_seed: int | None, turns: str | None, out_dir: Path, redis_url: str,
          temperature: str | None, generations: int, top_p: float | None, top_k: int | None, seed: int | None,
-         skip_special_tokens: bool | None, chat_template_kwargs: str | None, reasoning_parser: str,
+         skip_special_tokens: bool | None, chat_template_kwargs: str | None, template_kwargs_mix: str | None,
+         reasoning_parser: str,
          skip_invalid: bool, messages_field: str, prompt_field: str,
          conversations_field: str, id_field: str, system_prompt: str | None, expect_mean: float | None, dry_run: bool,
          pilot: int | None, throughput: float | None, in_flight: int | None, as_json: bool, chunk_size: int,
@@ -308,6 +314,13 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     if order == "file" and order_seed is not None:
         raise InputProblem("--order-seed goes with --order random")
     requested_order = Order(order or RANDOM, DEFAULT_SEED if order_seed is None else order_seed)
+    from producer.templatemix import MixError, TemplateMix
+    template_mix: TemplateMix | None = None
+    if template_kwargs_mix is not None:
+        try:
+            template_mix = TemplateMix.parse(template_kwargs_mix, requested_order.seed)
+        except MixError as exc:
+            raise InputProblem(f"--template-kwargs-mix: {exc}") from None
     started = time.monotonic()
     # Bars for validating, rendering and (with --detach) enqueueing: for a person at a terminal, never in JSON logs.
     show_progress = not quiet and log_format == "text" and sys.stderr.isatty()
@@ -319,7 +332,8 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
                          warn=_warn, reasoning_parser=reasoning_parser, order=requested_order,
                          order_for=lambda name, o: choose_order(o, out_dir / name / RUN, new_run),
                          turns=turns or ALL,
-                         turns_for=lambda name, t: choose_turns(t, turns is not None, out_dir / name / RUN, new_run))
+                         turns_for=lambda name, t: choose_turns(t, turns is not None, out_dir / name / RUN, new_run),
+                         mix=template_mix, generations=generations)
     log.debug("read, validated and rendered %d dataset(s) in %.1f s", len(inputs.prepared),
               time.monotonic() - started)
     # Known once the template is read (the parser is detected from it); stored with the run like every parameter.
@@ -335,7 +349,8 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
     per_dataset: dict[str, int | None] = {n: named.get(n, default_budget) for n in names}
 
     if dry_run:
-        _dry_run(inputs, per_dataset, out_dir, expect_mean, pilot, throughput, as_json, in_flight, mix.describe())
+        described = "; ".join(d for d in (mix.describe(), template_mix.describe() if template_mix else "") if d)
+        _dry_run(inputs, per_dataset, out_dir, expect_mean, pilot, throughput, as_json, in_flight, described)
         return
 
     from producer.enqueue import JobSettings
@@ -350,7 +365,8 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
                          turns_explicit=turns is not None, tokenizer=tokenizer,
                          modes={n: named_modes.get(n, default_mode) for n in names}, expect_mean=expect_mean,
                          chunk_size=chunk_size, queue_depth=queue_depth, new_run=new_run,
-                         job=JobSettings(job_timeout=job_timeout), show_progress=show_progress, generations=mix)
+                         job=JobSettings(job_timeout=job_timeout), show_progress=show_progress, generations=mix,
+                         variants=inputs.variants)
     log.debug("run settings: out %s, chunk size %d, queue depth %d, job timeout %d s, %s", out_dir, chunk_size,
               queue_depth, job_timeout, "detach" if detach else "attached",
               extra={"budgets": per_dataset, "modes": options.modes, "sampling_params": inputs.sampling_params})

@@ -29,7 +29,8 @@ from rq import Queue, Worker
 from rq.job import Job
 
 from budget import keys
-from budget.payload import CONVERSATION_VERSION, JOB_FUNCTION, VERSION, ConversationPayload, ThinkPayload
+from budget.payload import (CONVERSATION_VERSION, JOB_FUNCTION, TEMPLATE_KWARGS_VERSION, VERSION, ConversationPayload,
+                            ThinkPayload)
 from budget.runstate import RunState
 
 #: Chunks per MULTI/EXEC when a whole dataset is enqueued (``--detach``, the first fill): 64 chunks of 64
@@ -77,6 +78,10 @@ class Item:
     turns: int = 1
     #: What this sample's generation sends differently from the chunk (producer/generations.py); None: the chunk's.
     sampling_params: dict[str, Any] | None = None
+    #: --template-kwargs-mix: the kwargs the sample was rendered with, and (a conversation) their Renderer's
+    #: fingerprint (budget/payload.py SamplePayload); None: the run's.
+    chat_template_kwargs: dict[str, Any] | None = None
+    tokenizer: str | None = None
 
 
 class ChunkSerializer:
@@ -150,6 +155,10 @@ def _sample(it: Item) -> dict[str, Any]:
         sample["turns"] = it.turns
     if it.sampling_params:
         sample["sampling_params"] = it.sampling_params
+    if it.chat_template_kwargs is not None:
+        sample["chat_template_kwargs"] = it.chat_template_kwargs
+        if it.turns > 1 and it.tokenizer is not None:
+            sample["tokenizer"] = it.tokenizer
     return sample
 
 
@@ -183,6 +192,8 @@ def enqueue_chunks(client: "redis.Redis", queue: Queue, dataset: str, chunks: Se
                 raise ValueError(f"chunk {cid} holds multi-turn samples but no conversation block was given")
             payload["conversation"] = conversation
             payload["v"] = CONVERSATION_VERSION  # a worker from before conversations refuses it
+        if any(it.chat_template_kwargs is not None for it in items):
+            payload["v"] = TEMPLATE_KWARGS_VERSION  # a worker from before the mix refuses it
         first, final = items[0].id, items[-1].id
         job = queue.create_job(
             JOB_FUNCTION, args=(payload,), job_id=cid, timeout=settings.job_timeout,

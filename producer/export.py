@@ -189,7 +189,8 @@ def _write_batch(fh: IO[str], batch: list[tuple[int, dict[str, Any]]], options: 
     checked: list[list[tuple[list[int], list[int]] | None]] = [[] for _ in batch]
     if ids is not None:
         prompts = ids.prompt_ids([prompt for _n, rec in batch
-                                  for prompt in history.turn_prompts(rec["messages"], rec["turns"])])
+                                  for prompt in history.turn_prompts(rec["messages"], rec["turns"])],
+                                 [rec.get("chat_template_kwargs") for _n, rec in batch for _turn in rec["turns"]])
         k = 0
         for j, (_number, rec) in enumerate(batch):
             for turn in rec["turns"]:
@@ -287,6 +288,8 @@ class _TokenIds:
             self._renderer = Renderer(tokenizer, chat_template_kwargs=kwargs)
         except RenderError as exc:
             raise ExportError(str(exc)) from None
+        #: a record's own chat_template_kwargs (--template-kwargs-mix) -> its Renderer
+        self._renderers: dict[str, Renderer] = {}
         self.revision: str | None = settings.get("tokenizer")
         if self._renderer.fingerprint() != self.revision:
             # Same fingerprint as the producer's check on resume: template, vocabulary, special tokens, kwargs.
@@ -295,16 +298,40 @@ class _TokenIds:
         self._tokenizer = tokenizer
         self.template_hash = template_hash(tokenizer)
 
-    def prompt_ids(self, conversations: list[list[dict[str, Any]]]) -> list[list[int] | None]:
-        """The run's own rendering (producer.render); None for a prompt the template now refuses."""
+    def prompt_ids(self, conversations: list[list[dict[str, Any]]],
+                   kwargs: Sequence[Mapping[str, Any] | None] | None = None) -> list[list[int] | None]:
+        """The run's own rendering (producer.render); None for a prompt the template now refuses. ``kwargs``: each
+        conversation's own chat_template_kwargs (a record of a --template-kwargs-mix), None: the run's."""
+        if kwargs is None or all(k is None for k in kwargs):
+            return self._render_all(self._renderer, conversations)
+        groups: dict[str, list[int]] = {}
+        for i, k in enumerate(kwargs):
+            groups.setdefault("" if k is None else json.dumps(k, sort_keys=True), []).append(i)
+        out: list[list[int] | None] = [None] * len(conversations)
+        for key, at in groups.items():
+            renderer = self._renderer if not key else self._renderer_for(key)
+            for i, ids in zip(at, self._render_all(renderer, [conversations[i] for i in at])):
+                out[i] = ids
+        return out
+
+    def _renderer_for(self, key: str) -> Renderer:
+        if key not in self._renderers:
+            try:
+                self._renderers[key] = Renderer(self._tokenizer, chat_template_kwargs=json.loads(key))
+            except RenderError as exc:
+                raise ExportError(f"a record's chat_template_kwargs {key}: {exc}") from None
+        return self._renderers[key]
+
+    @staticmethod
+    def _render_all(renderer: Renderer, conversations: list[list[dict[str, Any]]]) -> list[list[int] | None]:
         try:
-            return [r.input_ids for r in self._renderer.render_many(conversations)]
+            return [r.input_ids for r in renderer.render_many(conversations)]
         except RenderError:
             pass
         out: list[list[int] | None] = []
         for messages in conversations:
             try:
-                out.append(self._renderer.render(messages).input_ids)
+                out.append(renderer.render(messages).input_ids)
             except RenderError:
                 out.append(None)
         return out

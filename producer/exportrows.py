@@ -84,12 +84,20 @@ def generation(rec: Mapping[str, Any]) -> dict[str, int]:
     return {"generation": int(rec["generation"])} if "generation" in rec else {}
 
 
+def template_kwargs(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """A row's ``chat_template_kwargs``: the record's own, which a --template-kwargs-mix drew for it (a trainer
+    renders the row with them, e.g. gpt-oss's reasoning_effort); none for every other record (the run's)."""
+    kwargs = rec.get("chat_template_kwargs")
+    return {"chat_template_kwargs": kwargs} if kwargs is not None else {}
+
+
 def conversation_row(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, think: tuple[str, str],
                      points: Sequence[int]) -> dict[str, Any]:
     """One conversation: the record's messages with every regenerated turn at its answer point (a one-turn
     record: the messages, then the turn)."""
     out: dict[str, Any] = {"id": rec["id"], **generation(rec)}
     out.update(_shaped(fmt, history.conversation(rec["messages"], answers(rec, reasoning_mode, think), points)))
+    out.update(template_kwargs(rec))
     if is_truncated(rec):
         out["truncated"] = True
     return out
@@ -106,6 +114,7 @@ def turn_rows(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, think: tupl
     for i, answer in enumerate(written):
         row: dict[str, Any] = {"id": rec["id"], **generation(rec), "turn": i}
         row.update(_shaped(fmt, [*history.conversation(rec["messages"], past, points, upto=i), answer]))
+        row.update(template_kwargs(rec))
         if is_truncated(rec):
             row["truncated"] = True
         rows.append(row)

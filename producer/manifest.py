@@ -17,6 +17,7 @@ from budget import record, serverinfo
 from producer.exportfiles import MANIFEST, Results, atomic, failed_ids, run_settings
 from producer.exportrows import is_truncated
 from producer.output import RESULTS
+from producer.templatemix import SETTING as MIX_SETTING, TemplateMix, labels
 
 #: What a manifest keeps of SGLang's /get_server_info (defined in budget/serverinfo.py, shared with the workers):
 #: it returns every server argument, api_key included, so only what identifies the model and the engine is
@@ -83,6 +84,8 @@ class Stats:
     #: (the record's ``sampling_params``; "not sent": SGLang's default)
     generations: Counter[str] = field(default_factory=Counter)
     temperatures: Counter[str] = field(default_factory=Counter)
+    #: records per ``key=value`` of their own chat_template_kwargs (a --template-kwargs-mix draws them per sample)
+    template_kwargs: Counter[str] = field(default_factory=Counter)
 
     def add(self, rec: Mapping[str, Any]) -> None:
         turns = rec["turns"]
@@ -105,6 +108,8 @@ class Stats:
         self.generations[str(int(rec.get("generation") or 0))] += 1
         temperature = (rec.get("sampling_params") or {}).get("temperature")
         self.temperatures["not sent" if temperature is None else f"{float(temperature):g}"] += 1
+        kwargs = rec.get("chat_template_kwargs") or {}
+        self.template_kwargs.update(labels(kwargs, sorted(kwargs)))
 
     def stopped(self) -> dict[str, int]:
         """Conversations by why they ended early: every reason (docs/multiturn.md), 0 when none did, and any other
@@ -148,6 +153,8 @@ def write_manifest_of(dataset_dir: Path, settings: Mapping[str, Any], stats: Sta
                     extra: Mapping[str, Any] | None) -> Path:
     path = dataset_dir / MANIFEST
     previous = _previous_manifest(path)
+    mix = TemplateMix.from_setting(settings.get(MIX_SETTING))
+    mixed = set(mix.keys) if mix is not None else set()
     manifest: dict[str, Any] = {
         "dataset": dataset_dir.name,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
@@ -162,6 +169,9 @@ def write_manifest_of(dataset_dir: Path, settings: Mapping[str, Any], stats: Sta
         # several generations of a prompt (docs/generations.md): records per generation and per temperature sent
         "generations": dict(sorted(stats.generations.items(), key=lambda kv: int(kv[0]))),
         "temperatures": dict(sorted(stats.temperatures.items())),
+        # --template-kwargs-mix: records per drawn value of each mixed key (absent without a mix)
+        **({"template_kwargs": {label: n for label, n in sorted(stats.template_kwargs.items())
+                                if label.partition("=")[0] in mixed}} if mixed else {}),
         "tokens": {"prompt": stats.prompt_tokens, "completion": stats.completion_tokens},
         "finish_reasons": dict(sorted(stats.finish_reasons.items())),
         "completion_length": stats.completion_length(),

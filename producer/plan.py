@@ -67,7 +67,7 @@ class DatasetPlan:
     in_flight: int | None = None  # requests at once the sequential bound assumes (multi-turn datasets only)
     generations: int = 1  # --generations: samples per prompt (docs/generations.md)
     samples: int = 0  # samples planned: valid prompts x generations
-    settings_mix: str = ""  # what generation k sends differently (a temperature list, derived seeds)
+    settings_mix: str = ""  # what generation k sends differently (a temperature list, derived seeds, a kwargs mix)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -219,6 +219,8 @@ def plan_table(plans: list[DatasetPlan], throughput: float | None, context: Cont
             lines.append(f"{p.name}: {p.generations} generations of each prompt: {p.samples:,} samples, sent in "
                          "rounds (every prompt's generation 0, then 1, ...)"
                          + (f"; {p.settings_mix}" if p.settings_mix else ""))
+        elif p.settings_mix:
+            lines.append(f"{p.name}: {p.settings_mix}")
         if p.conversations:
             lines.append(f"{p.name}: {p.conversations:,} multi-turn conversations, {p.conversation_turns:,} turns at "
                          f"most (longest {p.longest_conversation}); {p.requests_max:,} requests at most; the "

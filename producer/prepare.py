@@ -23,6 +23,7 @@ from producer.progress import progress_bar
 from producer.reader import Problem, ReadResult, Sample
 from producer.records import FieldMapping
 from producer.render import Rendered, RenderError, Renderer
+from producer.templatemix import SETTING as MIX_SETTING, TemplateMix, variant
 
 #: ``--turns``: regenerate every assistant turn of a conversation (``all``, budget/history.py ``plan``), or only
 #: the answer to its last user turn on the dataset's own history (``last``: what every run did before it).
@@ -55,6 +56,11 @@ class Prepared:
     #: ``--generations``: samples per prompt (producer/generations.py). ``samples`` are the prompts; the sample
     #: keys are ``keys()``, in rounds.
     generations: int = 1
+    #: ``--template-kwargs-mix`` (producer/templatemix.py): each variant (a combination of drawn values) -> prompt id
+    #: -> turn 0's prompt rendered with it, for the variants the prompt's generations drew. ``input_ids`` then holds
+    #: generation 0's (the same arrays). Empty without a mix.
+    variant_ids: dict[str, dict[str, array]] = field(default_factory=dict)
+    variant_opens: dict[str, dict[str, bool]] = field(default_factory=dict)
 
     @cached_property
     def messages_by_id(self) -> dict[str, Any]:
@@ -92,6 +98,53 @@ class Prepared:
     def turns_of(self, sample_id: str) -> int:
         """The most turns of a prompt, or of a sample key (any generation of the prompt)."""
         return self.turns.get(split_key(sample_id)[0], 1)
+
+    def prompt_length(self, prompt_id: str) -> int:
+        """Turn 0's prompt length, the longest over the template variants its generations drew (a mix)."""
+        lengths = [len(ids[prompt_id]) for ids in self.variant_ids.values() if prompt_id in ids]
+        return max(lengths) if lengths else len(self.input_ids[prompt_id])
+
+    def drop(self, prompt_id: str) -> None:
+        """Forget a prompt's renderings (it is no longer selected)."""
+        del self.input_ids[prompt_id]
+        self.opens_think.pop(prompt_id, None)
+        for ids in self.variant_ids.values():
+            ids.pop(prompt_id, None)
+        for opens in self.variant_opens.values():
+            opens.pop(prompt_id, None)
+
+
+class Variants:
+    """The renderers of a ``--template-kwargs-mix``: one per combination of drawn values (a *variant*), each the
+    run's chat_template_kwargs with the drawn values merged over them, built when first needed."""
+
+    def __init__(self, tokenizer: Any, base: dict[str, Any], mix: TemplateMix, generations: int,
+                 opens_markers: Any = None) -> None:
+        self.tokenizer, self.base, self.mix, self.generations = tokenizer, dict(base), mix, generations
+        self.opens_markers = opens_markers
+        self._renderers: dict[str, Renderer] = {}
+
+    def name(self, prompt_id: str, generation: int) -> str:
+        """The variant sample (prompt_id, generation) is rendered with."""
+        return variant(self.mix.draw(prompt_id, generation))
+
+    def of(self, prompt_id: str) -> list[str]:
+        """The distinct variants a prompt's generations 0..N-1 drew, generation 0's first."""
+        return list(dict.fromkeys(self.name(prompt_id, k) for k in range(self.generations)))
+
+    def kwargs(self, name: str) -> dict[str, Any]:
+        """The chat_template_kwargs of a variant: the run's, with its drawn values merged over them."""
+        return {**self.base, **json.loads(name)}
+
+    def renderer(self, name: str) -> Renderer:
+        if name not in self._renderers:
+            self._renderers[name] = Renderer(self.tokenizer, chat_template_kwargs=self.kwargs(name),
+                                             opens_markers=self.opens_markers)
+        return self._renderers[name]
+
+    def fingerprint(self, name: str) -> str:
+        """What a worker checks the renderer it builds for this variant's later turns against."""
+        return self.renderer(name).fingerprint()
 
 
 def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_invalid: bool,
@@ -148,16 +201,51 @@ def _first_turns(read: ReadResult, renderer: Renderer, rendered: list[tuple[Samp
     return out, turns
 
 
+def _render_batch(read: ReadResult, renderer: Renderer, part: list[Sample], skip_invalid: bool,
+                  invalid: list[Problem], turns: str) -> tuple[list[tuple[Sample, Rendered]], dict[str, int]]:
+    """A batch rendered for enqueueing: each sample's prompt (turn 0's for a conversation under ``--turns all``)
+    and the turns of each multi-turn conversation."""
+    rendered = _render_part(read, renderer, part, skip_invalid, invalid)
+    if turns == ALL:
+        return _first_turns(read, renderer, rendered, skip_invalid, invalid)
+    return rendered, {}
+
+
+def _render_variants(read: ReadResult, variants: Variants, part: list[Sample], skip_invalid: bool,
+                     invalid: list[Problem], turns: str
+                     ) -> tuple[list[tuple[Sample, Rendered]], dict[str, int], dict[str, dict[str, Rendered]]]:
+    """``_render_batch`` under a template kwargs mix: each sample rendered with every variant its generations
+    drew. A sample one of them refuses is invalid as a whole (a prompt is selected with all its generations)."""
+    needed = {s.id: variants.of(s.id) for s in part}
+    got: dict[str, dict[str, Rendered]] = {s.id: {} for s in part}
+    conversations: dict[str, int] = {}
+    bad: set[str] = set()
+    for name in dict.fromkeys(v for s in part for v in needed[s.id]):
+        sub = [s for s in part if name in needed[s.id] and s.id not in bad]
+        rendered, convs = _render_batch(read, variants.renderer(name), sub, skip_invalid, invalid, turns)
+        ok = {s.id for s, _out in rendered}
+        bad.update(s.id for s in sub if s.id not in ok)
+        for s, out in rendered:
+            got[s.id][name] = out
+        conversations.update(convs)
+    keep = [s for s in part if s.id not in bad]
+    return ([(s, got[s.id][needed[s.id][0]]) for s in keep], {k: v for k, v in conversations.items() if k not in bad},
+            {s.id: got[s.id] for s in keep})
+
+
 def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_context: int,
             max_samples: int | None, skip_invalid: bool = False,
             progress: Callable[[int], None] | None = None, context_source: str = "--max-context",
-            order: Order = Order(FILE), turns: str = LAST) -> Prepared:
+            order: Order = Order(FILE), turns: str = LAST, variants: Variants | None = None) -> Prepared:
     """Render ``read``'s samples in ``order`` and select them: valid, fitting the context, and the first
     ``max_samples`` of that order (with --order random: a seeded random subset, not the file's first lines).
 
     ``turns`` ``all``: a conversation of more than one turn is sent as its turn 0 (the workers render the later
     turns on the model's own answers), so its prompt and its context check are turn 0's; it is rendered whole
-    as well, so a template that refuses a later turn's shape is found here (exit 2), not by a worker."""
+    as well, so a template that refuses a later turn's shape is found here (exit 2), not by a worker.
+
+    ``variants`` (a template kwargs mix): each prompt is rendered with the variant of each of its generations,
+    and checked against the context with the longest."""
     prepared = Prepared(read.name, read.path, [], {}, {}, list(read.invalid), list(read.duplicates), order=order,
                         turns_mode=turns)
     batch = 256
@@ -167,17 +255,20 @@ def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_contex
             prepared.beyond_max_samples += len(samples) - start
             break
         part = samples[start:start + batch]
-        rendered = _render_part(read, renderer, part, skip_invalid, prepared.invalid)
-        conversations: dict[str, int] = {}
-        if turns == ALL:
-            rendered, conversations = _first_turns(read, renderer, rendered, skip_invalid, prepared.invalid)
+        by_variant: dict[str, dict[str, Rendered]] = {}
+        if variants is None:
+            rendered, conversations = _render_batch(read, renderer, part, skip_invalid, prepared.invalid, turns)
+        else:
+            rendered, conversations, by_variant = _render_variants(read, variants, part, skip_invalid,
+                                                                   prepared.invalid, turns)
         if progress is not None:
             progress(len(part))
         for i, (sample, out) in enumerate(rendered):
             if max_samples is not None and len(prepared.samples) >= max_samples:
                 prepared.beyond_max_samples += len(part) - i
                 break
-            n = len(out.input_ids)
+            outs = by_variant.get(sample.id) or {"": out}
+            n = max(len(o.input_ids) for o in outs.values())
             if n + max_tokens > max_context:
                 prepared.over_context.append(sample.problem(
                     f"prompt of {n} tokens + --max-tokens {max_tokens} exceeds the context of {max_context} "
@@ -186,6 +277,10 @@ def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_contex
             prepared.samples.append(sample)
             prepared.input_ids[sample.id] = array("i", out.input_ids)
             prepared.opens_think[sample.id] = out.opens_think
+            for name, o in by_variant.get(sample.id, {}).items():
+                ids = prepared.input_ids[sample.id] if o is out else array("i", o.input_ids)
+                prepared.variant_ids.setdefault(name, {})[sample.id] = ids
+                prepared.variant_opens.setdefault(name, {})[sample.id] = o.opens_think
             if sample.id in conversations:
                 prepared.turns[sample.id] = conversations[sample.id]
     return prepared
@@ -194,14 +289,15 @@ def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_contex
 def run_settings(renderer: Renderer, sampling_params: dict[str, Any],
                  chat_template_kwargs: dict[str, Any], system_prompt: str | None = None,
                  reasoning_parser: str | None = None, order: dict[str, Any] | None = None,
-                 turns: str | None = None) -> dict[str, Any]:
+                 turns: str | None = None, mix: TemplateMix | None = None) -> dict[str, Any]:
     """What must not change between a run and its resume: a response made under other settings would mix
     two distributions in one training set (and two parsers, two splits of the same text, in one file).
 
     ``reasoning_parser`` None leaves the key out: a run stored before parsers existed has none, and such a run
     resumes with the think-marker split it started with (producer/run.py ``settings_for``). ``order`` None
     likewise (producer/order.py): a run stored before --order resumes in file order; and ``turns`` None: a run
-    stored before --turns resumes as ``last``."""
+    stored before --turns resumes as ``last``; and ``mix`` None: no ``template_kwargs_mix`` key, as every run
+    stored before it (one set of chat_template_kwargs for all)."""
     think = renderer.think
     settings = {
         "tokenizer": renderer.fingerprint(),
@@ -216,6 +312,8 @@ def run_settings(renderer: Renderer, sampling_params: dict[str, Any],
         settings["order"] = order
     if turns is not None:
         settings[TURNS_SETTING] = turns
+    if mix is not None:
+        settings[MIX_SETTING] = mix.setting()
     return settings
 
 
@@ -315,6 +413,7 @@ class Inputs:
     parser_explicit: bool = False  # given by --reasoning-parser, not detected
     context: Context = Context(0, "unknown")  # what the prompts were checked against, and where it came from
     turns: str = LAST  # --turns as given (a dataset resumed from a run before --turns may be prepared as last)
+    variants: Variants | None = None  # --template-kwargs-mix: the renderer of each drawn combination
 
 
     def set_generations(self, n: int) -> Generations:
@@ -375,12 +474,14 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
                 mapping: FieldMapping | None = None, show_progress: bool = False,
                 reasoning_parser: str = "auto", order: Order = Order(FILE),
                 order_for: Callable[[str, Order], Order] | None = None, turns: str = LAST,
-                turns_for: Callable[[str, str], str] | None = None) -> Inputs:
+                turns_for: Callable[[str, str], str] | None = None, mix: TemplateMix | None = None,
+                generations: int = 1) -> Inputs:
     """Read, validate and render every file. Raises ProduceError (exit 2) on any input problem.
 
     ``order`` is the requested order; ``order_for(dataset, order)`` may change it per dataset (a stored run
     that predates --order keeps file order: producer/order.py ``choose``). ``turns`` (--turns) likewise, with
-    ``turns_for(dataset, turns)`` (a stored run that predates --turns keeps ``last``: ``choose_turns``)."""
+    ``turns_for(dataset, turns)`` (a stored run that predates --turns keeps ``last``: ``choose_turns``).
+    ``mix`` (--template-kwargs-mix) renders each prompt with the values its ``generations`` drew."""
     from producer.reader import InputError, read_all
     from producer.render import load_tokenizer
 
@@ -404,9 +505,18 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
     from producer.parsers import AUTO, PARSER_MARKERS
     parser = resolve_parser(reasoning_parser, tok, renderer)
     markers = PARSER_MARKERS[parser]
-    if markers is not None and markers != renderer.think:  # Kimi's ◁think▷: opens_think must look for those
-        renderer = Renderer(tok, chat_template_kwargs=chat_template_kwargs, opens_markers=markers)
+    opens_markers = markers if markers is not None and markers != renderer.think else None
+    if opens_markers is not None:  # Kimi's ◁think▷: opens_think must look for those
+        renderer = Renderer(tok, chat_template_kwargs=chat_template_kwargs, opens_markers=opens_markers)
     echo(f"reasoning parser: {parser}" + (" (detected from the tokenizer)" if reasoning_parser == AUTO else ""))
+    variants = None
+    if mix is not None:
+        clash = sorted(set(mix.keys) & set(chat_template_kwargs))
+        if clash:
+            raise input_error(f"--template-kwargs-mix and --chat-template-kwargs both set {', '.join(clash)}: "
+                              "give each key in one of them")
+        variants = Variants(tok, chat_template_kwargs, mix, generations, opens_markers=opens_markers)
+        echo(mix.describe())
     context = choose_context(max_context, tok)
     echo(f"context: {context.tokens:,} tokens ({context.source})")
     bar = progress_bar(sum(len(r.samples) for r in reads), "rendering", show=show_progress)
@@ -415,7 +525,8 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
     try:
         prepared = [prepare(r, renderer, max_tokens=max_tokens, max_context=context.tokens,
                             max_samples=max_samples, skip_invalid=skip_invalid, progress=bar.update,
-                            context_source=context.source, order=orders[r.name], turns=modes[r.name])
+                            context_source=context.source, order=orders[r.name], turns=modes[r.name],
+                            variants=variants)
                     for r in reads]
     except RenderError as exc:
         raise input_error(str(exc)) from None
@@ -430,6 +541,6 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
              f"{len(p.invalid)} invalid, {len(p.duplicates)} duplicate ids, {len(p.over_context)} over context; "
              f"order: {p.order.describe()}{conversations}")
     settings = run_settings(renderer, sampling_params, chat_template_kwargs,
-                            mapping.system_prompt if mapping else None, parser, order.setting(), turns)
+                            mapping.system_prompt if mapping else None, parser, order.setting(), turns, mix)
     return Inputs(prepared, renderer, sampling_params, settings, chat_template_kwargs, parser,
-                  reasoning_parser != AUTO, context, turns)
+                  reasoning_parser != AUTO, context, turns, variants)

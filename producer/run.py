@@ -39,7 +39,7 @@ from producer.enqueue import (BATCH_CHUNKS, COMPRESS_THREADS, Item, JobSettings,
 from producer.generations import SETTING as GENERATIONS, Generations, chunk_params, record_key, split_key
 from producer.order import FILE, SETTING as ORDER
 from producer.output import FAILED, RESULTS, RUN, STOPPED_BY_FAILED, ResultsFile, collect, write_failed
-from producer.prepare import ALL, LAST, TURNS_SETTING, Prepared, resume_settings, settings_diff
+from producer.prepare import ALL, LAST, TURNS_SETTING, Prepared, Variants, resume_settings, settings_diff
 from producer.progress import progress_bar
 
 log = logging.getLogger("budgetq.produce")
@@ -96,6 +96,8 @@ class RunOptions:
     show_progress: bool = False  # a bar on stderr while --detach enqueues (produce: a terminal and not --quiet)
     #: --generations and what generation k sends differently (producer/generations.py); one generation: as ever.
     generations: Generations = field(default_factory=Generations)
+    #: --template-kwargs-mix: the renderer of each drawn combination (producer/prepare.py Variants); None: no mix.
+    variants: Variants | None = None
 
 
 @dataclass
@@ -570,9 +572,10 @@ class Producer:
         messages = d.prepared.messages_by_id
         ended = 0
         for sid in started:
+            params, kwargs = self._sent_with(d, sid)
             outcome = end_as_is(self.ledger, d.name, sid, messages[split_key(sid)[0]],
-                                reasoning_parser=d.reasoning_parser,
-                                sampling_params=d.sampling_params or self.opt.sampling_params)
+                                reasoning_parser=d.reasoning_parser, sampling_params=params,
+                                chat_template_kwargs=kwargs)
             if outcome is not None and outcome.verdict is EndVerdict.MISMATCH:
                 d.stranded.add(sid)  # a worker still commits to it (a zombie): look again next step
                 continue
@@ -583,6 +586,16 @@ class Producer:
             d.todo = deque(sid for sid in d.todo if sid not in gone)
             self.echo(f"{d.name}: {ended} started conversations ended with the turns they have (stopped_by budget): "
                       "the dataset closed after the worker carrying them stopped")
+
+    def _sent_with(self, d: DatasetRun, sid: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """What sample ``sid``'s turns were sent with, for a record the producer writes in a worker's stead: the
+        chunks' sampling parameters with its generation's override, and the template kwargs it drew (None: the
+        run's)."""
+        pid, generation = split_key(sid)
+        params = d.sampling_params or self.opt.sampling_params
+        params = {**params, **(self.opt.generations.overrides(pid, generation) or {})}
+        variants = self.opt.variants
+        return params, variants.kwargs(variants.name(pid, generation)) if variants is not None else None
 
     def _release(self, d: DatasetRun, cid: str, reclaimed: bool) -> list[str]:
         """The chunk's samples that go back to the to-do list (not done, not failed by now)."""
@@ -603,10 +616,11 @@ class Producer:
                     if started.get(sid):
                         # Its committed turns are counted: they go to the file as a conversation that failed
                         # (a rerun reopens it at the failed turn), never left in Redis unwritten.
+                        params, kwargs = self._sent_with(d, sid)
                         outcome = end_as_is(self.ledger, d.name, sid, d.prepared.messages_by_id[split_key(sid)[0]],
-                                            reasoning_parser=d.reasoning_parser,
-                                            sampling_params=d.sampling_params or self.opt.sampling_params,
-                                            stopped_by=STOPPED_BY_FAILED, failed_reason=why)
+                                            reasoning_parser=d.reasoning_parser, sampling_params=params,
+                                            stopped_by=STOPPED_BY_FAILED, failed_reason=why,
+                                            chat_template_kwargs=kwargs)
                         if outcome is not None and outcome.verdict is not EndVerdict.MISMATCH:
                             continue
                     else:
@@ -696,14 +710,24 @@ class Producer:
             yield chunks
 
     def _item(self, p: Prepared, key: str) -> Item:
-        """The sample ``key``: its prompt's rendering, and what its generation sends differently from the chunk."""
+        """The sample ``key``: its prompt's rendering, and what its generation sends differently from the chunk
+        (its sampling parameters; with a template kwargs mix, the kwargs it drew and their rendering)."""
         pid, generation = split_key(key)
         overrides = self.opt.generations.overrides(pid, generation)
         turns = p.turns_of(pid)
+        ids, opens = p.input_ids[pid], p.opens_think[pid]
+        kwargs: dict[str, Any] | None = None
+        fingerprint: str | None = None
+        variants = self.opt.variants
+        if variants is not None:
+            name = variants.name(pid, generation)
+            ids, opens = p.variant_ids[name][pid], p.variant_opens[name][pid]
+            kwargs = variants.kwargs(name)
+            fingerprint = variants.fingerprint(name) if turns > 1 else None
         if turns == 1:
-            return Item(key, p.input_ids[pid], p.opens_think[pid], sampling_params=overrides)
-        return Item(key, p.input_ids[pid], p.opens_think[pid], messages=p.messages_by_id[pid], turns=turns,
-                    sampling_params=overrides)
+            return Item(key, ids, opens, sampling_params=overrides, chat_template_kwargs=kwargs)
+        return Item(key, ids, opens, messages=p.messages_by_id[pid], turns=turns, sampling_params=overrides,
+                    chat_template_kwargs=kwargs, tokenizer=fingerprint)
 
     # -- reporting -------------------------------------------------------------------------------------
     def progress_line(self) -> str:

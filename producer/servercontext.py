@@ -43,13 +43,12 @@ def apply_server_context(prepared: Sequence[Prepared], limit: Context, max_token
     for p in prepared:
         keep = []
         for sample in p.samples:
-            n = len(p.input_ids[sample.id])
+            n = p.prompt_length(sample.id)
             if n + max_tokens > limit.tokens:
                 p.over_context.append(sample.problem(
                     f"prompt of {n} tokens + --max-tokens {max_tokens} exceeds the servers' context of "
                     f"{limit.tokens} ({limit.source})"))
-                del p.input_ids[sample.id]
-                p.opens_think.pop(sample.id, None)
+                p.drop(sample.id)
             else:
                 keep.append(sample)
         if len(keep) != len(p.samples):

@@ -121,6 +121,7 @@ def result_record(dataset: str, sample: SamplePayload, gen: Generation, chunk: C
                      prompt_ids=sample["input_ids"], output_ids=gen.output_ids, **parsed)
     rec = make_record(sample_id=sample["id"], dataset=dataset, turns=[turn],
                       reasoning_parser=chunk.get("reasoning_parser"),
-                      sampling_params=sampling_params_of(chunk, sample))
+                      sampling_params=sampling_params_of(chunk, sample),
+                      chat_template_kwargs=sample.get("chat_template_kwargs"))
     del rec["messages"]
     return rec

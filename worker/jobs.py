@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from budget.payload import CONVERSATION_VERSION, JOB_FUNCTION, REASONING_PARSERS, VERSIONS, ChunkPayload
+from budget.payload import CONVERSATION_VERSION, JOB_FUNCTION, REASONING_PARSERS, VERSION, VERSIONS, ChunkPayload
 from worker import runtime
 
 
@@ -11,7 +11,8 @@ def run_chunk(chunk: ChunkPayload) -> dict[str, Any]:
     """Generate and commit one chunk of samples. Returns a small report (RQ keeps it as the job result)."""
     if not isinstance(chunk, dict) or chunk.get("v") not in VERSIONS:
         raise ValueError(f"unsupported chunk payload (expected a version in {VERSIONS})")
-    if (chunk.get("v") == CONVERSATION_VERSION) != bool(chunk.get("conversation")):
+    if chunk.get("v") == CONVERSATION_VERSION and not chunk.get("conversation") or \
+            chunk.get("v") == VERSION and chunk.get("conversation"):
         raise ValueError(f"unsupported chunk payload: version {CONVERSATION_VERSION} and a conversation block go "
                          "together")
     parser = chunk.get("reasoning_parser")

@@ -1,5 +1,5 @@
 """The run's Renderer on a GPU worker, from the tokenizer files in Redis (docs/multiturn.md, "Where rendering
-happens"). Nothing calls this yet: a later change renders a conversation's turns i > 0 with it.
+happens"): worker/turns.py renders a conversation's turns i > 0 with it.
 
 `renderer_for(client, fingerprint, ...)` fetches ``bq:tok:{fingerprint}`` (budget/tokstore.py), writes the files
 to ``$TMPDIR/budgetq-tok/{fingerprint}/`` (render/tokfiles.py: a temporary directory renamed into place; reused
@@ -60,32 +60,36 @@ def cache_root() -> Path:
 
 
 def renderer_for(client: "redis.Redis", fingerprint: str, *, chat_template_kwargs: Mapping[str, Any] | None = None,
-                 opens_markers: "ThinkMarkers | None" = None, root: Path | None = None) -> "Renderer":
+                 opens_markers: "ThinkMarkers | None" = None, root: Path | None = None,
+                 files: str | None = None) -> "Renderer":
     """The Renderer of the run whose settings say ``tokenizer: fingerprint`` (and these chat_template_kwargs;
-    ``opens_markers`` as the producer's, for a parser with markers of its own). Raises TokenizerFault."""
+    ``opens_markers`` as the producer's, for a parser with markers of its own). ``files``: the fingerprint the
+    tokenizer files are stored under, when it is not ``fingerprint`` (a sample of a template kwargs mix renders
+    with the run's files and kwargs of its own). Raises TokenizerFault."""
     markers = "" if opens_markers is None else json.dumps([opens_markers.start, opens_markers.end])
     with _lock:  # rendering runs in threads; one load per fingerprint, whoever asks first
         cached = _renderers.get((fingerprint, markers))
         if cached is None:
-            cached = _build(client, fingerprint, chat_template_kwargs, opens_markers, root or cache_root())
+            cached = _build(client, fingerprint, chat_template_kwargs, opens_markers, root or cache_root(),
+                            files or fingerprint)
             _renderers[(fingerprint, markers)] = cached
         return cached
 
 
 def _build(client: "redis.Redis", fingerprint: str, kwargs: Mapping[str, Any] | None,
-           opens_markers: "ThinkMarkers | None", root: Path) -> "Renderer":
+           opens_markers: "ThinkMarkers | None", root: Path, files_key: str) -> "Renderer":
     from render import tokfiles
     try:
-        directory = root / fingerprint
+        directory = root / files_key
         if directory.is_dir():
             try:
                 return _load(directory, fingerprint, kwargs, opens_markers)
             except TokenizerFault as exc:  # a stale or damaged local copy: Redis holds the run's files
                 log.warning("tokenizer cache %s is not usable (%s): fetching it again", directory, exc)
                 tokfiles.discard(directory)
-        files = tokstore.fetch_files(client, fingerprint)
+        files = tokstore.fetch_files(client, files_key)
         if not files:
-            raise TokenizerFault(f"Redis holds no tokenizer files for fingerprint {fingerprint[:12]} "
+            raise TokenizerFault(f"Redis holds no tokenizer files for fingerprint {files_key[:12]} "
                                  "(the run's produce has not stored them)")
         tokfiles.unpack(files, directory)
         renderer = _load(directory, fingerprint, kwargs, opens_markers)

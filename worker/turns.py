@@ -39,12 +39,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("budgetq.worker")
 
 
-def _renderer(d: "Dispatcher", rc: "RunningChunk") -> "Renderer":
+def _renderer(d: "Dispatcher", rc: "RunningChunk", sample: SamplePayload) -> "Renderer":
+    """The run's Renderer, or with a template kwargs mix the sample's (its own kwargs and fingerprint; the
+    tokenizer files are the run's, stored under the conversation block's fingerprint)."""
     from worker.tokenizer_cache import renderer_for
     from render.chat import ThinkMarkers
     conv = rc.chunk["conversation"]
     markers = conv.get("open_markers")
-    return renderer_for(d.ledger.r, conv["tokenizer"], chat_template_kwargs=conv.get("chat_template_kwargs") or {},
+    kwargs = sample.get("chat_template_kwargs")
+    fingerprint = sample.get("tokenizer") if kwargs is not None else None
+    return renderer_for(d.ledger.r, fingerprint or conv["tokenizer"], files=conv["tokenizer"],
+                        chat_template_kwargs=kwargs if fingerprint else conv.get("chat_template_kwargs") or {},
                         opens_markers=ThinkMarkers(markers[0], markers[1]) if markers else None)
 
 
@@ -75,7 +80,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
         else:
             try:
                 if renderer is None:
-                    renderer = await asyncio.to_thread(_renderer, d, rc)
+                    renderer = await asyncio.to_thread(_renderer, d, rc, sample)
                 rendered = await asyncio.to_thread(renderer.render, state.prompt)
             except TokenizerFault as exc:
                 report.not_started += 1
@@ -159,7 +164,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
         return
     rec = header(sample_id=sid, dataset=dataset, sent=walk(steps, turns).messages, turns=turns, stopped_by=stopped_by,
                  reasoning_parser=chunk.get("reasoning_parser"), sampling_params=sampling_params,
-                 failed_reason=failed_reason)
+                 failed_reason=failed_reason, chat_template_kwargs=sample.get("chat_template_kwargs"))
     ended = await d._batched("end conversation", d.ledger.end_conversation_call(dataset, sid, len(turns), rec))
     if ended.verdict is EndVerdict.ENDED:
         report.committed += 1
