@@ -216,3 +216,36 @@ def test_every_turn_is_rendered_with_the_kwargs_its_sample_drew(redis_url: str, 
     assert res.returncode == 0, res.stderr
     for row in (json.loads(x) for x in export.read_text().splitlines()):
         assert row["chat_template_kwargs"] == drew[(row["id"], row["generation"])]
+
+
+def test_a_record_produce_writes_in_a_workers_stead_says_what_its_sample_was_sent(
+        r: "redis.Redis", tmp_path: Path, hybrid_dir: Path) -> None:
+    """Generation 1 of "two" started (turn 0 committed) by a worker that died, and the dataset closed: produce ends
+    it with its one turn (producer/run.py ``_end_stranded``), and the record says the temperature of generation 1
+    and the kwargs it drew, not the chunks' (what a worker's record of it would say)."""
+    from budget.ledger import Ledger
+    from producer.prepare import ALL, load_inputs
+    from producer.records import FieldMapping
+    from producer.run import Producer
+    from tests.test_turns_producer import options, turn
+    mix = TemplateMix.parse("enable_thinking=true,false", seed=0)
+    inputs = load_inputs([str(write_dataset(tmp_path))], tokenizer=str(hybrid_dir), max_tokens=16, max_context=None,
+                         max_samples=None, sampling_params={"max_new_tokens": 16, "temperature": [0.2, 0.9]},
+                         chat_template_kwargs={}, skip_invalid=False, echo=lambda m: None, warn=lambda m: None,
+                         mapping=FieldMapping(system_prompt="Be brief."), reasoning_parser="qwen3", turns=ALL,
+                         mix=mix, generations=2)
+    generations = inputs.set_generations(2)
+    ledger = Ledger(r)
+    ledger.set_budget(DS, None)
+    key = sample_key("two", 1)
+    assert ledger.commit_turn(DS, key, 0, 4, turn(key, 0, 4) | {"content": "hi", "reasoning": None},
+                              chunk="bq-chats-dead").committed
+    producer = Producer(r, inputs.prepared, options(tmp_path, inputs, hybrid_dir, budgets={DS: 4},
+                                                    generations=generations, variants=inputs.variants),
+                        echo=lambda m: None)
+    producer.attach()
+    producer.run()
+    [rec] = read_jsonl(tmp_path / "out" / DS / "raw_responses.jsonl")
+    assert (rec["id"], rec["generation"], rec["stopped_by"]) == ("two", 1, "budget")
+    assert rec["sampling_params"]["temperature"] == 0.9
+    assert rec["chat_template_kwargs"] == mix.draw("two", 1)
