@@ -58,6 +58,10 @@ class SimConfig:
     reasoning_fraction: float = 0.6
     # A tokenizer directory: output_ids are the real ids of the generated text (sglang_sim/families.py)
     tokenizer: str | None = None
+    # --turn-length-scale: the drawn length times entry k (the last entry for later turns) for a prompt that holds k
+    # earlier assistant turns (a conversation's turn k): answers whose length depends on their place in the
+    # conversation, as in real multi-turn data. Needs --tokenizer (the prompt is decoded to count them). () = off.
+    turn_length_scale: tuple[float, ...] = ()
     # Speed model (simulated seconds; all divided by time_scale on the wall clock)
     tokens_per_second_per_request: float = 1000.0
     saturation_batch: int = 64
@@ -112,6 +116,10 @@ def validate(cfg: SimConfig) -> list[str]:
         problems.append(f"reasoning_style must be one of {REASONING_STYLES}")
     if cfg.reasoning_style in FAMILY_STYLES and cfg.tokenizer is None:
         problems.append(f"reasoning_style {cfg.reasoning_style} needs --tokenizer (its markers are real tokens)")
+    if cfg.turn_length_scale and cfg.tokenizer is None:
+        problems.append("turn_length_scale needs --tokenizer (the prompt is decoded to count its assistant turns)")
+    if any(not x > 0 for x in cfg.turn_length_scale):
+        problems.append("turn_length_scale entries must be > 0")
     if not 0.0 <= cfg.reasoning_fraction <= 1.0:
         problems.append("reasoning_fraction must be in [0, 1]")
     if cfg.mean_tokens < 1:
@@ -176,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open: 'r</think>a' (prompt ends with <think>), full: '<think>r</think>a', none, or a model "
                         "family (qwen3, qwen3-thinking, deepseek-r1, deepseek-v3, glm45, kimi, kimi_k2, gpt-oss: "
                         "its format and tool calls; needs --tokenizer) (default %(default)s)")
+    p.add_argument("--turn-length-scale", type=_scales, default=d.turn_length_scale, metavar="F[,F...]",
+                   help="multiply the drawn length by entry k (the last entry beyond) when the prompt holds k earlier "
+                        "assistant turns: a conversation's turn k (needs --tokenizer; ChatML, GLM and harmony "
+                        "assistant headers are counted)")
     p.add_argument("--tokenizer", default=d.tokenizer, metavar="DIR",
                    help="tokenizer directory: output_ids are the real ids of the text, and skip_special_tokens "
                         "decides whether special tokens stay in text (default: pseudo-word ids)")
@@ -231,6 +243,13 @@ def add_fault_options(p: argparse.ArgumentParser) -> None:
                         "(repeatable; budget.payload.request_id's first 28 characters name a sample)")
     g.add_argument("--outage-mode", choices=OUTAGE_MODES, default="503",
                    help="503: answer 503 at once; refuse: close the listening socket (default %(default)s)")
+
+
+def _scales(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of numbers") from None
 
 
 def from_argv(argv: Sequence[str] | None = None) -> SimConfig:

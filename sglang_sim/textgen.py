@@ -140,18 +140,30 @@ def _marker_count(style: ReasoningStyle) -> int:
     return {"open": 1, "full": 2}.get(style, 0)
 
 
+#: What opens an assistant turn in a rendered prompt: ChatML (Qwen, the demo tokenizer), GLM-4.5, harmony (gpt-oss).
+ASSISTANT_HEADERS = ("<|im_start|>assistant", "<|assistant|>", "<|start|>assistant")
+
+
+def earlier_assistant_turns(prompt_text: str) -> int:
+    """The assistant turns a prompt holds before the one it asks for (its generation prompt is one more header)."""
+    return max(0, max(prompt_text.count(h) for h in ASSISTANT_HEADERS) - 1)
+
+
 def plan_with_tokenizer(cfg: SimConfig, lexicon: Lexicon, plan: OutputPlan, rng: random.Random, tok: Any,
                         prompt: Sequence[int] | Sequence[str]) -> OutputPlan:
     """The plan's text in its family's format (sglang_sim/families.py), tokenized: about the drawn length (the
     words are chosen for it), exactly the tokenized length plus the EOS."""
     from sglang_sim.families import family_text, find_call
     style = {"open": "qwen3-thinking", "full": "qwen3"}.get(plan.style, plan.style)
-    n_words = max(2, round(plan.body_len() / tok.tokens_per_word))
+    prompt_text = (tok.decode(prompt, skip_special_tokens=False) if prompt and isinstance(prompt[0], int)
+                   else " ".join(str(p) for p in prompt))
+    scale = 1.0
+    if cfg.turn_length_scale:  # the conversation's turn k answers with lengths of their own (--turn-length-scale)
+        scale = cfg.turn_length_scale[min(earlier_assistant_turns(prompt_text), len(cfg.turn_length_scale) - 1)]
+    n_words = max(2, round(plan.body_len() * scale / tok.tokens_per_word))
     n_reason = 0 if style in ("none", "deepseek-v3") else int(round(cfg.reasoning_fraction * n_words))
     words, _ = lexicon.take(plan.offset, n_words)
     reasoning, answer = " ".join(words[:n_reason]), " ".join(words[n_reason:])
-    prompt_text = (tok.decode(prompt, skip_special_tokens=False) if prompt and isinstance(prompt[0], int)
-                   else " ".join(str(p) for p in prompt))
     call = find_call(prompt_text, words[n_reason:], rng.random() < 0.5)
     text = answer if style == "none" and call is None else family_text(
         "qwen3-thinking" if style == "none" else style, reasoning, answer, call)
