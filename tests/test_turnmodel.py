@@ -1,0 +1,73 @@
+"""predict's per-turn length model (worker/turnmodel.py), offline: each turn priced by its own lengths, later turns
+weighed by the share of conversations that reach them."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from worker.estimate import LengthModel
+from worker.turnmodel import CONTINUATION_PRIOR, TurnModels, bucket
+
+MAX_NEW = 16384
+
+
+def lognormal(mean: float, n: int, seed: int) -> list[int]:
+    import math
+    rng = random.Random(seed)
+    mu = math.log(mean) - 0.8 ** 2 / 2
+    return [min(MAX_NEW, max(1, round(rng.lognormvariate(mu, 0.8)))) for _ in range(n)]
+
+
+def test_buckets() -> None:
+    assert [bucket(t) for t in (0, 1, 2, 3, 4, 9)] == [0, 1, 2, 3, 3, 3]
+
+
+def test_each_turn_is_priced_by_its_own_lengths() -> None:
+    """Turns 0, 1, 2 answering 1000, 3000 and 6000 tokens on average: the model of each is near its own mean, not
+    the pooled one (3333), and a new 3-turn conversation reserves about their sum."""
+    per_turn = [lognormal(1000, 2000, 1), lognormal(3000, 2000, 2), lognormal(6000, 2000, 3)]
+    pooled = LengthModel([x for xs in per_turn for x in xs], None, MAX_NEW)
+    models = TurnModels.build(pooled, per_turn, {})
+    for turn, mean in enumerate((1000, 3000, 6000)):
+        assert models.model(turn).mean() == pytest.approx(mean, rel=0.1)
+    assert models.conversation(3) == pytest.approx(10000, rel=0.1)
+    assert models.future(1, 3) == pytest.approx(6000, rel=0.1)  # turn 1 running: only turn 2 is still to come
+    assert models.future(2, 3) == 0
+    # the pooled model's price for the same conversation is 3 x 3333: the bias this model removes
+    assert 3 * pooled.expected(0) == pytest.approx(10000, rel=0.1)  # equal at turn 0 ...
+    assert pooled.expected(0) < 0.7 * models.future(1, 3)  # ... but turn 2 alone costs 1.8x the pooled mean
+
+
+def test_a_turn_without_lengths_of_its_own_is_priced_as_the_pooled_model() -> None:
+    pooled = LengthModel(lognormal(2000, 1000, 4), None, MAX_NEW)
+    models = TurnModels.build(pooled, [], {})
+    for turn in range(5):
+        assert models.model(turn).mean() == pytest.approx(pooled.mean(), rel=0.05)
+
+
+def test_later_turns_are_weighed_by_the_share_that_reaches_them() -> None:
+    """Half the conversations that could go on to turn 1 did, a quarter of those to turn 2."""
+    pooled = LengthModel([1000] * 500, None, MAX_NEW)
+    counts = {"offered:1": 4000, "reached:1": 2000, "offered:2": 2000, "reached:2": 500}
+    models = TurnModels.build(pooled, [[1000] * 500] * 3, counts)
+    assert models.continuation[1] == pytest.approx((2000 + CONTINUATION_PRIOR) / (4000 + CONTINUATION_PRIOR))
+    expected = models.model(1).reserve(0, 0) * 0.5 + models.model(2).reserve(0, 0) * 0.5 * 0.25
+    assert models.future(0, 3) == pytest.approx(expected, rel=0.01)
+    # before any conversation ended, every planned turn is reserved whole (the upper bound)
+    assert TurnModels.build(pooled, [[1000] * 500] * 3, {}).continuation == (1.0, 1.0, 1.0, 1.0)
+
+
+def test_the_running_turn_is_priced_as_a_request_that_has_run_that_long() -> None:
+    per_turn = [lognormal(1000, 3000, 5), lognormal(4000, 3000, 6)]
+    models = TurnModels.build(LengthModel(per_turn[0] + per_turn[1], None, MAX_NEW), per_turn, {})
+    assert models.current(1, 0) == pytest.approx(4000, rel=0.1)
+    assert models.current(1, 8000) > 8000 > models.current(0, 0)
+    assert models.current(1, MAX_NEW) == MAX_NEW
+
+
+def test_the_model_error_is_added_per_turn() -> None:
+    per_turn = [[1000] * 10, [3000] * 10]
+    pooled = LengthModel(per_turn[0] + per_turn[1], None, MAX_NEW)
+    plain, careful = TurnModels.build(pooled, per_turn, {}), TurnModels.build(pooled, per_turn, {}, z=2.0)
+    assert careful.conversation(2) > plain.conversation(2)
