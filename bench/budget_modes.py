@@ -26,6 +26,8 @@ command. The multi-turn table adds conversations and turns on disk, how they sto
 [0, bound], strict over <= 0 and under by at most one max_new_tokens.
 
     python -m bench.budget_modes --turns 1,3 --results budget_modes_turns.json   # ~12 minutes
+    # turns that answer with lengths of their own (turn 2 three times turn 0's): what the per-turn model is for
+    python -m bench.budget_modes --modes predict --turns 3 --turn-length-scale 1,2,3 --seeds 1,2,3
 """
 from __future__ import annotations
 
@@ -91,6 +93,8 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
     multi: list[str] = []
     if turns > 1:  # real ids, so an answer re-rendered into the next prompt is as long as it was generated
         sim += ["--tokenizer", str(tok), "--no-reasoning", "--context-length", "131072"]
+        if args.turn_length_scale:  # later turns answer with lengths of their own (sglang-sim --turn-length-scale)
+            sim += ["--turn-length-scale", args.turn_length_scale]
         multi = ["--turns", "all", "--reasoning-parser", PARSER]
     # Reservations are restated every simulated 2 s (1 s of real time at --time-scale 1 is the default).
     env = {"BUDGETQ_CONCURRENCY": str(args.in_flight // args.workers),
@@ -230,6 +234,9 @@ def main() -> None:
     ap.add_argument("--results", default="budget_modes.json", help="file name under bench/results/")
     ap.add_argument("--turns", default="1", help="comma list of turns per conversation: 1 (single-turn prompts) "
                     "and/or 3 (3-turn conversations, produce --turns all), e.g. 1,3")
+    ap.add_argument("--turn-length-scale", default="", metavar="F,F,F",
+                    help="with --turns 3: turn k of a conversation answers with the drawn length times entry k "
+                         "(sglang-sim --turn-length-scale), e.g. 1,2,3: what predict's per-turn length model is for")
     args = ap.parse_args()
     budgets = ([round(float(f) * args.in_flight * args.mean) for f in args.budget_factors.split(",")]
                if args.budget_factors else [args.budget])
@@ -245,7 +252,9 @@ def main() -> None:
         tok = build_tokenizer(work / "tok")
         datasets = {1: write_prompts(work / "prompts.jsonl", n_prompts)} if 1 in turns_list else {}
         if 3 in turns_list:  # a conversation is ~3 turns' worth of the budget
-            datasets[3] = write_conversations(work / "convs.jsonl", int(max(budgets) / args.mean / 3 * 1.6)
+            scales = [float(x) for x in args.turn_length_scale.split(",")] if args.turn_length_scale else [1.0]
+            per_conversation = args.mean * sum(scales[min(k, len(scales) - 1)] for k in range(3))
+            datasets[3] = write_conversations(work / "convs.jsonl", int(max(budgets) / per_conversation * 1.6)
                                               + args.in_flight)
         for seed in seeds:  # seed-major: a run cut short still has every case of its first seeds
             for budget in budgets:
