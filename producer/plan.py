@@ -14,7 +14,6 @@ requests share the deployment's throughput (``sequential_eta``).
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,8 +22,7 @@ from typing import Any, Final, Sequence
 import aiohttp
 
 from producer.modeldir import Context
-from producer.generations import record_key
-from producer.output import RESULTS
+from producer.output import RESULTS, iter_results
 from producer.prepare import Prepared
 
 
@@ -94,20 +92,13 @@ def existing_turns(out_dir: Path, name: str) -> tuple[int, int, int]:
         return 0, 0, 0
     count = tokens = turns = 0
     seen: set[str] = set()
-    with open(path, "rb") as fh:
-        for raw in fh:
-            if not raw.endswith(b"\n"):
-                break
-            try:
-                rec = json.loads(raw)
-                sid, n = record_key(rec), int(rec["completion_tokens"])
-            except (ValueError, KeyError, TypeError):
-                break
-            if sid not in seen:
-                seen.add(sid)
-                count += 1
-                tokens += n
-                turns += len(rec["turns"]) if isinstance(rec.get("turns"), list) and rec["turns"] else 1
+    for result in iter_results(path):  # up to a torn tail or a line that is not a record, as the collector reads
+        if result.key not in seen:
+            seen.add(result.key)
+            rec = result.record
+            count += 1
+            tokens += result.tokens
+            turns += len(rec["turns"]) if isinstance(rec.get("turns"), list) and rec["turns"] else 1
     return count, tokens, turns
 
 
