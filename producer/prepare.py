@@ -31,7 +31,7 @@ ALL: Final = "all"
 LAST: Final = "last"
 TURNS_MODES: Final = (ALL, LAST)
 Turns = Literal["all", "last"]
-#: The run.json key; missing in a stored run means ``last`` (producer/run.py ``_settings_for``).
+#: The run.json key; missing in a stored run means ``last`` (producer/attach.py ``_settings_for``).
 TURNS_SETTING: Final = "turns"
 
 
@@ -294,7 +294,7 @@ def run_settings(renderer: Renderer, sampling_params: dict[str, Any],
     two distributions in one training set (and two parsers, two splits of the same text, in one file).
 
     ``reasoning_parser`` None leaves the key out: a run stored before parsers existed has none, and such a run
-    resumes with the think-marker split it started with (producer/run.py ``settings_for``). ``order`` None
+    resumes with the think-marker split it started with (producer/attach.py ``_settings_for``). ``order`` None
     likewise (producer/order.py): a run stored before --order resumes in file order; and ``turns`` None: a run
     stored before --turns resumes as ``last``; and ``mix`` None: no ``template_kwargs_mix`` key, as every run
     stored before it (one set of chat_template_kwargs for all)."""
