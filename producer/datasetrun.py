@@ -64,7 +64,9 @@ class DatasetRun:
     budget: int | None = None
     finished: bool = False
     queued_seen: dict[str, float] = field(default_factory=dict)
-    rate: deque[tuple[float, int]] = field(default_factory=deque)
+    #: The dataset's stats hash as last read (``DatasetState.stats``): its 10-second token buckets give the progress
+    #: line's tok/s, the one ``produce status`` shows (producer/status.py ``tokens_per_second``).
+    stats: dict[str, str] = field(default_factory=dict)
     enqueued_samples: int = 0
     reasoning_parser: str | None = None  # None: a run stored before parsers, resumed with the think-marker split
     sampling_params: dict[str, Any] = field(default_factory=dict)  # what its chunks send (resume_settings)

@@ -10,6 +10,7 @@ from typing import Any
 from producer.datasetrun import DatasetRun
 from producer.generations import split_key
 from producer.output import RESULTS
+from producer.status import eta_seconds, tokens_per_second
 
 
 @dataclass
@@ -29,18 +30,15 @@ class DatasetSummary:
 
 
 def progress_line(runs: list[DatasetRun]) -> str:
-    """One line for every dataset, printed every ``RunOptions.progress_s`` seconds while attached."""
+    """One line for every dataset, printed every ``--progress`` seconds while attached. Its tok/s and eta are
+    ``produce status``'s (producer/status.py): from the 10-second token buckets of the stats last read."""
     parts = []
-    now = time.monotonic()
+    now = time.time()
     for d in runs:
-        while d.rate and now - d.rate[0][0] > 60:
-            d.rate.popleft()
-        span = now - d.rate[0][0] if d.rate else 0.0
-        tps = sum(n for _, n in d.rate) / span if span > 1 else 0.0
+        tps = tokens_per_second(d.stats, now)
         budget = f"{d.used}/{d.budget}" if d.budget is not None else f"{d.used}/unlimited"
-        eta = ""
-        if tps > 0 and d.budget is not None and d.used < d.budget:
-            eta = f" eta {int((d.budget - d.used) / tps)}s"
+        eta_s = eta_seconds(d.budget, d.used, d.status, tps)
+        eta = f" eta {int(eta_s)}s" if eta_s is not None else ""
         state = "done" if d.finished else d.status
         turns = ""
         if d.prepared.conversations or d.turns_committed:  # --turns all: multi-turn conversations' turns

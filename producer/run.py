@@ -181,7 +181,6 @@ class Producer:
         live = self.ledger.live_chunks(d.name)
         messages = d.prepared.messages_by_id
         for rec in collect(self.store, d.name, d.out, lambda sid: messages.get(split_key(sid)[0])):
-            d.rate.append((time.monotonic(), int(rec["completion_tokens"])))
             d.resuming.discard(record_key(rec))
         # What is on disk is done, including results a failed collect wrote before Redis could drop them (but not
         # the old record of a failed conversation this run carries on).
@@ -200,7 +199,7 @@ class Producer:
             raise ProduceError(f"dataset {d.name}: Redis counts {state.used} tokens but {d.out.path} already holds "
                                f"{d.out.total_tokens}: Redis went back to an older state. Nothing on disk is lost: "
                                "run the same produce command again to recount from the output files.", 1)
-        d.status, d.used = state.status, state.used
+        d.status, d.used, d.stats = state.status, state.used, state.stats
         d.turns_committed = int(state.stats.get("turns", 0) or 0)
         self.store.set_progress(d.name, selected=d.prepared.selected, todo=len(d.todo))
         if state.status != "open":
