@@ -5,7 +5,6 @@ found while the database is still untouched (exit 2, DBSIZE unchanged).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from array import array
 from dataclasses import dataclass, field
@@ -346,10 +345,6 @@ def choose_turns(requested: str, explicit: bool, run_file: Path, new_run: bool) 
     if isinstance(stored, dict) and TURNS_SETTING not in stored:
         return LAST
     return requested
-
-
-def settings_fingerprint(settings: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
