@@ -367,7 +367,7 @@ def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 #: did: before them nothing was sent, which is SGLang's default. A resumed run that lacks one goes on as it ran (a
 #: missing setting is never a change of settings; mixing two behaviours in one dataset is what the settings check
 #: exists to prevent). ``reasoning_parser``, the other setting added since, is handled the same way by
-#: ``Producer._settings_for`` (where an explicit --reasoning-parser on an old run is a change).
+#: ``Attacher._settings_for`` (producer/attach.py; there an explicit --reasoning-parser on an old run is a change).
 ADDED_SAMPLING_PARAMS: Final[dict[str, Any]] = {"skip_special_tokens": True}
 
 
