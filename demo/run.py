@@ -38,7 +38,7 @@ import demo
 from budget.keys import QUEUE_NAME
 from budget.record import as_v2
 from demo.tokenizer import build_tokenizer
-from producer.run import pid_alive
+from producer.attach import pid_alive
 from sglang_sim.launch import free_port
 
 HOST: Final = "127.0.0.1"

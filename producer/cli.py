@@ -353,9 +353,10 @@ def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes
         _dry_run(inputs, per_dataset, out_dir, expect_mean, pilot, throughput, as_json, in_flight, described)
         return
 
+    from producer.datasetrun import RunOptions
     from producer.enqueue import JobSettings
     from producer.report import summary_table
-    from producer.run import Producer, RunOptions
+    from producer.run import Producer
 
     think = inputs.renderer.think
     options = RunOptions(out_dir=out_dir, budgets=per_dataset, sampling_params=inputs.sampling_params,

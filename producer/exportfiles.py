@@ -12,7 +12,7 @@ from typing import IO, Any, Final, Iterator, Mapping
 
 from budget import record
 from producer.generations import record_key
-from producer.output import FAILED, RESULTS, RUN
+from producer.output import FAILED, RESULTS, RUN, ReadEnd, iter_results
 
 MANIFEST: Final = "manifest.json"
 DEFAULT_THINK: Final = ("<think>", "</think>")
@@ -32,24 +32,26 @@ class ExportError(Exception):
 
 
 class Results:
-    """The records of raw_responses.jsonl with their line numbers; remembers whether the last line was torn."""
+    """The records of raw_responses.jsonl (producer/output.py ``iter_results``) with their line numbers, checked and
+    in their version 2 view; remembers whether the last line was torn. A line that is not a record is an error
+    naming it, where the collector would cut the file there: an export never skips what it cannot read."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.torn_tail = False
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        with open(self.path, "rb") as fh:
-            for number, raw in enumerate(fh, 1):
-                if not raw.endswith(b"\n"):
-                    self.torn_tail = True  # a crash mid-write; the result is still in Redis
-                    return
-                try:
-                    rec = json.loads(raw)
-                except ValueError as exc:
-                    raise ExportError(f"{self.path}:{number}: not valid JSON ({exc})") from None
-                check_record(rec, f"{self.path}:{number}")
-                yield number, record.as_v2(rec)
+        end = ReadEnd()
+        for result in iter_results(self.path, end):
+            check_record(result.record, f"{self.path}:{result.number}")
+            yield result.number, record.as_v2(result.record)
+        self.torn_tail = end.torn  # a crash mid-write; the result is still in Redis
+        if end.bad_line is not None:
+            where = f"{self.path}:{end.bad_line}"
+            if end.json_error is not None:
+                raise ExportError(f"{where}: not valid JSON ({end.json_error})")
+            check_record(end.bad_value, where)  # names the field at fault
+            raise ExportError(f"{where}: generation must be a whole number")  # what check_record leaves to record_key
 
 
 def _check_fields(obj: Mapping[str, Any], required: Mapping[str, type], where: str) -> None:

@@ -1,4 +1,5 @@
-"""The output files of a dataset, and the move of committed results from Redis onto disk.
+"""The output files of a dataset, the one reader of ``raw_responses.jsonl`` (`iter_results`), and the move of
+committed results from Redis onto disk.
 
 Order of operations is what makes collection exactly-once: a result is written, flushed and fsynced before
 it is deleted from the Redis stream; a crash in between leaves it in both, and the ids already in the file
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from budget import record
 from budget.runstate import RESULTS_BATCH, RunState
@@ -27,6 +29,63 @@ FIELD_ORDER = record.V1_FIELDS
 #: ``stopped_by`` of a conversation that ended because a later turn failed every attempt: the one record a later
 #: record of the same id supersedes (a rerun ``reopen``s it and carries it on: docs/multiturn.md).
 STOPPED_BY_FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Result:
+    """One complete record of a results file, as written (version 1 or 2: ``budget.record.as_v2`` gives the version
+    2 view), with its line number (from 1), its bytes (the newline included), its sample key and its count."""
+
+    number: int
+    line: bytes
+    record: dict[str, Any]
+    key: str  # producer/generations.py record_key: the prompt's id and the generation
+    tokens: int  # completion_tokens
+
+    @property
+    def text(self) -> str:
+        """The line as written, without its newline."""
+        return self.line.decode("utf-8").rstrip("\n")
+
+
+@dataclass
+class ReadEnd:
+    """Why `iter_results` stopped before the end of the file, if it did; filled in as it reads."""
+
+    #: The last line had no newline: a crash mid-write. Its result is still in Redis (it is deleted from the stream
+    #: only after the fsync), so the line is not a record yet.
+    torn: bool = False
+    #: The number of the first line that is not a record (not JSON, or without an ``id`` and a
+    #: ``completion_tokens`` count): nothing after it is trusted. None: every line before the end (or the torn
+    #: tail) was a record.
+    bad_line: int | None = None
+    #: Why that line is not JSON (the decoder's message); None when it is JSON (then `bad_value` holds it).
+    json_error: str | None = None
+    bad_value: Any = None
+
+
+def iter_results(path: Path, end: ReadEnd | None = None) -> Iterator[Result]:
+    """The records of a results file (``raw_responses.jsonl``) in order, read as every reader of the file reads it:
+    up to a torn last line (no newline: a crash mid-write) or the first line that is not a record, whichever comes
+    first; ``end`` says which. The collector cuts the file there (`ResultsFile`), a plan stops counting there, and
+    an export refuses the file at a bad line (producer/exportfiles.py ``Results``)."""
+    end = ReadEnd() if end is None else end
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            if not raw.endswith(b"\n"):
+                end.torn = True
+                return
+            try:
+                rec = json.loads(raw)
+            except ValueError as exc:
+                end.bad_line, end.json_error = number, str(exc)
+                return
+            try:
+                key, tokens = record_key(rec), int(rec["completion_tokens"])
+            except (ValueError, KeyError, TypeError):
+                end.bad_line, end.bad_value = number, rec
+                return
+            yield Result(number, raw, rec, key, tokens)
 
 
 class ResultsFile:
@@ -48,20 +107,14 @@ class ResultsFile:
         self._fh = open(path, "ab")
 
     def _load(self) -> None:
+        """Read the file's records and cut what follows them: a torn tail (a crash mid-write), or everything from
+        a line that is not a record on (nothing after a line we cannot read is trusted)."""
         if not self.path.exists():
             return
         good = 0
-        with open(self.path, "rb") as fh:
-            for raw in fh:
-                if not raw.endswith(b"\n"):
-                    break  # torn tail: a crash mid-write
-                try:
-                    rec = json.loads(raw)
-                    sid, n = record_key(rec), int(rec["completion_tokens"])
-                except (ValueError, KeyError, TypeError):
-                    break  # cannot trust anything after a line we cannot read
-                self._note(sid, n, rec, raw.decode("utf-8").rstrip("\n"))
-                good += len(raw)
+        for result in iter_results(self.path):
+            self._note(result.key, result.tokens, result.record, result.text)
+            good += len(result.line)
         size = self.path.stat().st_size
         if good < size:
             self.truncated_bytes = size - good

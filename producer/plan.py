@@ -1,10 +1,11 @@
 """``produce --dry-run``: know before launching what a run will cost and how long it will take.
 
-The seed's run was on course to 26.6M tokens against a 10M target because nobody estimated first. A plan
-reads, validates and renders everything (the same code path as a real run), writes nothing to Redis, and
-projects per dataset: samples needed to reach the budget at the expected completion length, tokens, and the
-time at a given throughput. The expected length comes from ``--expect-mean``, from an existing
-``raw_responses.jsonl`` (a resumed run), or from ``--pilot N`` real requests sent straight to SGLang.
+A run launched without an estimate can be on course to 2.7 times its target (26.6M tokens against 10M, seen
+before this command existed) before anyone looks. A plan reads, validates and renders everything (the same code
+path as a real run), writes nothing to Redis, and projects per dataset: samples needed to reach the budget at
+the expected completion length, tokens, and the time at a given throughput. The expected length comes from
+``--expect-mean``, from an existing ``raw_responses.jsonl`` (a resumed run), or from ``--pilot N`` real requests
+sent straight to SGLang.
 
 With ``--turns all`` a multi-turn conversation makes up to k requests: the expected length is per turn, a sample's
 tokens are its turns times it, and the ETA is also bounded by the longest conversation, whose turns run one after
@@ -14,7 +15,6 @@ requests share the deployment's throughput (``sequential_eta``).
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,8 +23,7 @@ from typing import Any, Final, Sequence
 import aiohttp
 
 from producer.modeldir import Context
-from producer.generations import record_key
-from producer.output import RESULTS
+from producer.output import RESULTS, iter_results
 from producer.prepare import Prepared
 
 
@@ -94,20 +93,13 @@ def existing_turns(out_dir: Path, name: str) -> tuple[int, int, int]:
         return 0, 0, 0
     count = tokens = turns = 0
     seen: set[str] = set()
-    with open(path, "rb") as fh:
-        for raw in fh:
-            if not raw.endswith(b"\n"):
-                break
-            try:
-                rec = json.loads(raw)
-                sid, n = record_key(rec), int(rec["completion_tokens"])
-            except (ValueError, KeyError, TypeError):
-                break
-            if sid not in seen:
-                seen.add(sid)
-                count += 1
-                tokens += n
-                turns += len(rec["turns"]) if isinstance(rec.get("turns"), list) and rec["turns"] else 1
+    for result in iter_results(path):  # up to a torn tail or a line that is not a record, as the collector reads
+        if result.key not in seen:
+            seen.add(result.key)
+            rec = result.record
+            count += 1
+            tokens += result.tokens
+            turns += len(rec["turns"]) if isinstance(rec.get("turns"), list) and rec["turns"] else 1
     return count, tokens, turns
 
 

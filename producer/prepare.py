@@ -5,7 +5,6 @@ found while the database is still untouched (exit 2, DBSIZE unchanged).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from array import array
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ ALL: Final = "all"
 LAST: Final = "last"
 TURNS_MODES: Final = (ALL, LAST)
 Turns = Literal["all", "last"]
-#: The run.json key; missing in a stored run means ``last`` (producer/run.py ``_settings_for``).
+#: The run.json key; missing in a stored run means ``last`` (producer/attach.py ``_settings_for``).
 TURNS_SETTING: Final = "turns"
 
 
@@ -294,7 +293,7 @@ def run_settings(renderer: Renderer, sampling_params: dict[str, Any],
     two distributions in one training set (and two parsers, two splits of the same text, in one file).
 
     ``reasoning_parser`` None leaves the key out: a run stored before parsers existed has none, and such a run
-    resumes with the think-marker split it started with (producer/run.py ``settings_for``). ``order`` None
+    resumes with the think-marker split it started with (producer/attach.py ``_settings_for``). ``order`` None
     likewise (producer/order.py): a run stored before --order resumes in file order; and ``turns`` None: a run
     stored before --turns resumes as ``last``; and ``mix`` None: no ``template_kwargs_mix`` key, as every run
     stored before it (one set of chat_template_kwargs for all)."""
@@ -348,10 +347,6 @@ def choose_turns(requested: str, explicit: bool, run_file: Path, new_run: bool) 
     return requested
 
 
-def settings_fingerprint(settings: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     out = []
     for key in sorted(set(old) | set(new)):
@@ -372,7 +367,7 @@ def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 #: did: before them nothing was sent, which is SGLang's default. A resumed run that lacks one goes on as it ran (a
 #: missing setting is never a change of settings; mixing two behaviours in one dataset is what the settings check
 #: exists to prevent). ``reasoning_parser``, the other setting added since, is handled the same way by
-#: ``Producer._settings_for`` (where an explicit --reasoning-parser on an old run is a change).
+#: ``Attacher._settings_for`` (producer/attach.py; there an explicit --reasoning-parser on an old run is a change).
 ADDED_SAMPLING_PARAMS: Final[dict[str, Any]] = {"skip_special_tokens": True}
 
 

@@ -1,8 +1,73 @@
-"""The summary table ``produce`` prints when it ends."""
+"""What ``produce`` says of its datasets: the progress line it prints while attached, and the summary table it
+prints when it ends (``DatasetSummary``, one row a dataset)."""
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from producer.datasetrun import DatasetRun
 from producer.generations import split_key
-from producer.run import DatasetSummary
+from producer.output import RESULTS
+from producer.status import eta_seconds, tokens_per_second
+
+
+@dataclass
+class DatasetSummary:
+    name: str
+    status: str
+    done: int
+    selected: int
+    tokens: int
+    budget: int | None
+    failed: dict[str, dict[str, Any]]
+    not_run: int
+    invalid: int
+    duplicates: int
+    over_context: int
+    output: Path
+
+
+def progress_line(runs: list[DatasetRun]) -> str:
+    """One line for every dataset, printed every ``--progress`` seconds while attached. Its tok/s and eta are
+    ``produce status``'s (producer/status.py): from the 10-second token buckets of the stats last read."""
+    parts = []
+    now = time.time()
+    for d in runs:
+        tps = tokens_per_second(d.stats, now)
+        budget = f"{d.used}/{d.budget}" if d.budget is not None else f"{d.used}/unlimited"
+        eta_s = eta_seconds(d.budget, d.used, d.status, tps)
+        eta = f" eta {int(eta_s)}s" if eta_s is not None else ""
+        state = "done" if d.finished else d.status
+        turns = ""
+        if d.prepared.conversations or d.turns_committed:  # --turns all: multi-turn conversations' turns
+            p = d.prepared
+            ended = sum(1 for sid in d.done if p.turns_of(sid) > 1)
+            turns = f" conversations {ended}/{p.conversations} turns {d.turns_committed}/{p.conversation_turns}"
+        parts.append(f"{d.name}: {state} tokens {budget} samples {len(d.done)}/{d.prepared.selected}{turns} "
+                     f"{tps:.0f} tok/s{eta}")
+    return " | ".join(parts)
+
+
+def summaries(runs: list[DatasetRun], out_dir: Path) -> list[DatasetSummary]:
+    """A dataset's row: complete (every selected sample done or failed), budget reached, running (detached: its
+    chunks are still out) or incomplete."""
+    out = []
+    for d in runs:
+        p = d.prepared
+        closed = d.status == "closed"
+        keys = p.keys()
+        complete = all(k in d.done or k in d.failed for k in keys)
+        status = "complete" if complete else ("budget reached" if closed else
+                                              ("running (detached)" if d.chunk_samples else "incomplete"))
+        not_run = sum(1 for k in keys if k not in d.done and k not in d.failed)
+        out.append(DatasetSummary(
+            name=d.name, status=status, done=len(d.done), selected=p.selected, tokens=d.used,
+            budget=d.budget, failed=d.failed, not_run=not_run, invalid=len(p.invalid),
+            duplicates=len(p.duplicates), over_context=len(p.over_context),
+            output=out_dir / d.name / RESULTS))
+    return out
 
 
 def sample_name(key: str) -> str:

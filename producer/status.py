@@ -47,7 +47,9 @@ class DatasetStatus:
 
 
 def tokens_per_second(stats: dict[str, str], now: float | None = None) -> float:
-    """From the commit script's 10-second token buckets: the last full minute, the running bucket excluded."""
+    """The one tok/s of budgetq (``produce status``, its metrics and ``produce``'s progress line): completion tokens
+    committed per second, from the commit scripts' 10-second token buckets in the stats hash, over the last full
+    minute, the running bucket excluded. Every process reads the same figure, and it survives a reattach."""
     now = time.time() if now is None else now
     current = int(now // 10)
     total = sum(int(v) for k, v in stats.items()
@@ -55,13 +57,18 @@ def tokens_per_second(stats: dict[str, str], now: float | None = None) -> float:
     return total / RATE_WINDOW_S
 
 
+def eta_seconds(budget: int | None, used: int, status: str, tps: float) -> float | None:
+    """Seconds until ``used`` reaches the budget at ``tps``; None when unlimited, closed or the rate is 0."""
+    if budget is None or status != "open" or tps <= 0:
+        return None
+    return max(0.0, (budget - used) / tps)
+
+
 def dataset_status(state: DatasetState, now: float | None = None, conversations_open: int = 0) -> DatasetStatus:
     stats = state.stats
     stop, length = int(stats.get("finish_stop", 0)), int(stats.get("finish_length", 0))
     tps = tokens_per_second(stats, now)
-    eta = None
-    if state.budget is not None and state.status == "open" and tps > 0:
-        eta = max(0.0, (state.budget - state.used) / tps)
+    eta = eta_seconds(state.budget, state.used, state.status, tps)
     selected = state.fields.get("selected")
     todo = int(state.fields.get("todo", 0) or 0)
     return DatasetStatus(

@@ -13,6 +13,7 @@ import redis
 
 from budget.ledger import Ledger
 from budget.payload import sampling_params_of
+from producer.datasetrun import RunOptions
 from producer.errors import ProduceError
 from producer.generations import (Generations, derived_seed, parse_temperatures, record_key, sample_key,
                                   split_key)
@@ -21,7 +22,7 @@ from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, write_fa
 from producer.plan import plan_dataset
 from producer.prepare import LAST, Inputs, load_inputs
 from producer.records import FieldMapping
-from producer.run import Producer, RunOptions
+from producer.run import Producer
 from tests.test_enqueue import job_payloads
 
 DS = "prompts"

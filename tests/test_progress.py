@@ -11,8 +11,9 @@ import pytest
 import redis
 
 from budget import keys
+from producer.datasetrun import RunOptions
 from producer.prepare import load_inputs
-from producer.run import Producer, RunOptions
+from producer.run import Producer
 
 CODE = Path(__file__).resolve().parent.parent / "demo" / "data" / "code_instruct.jsonl"  # 150 samples
 PHASES = ("validating", "rendering", "enqueueing")

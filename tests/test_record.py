@@ -98,7 +98,7 @@ def test_a_stored_run_without_the_new_settings_resumes_as_it_ran() -> None:
     new = {"tokenizer": "t", "sampling_params": {"max_new_tokens": 64, "skip_special_tokens": True},
            "think": None, "reasoning_parser": "qwen3"}
     effective, notes = resume_settings(old, new)
-    # nothing new sent: the old behaviour (reasoning_parser is Producer._settings_for's, tests/test_parsers.py)
+    # nothing new sent: the old behaviour (reasoning_parser is Attacher._settings_for's, tests/test_parsers.py)
     assert effective == {**old, "reasoning_parser": "qwen3"} and notes == []
     harmony = {**new, "sampling_params": {"max_new_tokens": 64, "skip_special_tokens": False}}
     effective, notes = resume_settings(old, harmony)

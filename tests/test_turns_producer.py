@@ -16,13 +16,14 @@ import redis
 from budget import keys, tokstore
 from budget.history import plan
 from budget.ledger import Ledger
+from producer.datasetrun import RunOptions
 from producer.errors import ProduceError
 from producer.manifest import Stats
 from producer.output import RESULTS, RUN
 from producer.plan import plan_dataset, sequential_eta
 from producer.prepare import ALL, LAST, Inputs, choose_turns, load_inputs
 from producer.render import Renderer, load_tokenizer
-from producer.run import Producer, RunOptions
+from producer.run import Producer
 from producer.status import all_status, status_table
 from tests.test_enqueue import job_payloads
 

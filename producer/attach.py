@@ -1,0 +1,319 @@
+"""Attach the producer to its datasets' runs: take each dataset's collector lock, check the stored settings, and
+rebuild each dataset's state (``DatasetRun``) from Redis and the output files. Nothing is enqueued here; the loop
+(producer/run.py) does that.
+
+Every time ``produce`` starts, for each dataset (docs/architecture.md, "Attach"):
+1. refuse a rerun whose settings differ from the stored run (exit 2, unless ``--new-run``), before anything is
+   written, so a refused rerun leaves Redis as it was; a multi-turn run stores its tokenizer files for the
+   workers (``share_tokenizer``);
+2. take the dataset's collector lock (a lock left by a dead ``produce`` on this host is taken over at once);
+3. register the run's settings (Redis and ``run.json``), set the budget and the mode;
+4. open the output file (cutting a torn last line), count the responses on disk that Redis lost, uncount those
+   Redis counted that exist nowhere (they are generated again), reopen failed conversations;
+5. compute the to-do list: the selected samples in the run's order - done - held by a live chunk.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable
+
+import redis
+
+from budget.ledger import Ledger
+from budget.runstate import RunState
+from producer.datasetrun import DatasetRun, RunOptions
+from producer.errors import ProduceError
+from producer.generations import SETTING as GENERATIONS, chunk_params
+from producer.order import FILE, SETTING as ORDER
+from producer.output import RESULTS, RUN, ResultsFile
+from producer.prepare import ALL, LAST, TURNS_SETTING, Prepared, resume_settings, settings_diff
+
+#: The collector lock's time to live: the loop refreshes it every step, so another ``produce`` may take a dataset
+#: over this long after its collector died or stalled (at once when it died on the same host: ``pid_alive``).
+LOCK_TTL_MS = 30_000
+
+
+def _less_generations(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings a rerun must keep: all but ``generations``, which may grow (``Attacher._check_generations``)."""
+    return {key: value for key, value in settings.items() if key != GENERATIONS}
+
+
+def pid_alive(pid: int) -> bool:
+    """Is a process with this pid running on this host? (EPERM: it exists, owned by someone else.)"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Attacher:
+    """One attach of a ``produce`` to its datasets (``Producer.attach`` drives it). ``locks`` is the producer's own
+    dict of the collector locks taken, by dataset: a dataset whose attach fails after its lock was taken must
+    still have it released (else a rerun from another host waits out its TTL)."""
+
+    def __init__(self, client: "redis.Redis", ledger: Ledger, store: RunState, options: RunOptions,
+                 echo: Callable[[str], None], locks: dict[str, str]) -> None:
+        self.r = client
+        self.ledger = ledger
+        self.store = store
+        self.opt = options
+        self.echo = echo
+        self.locks = locks
+        # A resumed dataset's settings: the run's, less what a run stored before they existed lacks (resume_settings)
+        self.effective: dict[str, dict[str, Any]] = {}
+
+    def check(self, datasets: list[Prepared]) -> None:
+        """Every dataset's stored settings, checked before anything is written, so a refused rerun leaves Redis as
+        it was; then a multi-turn run's tokenizer files are stored for the workers."""
+        if not self.opt.new_run:
+            for prepared in datasets:
+                stored = self._stored_settings(prepared.name, self.opt.out_dir / prepared.name)
+                if stored is None:
+                    continue
+                settings, notes = resume_settings(stored, self._settings_for(stored))
+                for note in notes:
+                    self.echo(f"{prepared.name}: {note}")
+                self.effective[prepared.name] = settings
+                self._check_generations(prepared.name, stored, settings)
+                if _less_generations(stored) != _less_generations(settings):
+                    diff = "; ".join(settings_diff(_less_generations(stored), _less_generations(settings)))
+                    raise ProduceError(
+                        f"dataset {prepared.name}: this run's settings differ from the stored run ({diff}). "
+                        "Use the same options to resume, or --new-run to start the dataset over "
+                        "(its old output is kept aside).", 2)
+        for prepared in datasets:
+            self._check_turns(prepared)
+        self._share_tokenizer(datasets)
+
+    def _check_generations(self, name: str, stored: dict[str, Any], settings: dict[str, Any]) -> None:
+        """More generations than the stored run extends it (new rounds; nothing made is made again); fewer is a
+        settings change (exit 2): the records of the dropped rounds would stay in a run that no longer asks for
+        them. A stored run without the key made one generation."""
+        old, new = int(stored.get(GENERATIONS, 1)), int(settings.get(GENERATIONS, 1))
+        if new < old:
+            raise ProduceError(
+                f"dataset {name}: this run's settings differ from the stored run (generations: stored {old}, now "
+                f"{new}: fewer generations is a settings change). Give --generations {old} (or more) to resume, or "
+                "--new-run to start the dataset over (its old output is kept aside).", 2)
+        if new > old:
+            self.echo(f"{name}: --generations {new} extends the stored run of {old}: generations {old}..{new - 1} "
+                      "are new samples")
+
+    def _turns_of(self, prepared: Prepared) -> str:
+        """The --turns mode a dataset runs in: its stored run's (a run stored before --turns: ``last``), or
+        this run's when it starts now."""
+        if self.opt.new_run:
+            return str(self.opt.settings.get(TURNS_SETTING, LAST))
+        stored = self._stored_settings(prepared.name, self.opt.out_dir / prepared.name)
+        settings = self.effective.get(prepared.name) or self._settings_for(stored)
+        return str(settings.get(TURNS_SETTING, LAST))
+
+    def _check_turns(self, prepared: Prepared) -> None:
+        """The samples were prepared for the mode the run goes on in (prepare read run.json; Redis may hold a
+        stored run whose run.json is gone, or another one)."""
+        mode = self._turns_of(prepared)
+        if prepared.turns_mode != mode:
+            what = "every turn" if mode == ALL else "the last turn only"
+            raise ProduceError(
+                f"dataset {prepared.name}: the run stored in Redis regenerates {what} (--turns {mode}), but "
+                f"{self.opt.out_dir / prepared.name / RUN} does not say so: give --turns {mode} to resume it, or "
+                "--new-run to start the dataset over", 2)
+
+    def _share_tokenizer(self, datasets: list[Prepared]) -> None:
+        """A run with multi-turn conversations stores its tokenizer files in Redis once (bq:tok:{fingerprint}):
+        GPU workers render the later turns with them (docs/multiturn.md). Refused files are an input error
+        (exit 2), found before anything of the run is written."""
+        if not any(p.turns and p.turns_mode == ALL for p in datasets):
+            return
+        from producer.tokenizer_files import ShareError, share_tokenizer
+        if self.opt.tokenizer is None or self.opt.conversation is None:
+            raise ProduceError("multi-turn conversations need the tokenizer directory and the conversation block "
+                               "(RunOptions.tokenizer, RunOptions.conversation)", 2)
+        try:
+            stored = share_tokenizer(self.r, self.opt.tokenizer, self.opt.conversation["tokenizer"])
+        except ShareError as exc:
+            raise ProduceError(f"--turns all: {exc} (the workers render a conversation's later turns with the run's "
+                               "tokenizer; --turns last regenerates only the last turn)", 2) from None
+        if stored:
+            self.echo(f"stored the tokenizer files in Redis for the workers ({stored} files)")
+
+    def _settings_for(self, stored: dict[str, Any] | None) -> dict[str, Any]:
+        """This run's settings for a dataset whose stored settings are `stored`.
+
+        A run stored before reasoning parsers existed has no ``reasoning_parser``: it resumes with the
+        think-marker split it started with (a new key is not a settings change), unless --reasoning-parser
+        names a parser, which is one (the records would be split two ways in one file). A run stored before
+        --order has no ``order``: it resumes in file order (producer/order.py), unless --order or --order-seed
+        is given, which is a settings change (its selection so far is the file's first prompts). A run stored
+        before --turns has no ``turns``: it resumes as ``last`` (what it did), unless --turns all is given, which is
+        a settings change (its records so far answer the last turn only)."""
+        settings = self.opt.settings
+        if stored is not None and "reasoning_parser" not in stored and not self.opt.parser_explicit:
+            settings = {key: value for key, value in settings.items() if key != "reasoning_parser"}
+        if stored is not None and ORDER not in stored and not self.opt.order_explicit:
+            settings = {key: value for key, value in settings.items() if key != ORDER}
+        if stored is not None and TURNS_SETTING not in stored and (
+                not self.opt.turns_explicit or settings.get(TURNS_SETTING) == LAST):
+            settings = {key: value for key, value in settings.items() if key != TURNS_SETTING}
+        return settings
+
+    def attach_one(self, p: Prepared) -> DatasetRun:
+        """Take ``p``'s collector lock, set up its run in Redis and on disk, reconcile the file with Redis both ways,
+        and return its state: the to-do list = the selected samples - done - held by a live chunk."""
+        out_dir = self.opt.out_dir / p.name
+        stored = self._stored_settings(p.name, out_dir)
+        settings = self.opt.settings if self.opt.new_run else self._settings_for(stored)
+        if "reasoning_parser" in self.opt.settings and "reasoning_parser" not in settings:
+            self.echo(f"{p.name}: stored before reasoning parsers: it resumes splitting on the think markers only "
+                      "(--new-run to regenerate it with the parser)")
+        token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
+        if not self._take_lock(p.name, token):
+            raise ProduceError(f"dataset {p.name}: another produce is attached to it (it holds "
+                               f"{self.store.collector_key(p.name)}); stop that one, or wait up to "
+                               f"{LOCK_TTL_MS // 1000} s after it died", 1)
+        self.locks[p.name] = token
+        if self.opt.new_run and (stored is not None or self.store.exists(p.name)):
+            self._start_over(p.name, out_dir)
+        if not self.opt.new_run:
+            settings = self.effective.get(p.name, settings)  # less the sampling params a stored run predates
+        self.store.register(p.name, json.dumps(settings, sort_keys=True), created_at=time.time())
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / RUN).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+        explicit = self.opt.budgets.get(p.name)
+        stored_budget = self.store.field(p.name, "budget")
+        if explicit is not None:
+            budget: int | None = explicit
+        elif stored_budget:
+            budget = int(stored_budget)
+        else:
+            budget = None
+        mode = self.opt.modes.get(p.name) or self.store.field(p.name, "mode") or "predict"
+        self.ledger.set_mode(p.name, mode, int(self.opt.sampling_params["max_new_tokens"]))
+        self.ledger.set_budget(p.name, budget)
+
+        out = ResultsFile(out_dir / RESULTS)
+        if out.truncated_bytes:
+            self.echo(f"{p.name}: cut a torn last line ({out.truncated_bytes} bytes) from {out.path}")
+        if self.opt.expect_mean:
+            self.ledger.set_prior(p.name, self.opt.expect_mean)
+        elif out.tokens:
+            self.ledger.set_prior(p.name, out.total_tokens / len(out.tokens))
+        # Failed conversations on disk (a later turn failed every attempt) that Redis carries on already: reopened
+        # by an earlier rerun (in convs), or ended again since (in the stream: a newer record to collect). Read in
+        # that order: a conversation ending in between is in the stream. The file does not count for them.
+        carried = set(self.ledger.conversation_turns(p.name, list(out.superseded)))
+        newer = (self.store.result_ids(p.name) & set(out.superseded)) - carried if out.superseded else set()
+        added, tokens = self.ledger.reconcile(
+            p.name, [(sid, n) for sid, n in out.tokens.items() if sid not in carried and sid not in newer])
+        if added:
+            self.echo(f"{p.name}: counted {added} responses ({tokens} tokens) found in {out.path}")
+        cleaned, turn_tokens = self.ledger.reconcile_turns(p.name, list(out.tokens))
+        if cleaned:
+            self.echo(f"{p.name}: {cleaned} conversations found in {out.path} still had committed turns in Redis "
+                      f"({turn_tokens} tokens): dropped, the file counts them")
+        resuming = carried | self._reopen_failed(p.name, out, skip=carried | newer)
+        # Order matters: done first, then the stream. A commit landing in between is in both.
+        done = self.ledger.done_ids(p.name)
+        in_stream = self.store.result_ids(p.name)
+        orphans = [sid for sid in done if sid not in out.tokens and sid not in in_stream]
+        if orphans:
+            removed, t = self.ledger.uncommit(p.name, orphans)
+            self.echo(f"{p.name}: {removed} committed responses ({t} tokens) are neither in {out.path} nor in "
+                      "Redis; they are uncounted and will be generated again")
+            for sid in orphans:
+                done.pop(sid, None)
+        self.store.clear_failed(p.name)  # a rerun retries what failed before
+
+        live = self.ledger.live_chunks(p.name)
+        chunk_samples: dict[str, list[str]] = {}
+        held: set[str] = set()
+        for sid, cid in self.ledger.holders(p.name).items():
+            if cid in live:
+                chunk_samples.setdefault(cid, []).append(sid)
+                held.add(sid)
+        done_ids = (set(done) | set(out.tokens)) - resuming
+        samples = p.samples
+        if ORDER not in settings and ORDER in self.opt.settings and p.order.mode != FILE:
+            # Stored before --order, found in Redis but not in run.json (which prepare looked at): file order.
+            samples = sorted(p.samples, key=lambda s: s.line)
+        # The to-do list: the selected samples in the run's order (producer/order.py), in rounds of generations
+        # (producer/generations.py) - done - held by a live chunk.
+        # A started conversation (in convs) is not done: unless a live chunk holds it, it is enqueued again and its
+        # worker resumes it at the turn Redis has (docs/multiturn.md).
+        keys = p.keys(samples)
+        todo = deque(k for k in keys if k not in done_ids and k not in held)
+        return DatasetRun(prepared=p, out=out, lock_token=token, todo=todo, chunk_samples=chunk_samples,
+                          done=done_ids, budget=budget, reasoning_parser=settings.get("reasoning_parser"),
+                          sampling_params=chunk_params(dict(settings.get("sampling_params")
+                                                            or self.opt.sampling_params)),
+                          resuming=resuming & set(keys))
+
+    def _reopen_failed(self, name: str, out: ResultsFile, skip: set[str]) -> set[str]:
+        """The failed conversations on disk (last record ``stopped_by: failed``) made committed-unwritten again
+        (``reopen``), so this run resumes each at the turn that failed; returns their ids. One whose turns do not
+        add up to what Redis counted for it stays as it is (a warning): it is not generated again."""
+        reopened: set[str] = set()
+        refused = []
+        for sid, line in out.superseded.items():
+            if sid in skip:
+                continue
+            verdict = self.ledger.reopen(name, sid, json.loads(line)["turns"])
+            if verdict >= 0:  # 0: reopened already by a rerun that died before enqueueing it
+                reopened.add(sid)
+            else:
+                refused.append(sid)
+        if reopened:
+            self.echo(f"{name}: {len(reopened)} conversations whose turn failed resume at that turn")
+        if refused:
+            self.echo(f"{name}: {len(refused)} failed conversations are not resumed: their turns in {out.path} do "
+                      f"not add up to what Redis counted (first: {refused[0]})")
+        return reopened
+
+    def _take_lock(self, name: str, token: str) -> bool:
+        """The dataset's collector lock; a lock left by a dead produce on this host is taken over at once
+        instead of making the user wait for its TTL after a crash or kill -9."""
+        if self.store.take_collector(name, token, LOCK_TTL_MS):
+            return True
+        holder = self.store.collector_holder(name)
+        if holder is None:
+            return self.store.take_collector(name, token, LOCK_TTL_MS)
+        host, _, rest = holder.partition(":")
+        pid = rest.partition(":")[0]
+        if host != socket.gethostname() or not pid.isdigit() or pid_alive(int(pid)):
+            return False
+        self.store.release_collector(name, holder)
+        if self.store.take_collector(name, token, LOCK_TTL_MS):
+            self.echo(f"took over {self.store.collector_key(name)} from produce pid {pid}, which is no longer "
+                      "running")
+            return True
+        return False
+
+    def _stored_settings(self, name: str, out_dir: Path) -> dict[str, Any] | None:
+        raw = self.store.field(name, "settings")
+        if raw:
+            return dict(json.loads(raw))
+        run_file = out_dir / RUN
+        if run_file.exists():
+            return dict(json.loads(run_file.read_text()))
+        return None
+
+    def _start_over(self, name: str, out_dir: Path) -> None:
+        """--new-run: close and forget the dataset's stored run; keep its files aside, never delete them."""
+        self.ledger.close(name)
+        self.ledger.discard(name, "replaced by --new-run")
+        self.store.forget(name)
+        if out_dir.exists() and any(out_dir.iterdir()):
+            aside = out_dir.parent / f"{name}.previous-{time.strftime('%Y%m%d-%H%M%S')}"
+            out_dir.rename(aside)
+            self.echo(f"{name}: --new-run: previous output moved to {aside}")
+        out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,85 @@
+"""What the attached producer is told (``RunOptions``) and what it knows of each dataset (``DatasetRun``).
+
+A ``DatasetRun`` is rebuilt from Redis and the output files by every attach (producer/attach.py), kept up to date by
+the loop (producer/run.py) and read by the report (producer/report.py). A killed ``produce`` loses only what it
+counts in memory: a sample's reclaims (``MAX_RECLAIMS``, counted from 0 again) and when it saw a chunk queued.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from budget.payload import ConversationPayload, ThinkPayload
+from producer.enqueue import JobSettings
+from producer.generations import Generations
+from producer.output import ResultsFile
+from producer.prepare import Prepared, Variants
+
+
+@dataclass
+class RunOptions:
+    out_dir: Path
+    budgets: dict[str, int | None]  # explicit --budget per dataset; None: keep the stored one (or unlimited)
+    sampling_params: dict[str, Any]
+    settings: dict[str, Any]  # the run's fingerprinted settings (producer.prepare.run_settings)
+    think: ThinkPayload | None
+    reasoning_parser: str | None = None  # what settings["reasoning_parser"] says; None: the think-marker split
+    parser_explicit: bool = False  # --reasoning-parser named it (not auto)
+    order_explicit: bool = False  # --order or --order-seed given (not the default)
+    turns_explicit: bool = False  # --turns given (not the default)
+    #: ``--turns all``: what a chunk holding a multi-turn sample tells its worker (budget/payload.py), and the
+    #: --tokenizer whose files are stored in Redis for the workers to render later turns with (attach, once).
+    conversation: ConversationPayload | None = None
+    tokenizer: str | None = None
+    modes: dict[str, str | None] = field(default_factory=dict)  # --budget-mode; None: stored, else predict
+    expect_mean: float | None = None  # prior completion length for predict before results arrive
+    chunk_size: int = 256
+    queue_depth: int = 16
+    margin: float = 1.25  # just-in-time: hold this many times the samples the remaining budget needs
+    new_run: bool = False
+    job: JobSettings = field(default_factory=JobSettings)
+    poll_s: float = 0.2
+    progress_s: float = 5.0
+    show_progress: bool = False  # a bar on stderr while --detach enqueues (produce: a terminal and not --quiet)
+    #: --generations and what generation k sends differently (producer/generations.py); one generation: as ever.
+    generations: Generations = field(default_factory=Generations)
+    #: --template-kwargs-mix: the renderer of each drawn combination (producer/prepare.py Variants); None: no mix.
+    variants: Variants | None = None
+
+
+@dataclass
+class DatasetRun:
+    prepared: Prepared
+    out: ResultsFile
+    lock_token: str
+    todo: deque[str]
+    chunk_samples: dict[str, list[str]]
+    done: set[str]
+    failed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reclaims: dict[str, int] = field(default_factory=dict)
+    status: str = "open"
+    used: int = 0
+    budget: int | None = None
+    finished: bool = False
+    queued_seen: dict[str, float] = field(default_factory=dict)
+    #: The dataset's stats hash as last read (``DatasetState.stats``): its 10-second token buckets give the progress
+    #: line's tok/s, the one ``produce status`` shows (producer/status.py ``tokens_per_second``).
+    stats: dict[str, str] = field(default_factory=dict)
+    enqueued_samples: int = 0
+    reasoning_parser: str | None = None  # None: a run stored before parsers, resumed with the think-marker split
+    sampling_params: dict[str, Any] = field(default_factory=dict)  # what its chunks send (resume_settings)
+    #: Conversations whose record on disk ended ``stopped_by: failed`` and that this run carries on (``reopen``):
+    #: not done until their new record is collected, though the file holds an id for them.
+    resuming: set[str] = field(default_factory=set)
+    turns_committed: int = 0  # the stats' ``turns`` (commit_turn): turns of multi-turn conversations committed
+    #: Closed: started conversations in the to-do list are looked for once (then only samples given back), since
+    #: no worker may resume them; ``stranded`` are the ones a worker was still committing to when looked at.
+    reclaim_turns: dict[str, int] = field(default_factory=dict)  # a conversation's turns at its last reclaim
+    stranded_checked: bool = False
+    stranded: set[str] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return self.prepared.name

@@ -1,0 +1,40 @@
+"""What ``produce`` says of its datasets (producer/report.py): one tok/s and eta, the ones ``produce status`` shows,
+read from the commit scripts' 10-second token buckets in Redis (docs/cli.md, "Status columns")."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import redis
+
+from budget import keys
+from producer.datasetrun import RunOptions
+from producer.prepare import load_inputs
+from producer.run import Producer
+from producer.status import all_status
+
+CODE = Path(__file__).resolve().parent.parent / "demo" / "data" / "code_instruct.jsonl"  # 150 samples
+DS = "code_instruct"
+
+
+def test_the_progress_line_shows_the_tok_s_and_eta_of_produce_status(r: "redis.Redis", tokenizer_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    params = {"max_new_tokens": 64}
+    inputs = load_inputs([str(CODE)], tokenizer=str(tokenizer_dir), max_tokens=64, max_context=None,
+                         max_samples=None, sampling_params=params, chat_template_kwargs={}, skip_invalid=False,
+                         echo=lambda msg: None, warn=lambda msg: None, show_progress=False)
+    options = RunOptions(out_dir=tmp_path / "out", budgets={DS: 30_000}, sampling_params=params,
+                         settings=inputs.settings, think=None, chunk_size=8)
+    producer = Producer(r, inputs.prepared, options, echo=lambda msg: None)
+    producer.attach()
+    try:
+        # 1,200 tokens committed in the last full 10-second bucket (what commit's HINCRBY writes), none collected:
+        # 20 tok/s over the minute, whoever reads it.
+        r.hincrby(keys.DatasetKeys(DS).stats, f"t:{int(time.time() // 10) - 1}", 1200)
+        producer.step()
+        [row] = all_status(r, [DS])
+        assert row.tokens_per_s == 20.0 and row.eta_s == 30_000 / 20.0
+        line = producer.progress_line()
+        assert f" {row.tokens_per_s:.0f} tok/s eta {int(row.eta_s)}s" in line, line
+    finally:
+        producer.release()
