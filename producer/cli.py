@@ -1,8 +1,11 @@
-"""``produce``: the command people type. Thin: parse and check options, then call the library.
+"""``produce``: the command people type. Thin: each command parses its options, calls one library function, and
+prints what it returns; the decisions live in the library (``run``: producer/settings.py and producer/launch.py).
 
 Exit codes: 0 done (or detached on purpose), 1 runtime error (Redis unreachable, dataset already attached
 elsewhere), 2 usage or input error (nothing written to Redis), 130 Ctrl-C (the run goes on in the workers).
-Every option can also be set by an environment variable (shown in --help); REDIS_URL is read as is.
+The library raises producer/errors.py exceptions, which carry their code; `ProduceGroup` turns them into the
+one-line ``Error: ...`` and the exit, for every command. Every option can also be set by an environment variable
+(shown in --help); REDIS_URL is read as is.
 """
 from __future__ import annotations
 
@@ -15,13 +18,13 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import click
-import redis
 
-from budget import connection, logs
+from budget import logs
 from budget.payload import REASONING_PARSERS
-from producer.amount import parse_amount, parse_budget_option
-from producer.errors import ProduceError
+from budget.urls import DEFAULT_SGLANG_URL
+from producer.errors import ProduceError, UsageError
 from producer.order import DEFAULT_SEED, ORDERS
+from producer.preflight import connect
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -37,6 +40,12 @@ Example:
 
 
 class _Problem(click.ClickException):
+    """A ProduceError as click shows it: ``Error: message`` on stderr (a JSON log line with --log-format json)."""
+
+    def __init__(self, exc: ProduceError) -> None:
+        super().__init__(str(exc))
+        self.exit_code = exc.exit_code  # type: ignore[misc]  # click reads the instance's; its stub says ClassVar
+
     def show(self, file: Any = None) -> None:
         if _LOG["json"]:
             log.error(self.format_message(), extra={"exit_code": self.exit_code})
@@ -44,27 +53,20 @@ class _Problem(click.ClickException):
             super().show(file)
 
 
-class InputProblem(_Problem):
-    """Bad input or options: exit 2, a clear message, no traceback, nothing written to Redis."""
-
-    exit_code = 2
-
-
-class RuntimeProblem(_Problem):
-    exit_code = 1
-
-
-def _problem(exc: ProduceError) -> click.ClickException:
-    return (InputProblem if exc.exit_code == 2 else RuntimeProblem)(str(exc))
-
-
-class DefaultGroup(click.Group):
-    """A group whose default command is ``run``: ``produce FILE...`` means ``produce run FILE...``."""
+class ProduceGroup(click.Group):
+    """The command group. Its default command is ``run``: ``produce FILE...`` means ``produce run FILE...``. And
+    the one place a user-facing error of any command becomes its message and exit code."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = ["run", *args]
         return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ProduceError as exc:
+            raise _Problem(exc) from None
 
 
 def opt(*decls: str, **kwargs: Any) -> Callable[[F], F]:
@@ -85,7 +87,7 @@ def log_options(f: F) -> F:
 
 def _setup_logging(log_format: str, verbose: bool = False, quiet: bool = False) -> None:
     if verbose and quiet:
-        raise InputProblem("--verbose and --quiet exclude each other")
+        raise UsageError("--verbose and --quiet exclude each other")
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     logs.configure("budgetq", fmt=log_format, level=level)
     _LOG["json"] = log_format == "json"
@@ -101,56 +103,12 @@ redis_url_option = click.option(
     help="Redis holding the queue and the budget state.")
 
 
-@click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]},
+@click.group(cls=ProduceGroup, context_settings={"help_option_names": ["-h", "--help"]},
              help="Regenerate training data under a token budget per dataset. The default command is run: "
                   "'produce FILES...' means 'produce run FILES...'.\n\n" + EXAMPLE)
 @click.version_option(package_name="budgetq")
 def main() -> None:
     _LOG["json"] = False  # set again by the commands that configure logging
-
-
-def _sampling_params(max_tokens: int, temperature: list[float] | None, top_p: float | None, top_k: int | None,
-                     seed: int | None) -> dict[str, Any]:
-    """The run's sampling parameters (run.json ``sampling_params``): a --temperature list stays a list (generation
-    k takes entry k mod len: producer/generations.py); one value is a number, as it always was."""
-    params: dict[str, Any] = {"max_new_tokens": max_tokens}
-    if temperature is not None:
-        params["temperature"] = temperature[0] if len(temperature) == 1 else list(temperature)
-    if top_p is not None:
-        params["top_p"] = top_p
-    if top_k is not None:
-        params["top_k"] = top_k
-    if seed is not None:
-        params["sampling_seed"] = seed
-    return params
-
-
-def parse_mode_option(values: tuple[str, ...]) -> tuple[str | None, dict[str, str]]:
-    """--budget-mode MODE (all datasets) or NAME=MODE (one), like --budget."""
-    from budget.ledger import MODES
-    default: str | None = None
-    named: dict[str, str] = {}
-    for value in values:
-        name, sep, mode = value.rpartition("=")
-        if mode not in MODES:
-            raise ValueError(f'invalid --budget-mode "{value}": expected one of {", ".join(MODES)} or NAME=MODE')
-        if sep:
-            named[name] = mode
-        elif default is None:
-            default = mode
-        else:
-            raise ValueError("--budget-mode without a dataset name given twice")
-    return default, named
-
-
-def _connect(redis_url: str) -> "redis.Redis":
-    client = connection.connect(redis_url)  # explicit short timeouts and retry, not redis-py's defaults
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        raise RuntimeProblem(f"cannot reach Redis at {logs.redact(redis_url)}: {exc}") from None
-    log.debug("connected to Redis at %s", logs.redact(redis_url), extra={"redis": logs.redact(redis_url)})
-    return client
 
 
 @main.command("run", help="Validate, render and enqueue FILES, then stay attached until the run ends.\n\n"
@@ -246,265 +204,20 @@ def _connect(redis_url: str) -> "redis.Redis":
 @opt("--quiet", "-q", is_flag=True, help="Print only errors, warnings and the summary.")
 @log_options
 def run_cmd(**options: Any) -> None:
+    from producer.launch import launch
+    from producer.settings import RunSettings
     _setup_logging(options["log_format"], options["verbose"], options["quiet"])
+    settings = RunSettings.from_options(options, sglang_url=os.environ.get("SGLANG_URL", DEFAULT_SGLANG_URL),
+                                        api_key=os.environ.get("SGLANG_API_KEY") or None,
+                                        terminal=sys.stderr.isatty())
     try:
-        _run(**options)
-    except ProduceError as exc:
-        raise _problem(exc) from None
+        click.echo(launch(settings, warn=_warn))
     except KeyboardInterrupt:
         # Before attach nothing was written; after it the run goes on in the workers. Either way: detach.
         if not _LOG["json"]:
             click.echo("", err=True)
         log.warning("detached: the workers go on; run the same command again to resume and collect.")
         sys.exit(130)
-
-
-def _run(files: tuple[str, ...], tokenizer: str, budgets: tuple[str, ...], modes: tuple[str, ...],
-         max_tokens: int, max_context: int | None, max_samples: int | None, order: str | None,
-         order_seed: int | None, turns: str | None, out_dir: Path, redis_url: str,
-         temperature: str | None, generations: int, top_p: float | None, top_k: int | None, seed: int | None,
-         skip_special_tokens: bool | None, chat_template_kwargs: str | None, template_kwargs_mix: str | None,
-         reasoning_parser: str,
-         skip_invalid: bool, messages_field: str, prompt_field: str,
-         conversations_field: str, id_field: str, system_prompt: str | None, expect_mean: float | None, dry_run: bool,
-         pilot: int | None, throughput: float | None, in_flight: int | None, as_json: bool, chunk_size: int,
-         queue_depth: int,
-         new_run: bool, detach: bool, job_timeout: int, allow_eviction: bool, require_aof: bool,
-         quiet: bool, verbose: bool, log_format: str) -> None:
-    # Everything that can be wrong with the options and the input is found before Redis is touched.
-    try:
-        default_budget, named = parse_budget_option(budgets)
-        default_mode, named_modes = parse_mode_option(modes)
-    except ValueError as exc:
-        raise InputProblem(str(exc)) from None
-    if top_k is not None and top_k != -1 and top_k < 1:
-        raise InputProblem("--top-k must be -1 or at least 1")
-    from producer.generations import parse_temperatures
-    temperatures: list[float] | None = None
-    if temperature is not None:
-        try:
-            temperatures = parse_temperatures(temperature)
-        except ValueError as exc:
-            raise InputProblem(f"--temperature: {exc}") from None
-        if len(temperatures) > 1 and generations == 1:
-            raise InputProblem(f"--temperature {temperature}: a list goes with --generations N > 1 (generation k "
-                               "uses entry k mod its length; one generation would use the first only)")
-    if (pilot or throughput or in_flight or as_json) and not dry_run:
-        raise InputProblem("--pilot, --throughput, --in-flight and --json go with --dry-run")
-    kwargs: dict[str, Any] = {}
-    if chat_template_kwargs:
-        try:
-            kwargs = json.loads(chat_template_kwargs)
-        except ValueError as exc:
-            raise InputProblem(f"--chat-template-kwargs: not valid JSON ({exc})") from None
-        if not isinstance(kwargs, dict):
-            raise InputProblem("--chat-template-kwargs: expected a JSON object")
-    echo: Callable[[str], None] = log.info
-    from producer.records import FieldMapping
-    try:
-        mapping = FieldMapping(messages_field=messages_field, prompt_field=prompt_field,
-                               conversations_field=conversations_field, id_field=id_field,
-                               system_prompt=system_prompt)
-    except ValueError as exc:
-        raise InputProblem(str(exc)) from None
-
-    from producer.order import RANDOM, Order, choose as choose_order
-    from producer.output import RUN
-    from producer.prepare import ALL, choose_turns, load_inputs
-    if order == "file" and order_seed is not None:
-        raise InputProblem("--order-seed goes with --order random")
-    requested_order = Order(order or RANDOM, DEFAULT_SEED if order_seed is None else order_seed)
-    from producer.templatemix import MixError, TemplateMix
-    template_mix: TemplateMix | None = None
-    if template_kwargs_mix is not None:
-        try:
-            template_mix = TemplateMix.parse(template_kwargs_mix, requested_order.seed)
-        except MixError as exc:
-            raise InputProblem(f"--template-kwargs-mix: {exc}") from None
-    started = time.monotonic()
-    # Bars for validating, rendering and (with --detach) enqueueing: for a person at a terminal, never in JSON logs.
-    show_progress = not quiet and log_format == "text" and sys.stderr.isatty()
-    inputs = load_inputs(files, tokenizer=tokenizer, max_tokens=max_tokens, max_context=max_context,
-                         max_samples=max_samples, sampling_params=_sampling_params(max_tokens, temperatures, top_p,
-                                                                                   top_k, seed),
-                         chat_template_kwargs=kwargs, skip_invalid=skip_invalid, echo=echo, mapping=mapping,
-                         show_progress=show_progress,
-                         warn=_warn, reasoning_parser=reasoning_parser, order=requested_order,
-                         order_for=lambda name, o: choose_order(o, out_dir / name / RUN, new_run),
-                         turns=turns or ALL,
-                         turns_for=lambda name, t: choose_turns(t, turns is not None, out_dir / name / RUN, new_run),
-                         mix=template_mix, generations=generations)
-    log.debug("read, validated and rendered %d dataset(s) in %.1f s", len(inputs.prepared),
-              time.monotonic() - started)
-    # Known once the template is read (the parser is detected from it); stored with the run like every parameter.
-    parser = inputs.settings.get("reasoning_parser")
-    inputs.sampling_params["skip_special_tokens"] = (skip_special_tokens if skip_special_tokens is not None
-                                                     else skip_special_tokens_default(parser))
-    mix = inputs.set_generations(generations)
-    names = {p.name for p in inputs.prepared}
-    unknown = sorted((set(named) | set(named_modes)) - names)
-    if unknown:
-        raise InputProblem(f"--budget/--budget-mode name unknown dataset(s): {', '.join(unknown)} (datasets: "
-                           f"{', '.join(sorted(names))})")
-    per_dataset: dict[str, int | None] = {n: named.get(n, default_budget) for n in names}
-
-    if dry_run:
-        described = "; ".join(d for d in (mix.describe(), template_mix.describe() if template_mix else "") if d)
-        _dry_run(inputs, per_dataset, out_dir, expect_mean, pilot, throughput, as_json, in_flight, described)
-        return
-
-    from producer.datasetrun import RunOptions
-    from producer.enqueue import JobSettings
-    from producer.report import summary_table
-    from producer.run import Producer
-
-    think = inputs.renderer.think
-    options = RunOptions(out_dir=out_dir, budgets=per_dataset, sampling_params=inputs.sampling_params,
-                         settings=inputs.settings, think={"start": think.start, "end": think.end} if think else None,
-                         reasoning_parser=inputs.reasoning_parser, parser_explicit=inputs.parser_explicit,
-                         order_explicit=order is not None or order_seed is not None,
-                         turns_explicit=turns is not None, tokenizer=tokenizer,
-                         modes={n: named_modes.get(n, default_mode) for n in names}, expect_mean=expect_mean,
-                         chunk_size=chunk_size, queue_depth=queue_depth, new_run=new_run,
-                         job=JobSettings(job_timeout=job_timeout), show_progress=show_progress, generations=mix,
-                         variants=inputs.variants)
-    log.debug("run settings: out %s, chunk size %d, queue depth %d, job timeout %d s, %s", out_dir, chunk_size,
-              queue_depth, job_timeout, "detach" if detach else "attached",
-              extra={"budgets": per_dataset, "modes": options.modes, "sampling_params": inputs.sampling_params})
-    from producer.preflight import check_out_dirs, check_redis
-    check_out_dirs(out_dir, names)
-    client = _connect(redis_url)
-    check_redis(client, allow_eviction=allow_eviction, require_aof=require_aof, warn=_warn)
-    _check_server_parsers(client, inputs.reasoning_parser)
-    _recheck_context(client, inputs, max_tokens)
-    options.conversation = inputs.conversation()  # after the recheck: the context turn 0 was checked against
-    _check_seed(client, inputs.sampling_params)
-    producer = Producer(client, inputs.prepared, options, echo=echo)
-    try:
-        producer.attach()
-        summaries = producer.run(detach=detach)
-    except redis.RedisError as exc:
-        raise RuntimeProblem(f"Redis error: {exc}") from None
-    if not detach:
-        servers = _write_run_manifests(client, out_dir, [s.name for s in summaries])
-        if servers:
-            _check_seed(client, inputs.sampling_params, servers)
-    click.echo(summary_table(summaries, detached=detach))
-
-
-def _check_server_parsers(client: "redis.Redis", parser: str) -> None:
-    """Warn when a worker recorded a server launched with another --reasoning-parser (bq:server_info)."""
-    from budget import serverinfo
-    from producer.parsers import mismatches
-    try:
-        servers = serverinfo.load(client)
-    except redis.RedisError:
-        return  # best effort: the run itself reports Redis trouble
-    for message in mismatches(parser, servers):
-        _warn(message)
-
-
-def _recheck_context(client: "redis.Redis", inputs: Any, max_tokens: int) -> None:
-    """The SGLang servers' context limit, as their workers recorded it, wins over the offline one: prompts over
-    it are skipped now (counted as over context), not sent to be refused one by one."""
-    from budget import serverinfo
-    from producer.servercontext import recheck, server_context
-    try:
-        servers = serverinfo.load(client)
-    except redis.RedisError as exc:
-        raise RuntimeProblem(f"Redis error: {exc}") from None
-    recheck(servers, inputs.prepared, inputs.context, max_tokens, echo=log.info, warn=_warn)
-    limit = server_context(servers)
-    if limit is not None and limit.tokens < inputs.context.tokens:
-        inputs.context = limit  # what later turns of a conversation are checked against too
-
-
-def skip_special_tokens_default(parser: Any) -> bool:
-    """What a reasoning parser needs from the server's detokenizer: SGLang's default (true: special tokens left
-    out of ``text``) for every family but harmony (gpt-oss), whose channel markers are special tokens that the
-    parser reads. The same rule as worker.reasoning.skip_special_tokens_for (the producer does not import the
-    worker; tests/test_record.py checks that they agree)."""
-    return parser != "gpt-oss"
-
-
-def _check_seed(client: "redis.Redis", sampling_params: dict[str, Any], servers: Any = None) -> None:
-    """Warn when --seed is given and no server the workers recorded honours it. Before any worker has recorded
-    its servers there is nothing to check: the end of the run checks again."""
-    from budget import serverinfo
-    from producer.preflight import seed_warning
-    if sampling_params.get("sampling_seed") is None:
-        return
-    try:
-        entries = servers if servers is not None else serverinfo.load(client)
-    except redis.RedisError:
-        return
-    message = seed_warning(entries, sampling_params)
-    if message:
-        _warn(message)
-    elif not entries:
-        log.info("--seed: no worker has recorded its SGLang servers yet; whether they honour the seed is checked "
-                 "at the end of the run (manifest: sampling_seed_honoured)")
-
-
-def _write_run_manifests(client: "redis.Redis", out_dir: Path, names: list[str]) -> list[dict[str, Any]] | None:
-    """At the end of a run: each dataset's manifest.json, with what the workers recorded of their SGLang
-    servers (bq:server_info) and the dataset's budget state; returns those servers. Best effort: a failure is a
-    warning, never an exit code (the responses are on disk; ``produce export`` writes the manifest again)."""
-    from budget import serverinfo
-    from producer.export import ExportError, write_manifest
-    try:
-        servers: list[dict[str, Any]] | None = serverinfo.load(client) or None
-    except redis.RedisError as exc:
-        _warn(f"warning: cannot read the SGLang servers' info from Redis ({exc}); the manifests keep what they had")
-        servers = None
-    if servers is None:
-        log.info("no worker recorded its SGLang servers' /get_server_info in the last %d h: the manifests keep "
-                 "what they had about the server", serverinfo.MAX_AGE_S // 3600)
-    for name in names:
-        try:
-            path = write_manifest(out_dir / name, servers=servers, extra=_manifest_extra(client, name))
-        except (OSError, ExportError, redis.RedisError) as exc:
-            _warn(f"warning: {name}: cannot write {out_dir / name / 'manifest.json'}: {exc}")
-            continue
-        log.info("%s: manifest %s%s", name, path, _describe_servers(servers), extra={
-            "dataset": name, "manifest": str(path), "servers": len(servers or [])})
-    return servers
-
-
-def _describe_servers(servers: list[dict[str, Any]] | None) -> str:
-    if not servers:
-        return ""
-    from budget import serverinfo
-    same = serverinfo.common(servers)
-    what = ", ".join(f"{k} {same[k]}" for k in ("version", "model_path") if k in same) or (
-        "unknown behind a router" if serverinfo.unknown(servers) else "servers differ")
-    return f" (SGLang: {what}; {len(servers)} server{'s' if len(servers) != 1 else ''})"
-
-
-def _dry_run(inputs: Any, budgets: dict[str, int | None], out_dir: Path, expect_mean: float | None,
-             pilot: int | None, throughput: float | None, as_json: bool, in_flight: int | None = None,
-             settings_mix: str = "") -> None:
-    from producer.plan import pilot_mean, plan_dataset, plan_table
-    plans = []
-    for p in inputs.prepared:
-        measured = None
-        if pilot:
-            urls = [u.strip().rstrip("/") for u in os.environ.get("SGLANG_URL", "http://127.0.0.1:30000").split(",")
-                    if u.strip()]
-            try:
-                measured = pilot_mean(p, pilot, urls=urls, sampling_params=inputs.sampling_params,
-                                      api_key=os.environ.get("SGLANG_API_KEY") or None)
-            except (OSError, RuntimeError, ValueError) as exc:
-                raise RuntimeProblem(f"--pilot: {exc}") from None
-        plans.append(plan_dataset(p, budget=budgets.get(p.name), out_dir=out_dir, expect_mean=expect_mean,
-                                  pilot_mean=measured, pilot_n=pilot or 0, throughput=throughput,
-                                  in_flight=in_flight, settings_mix=settings_mix))
-    if as_json:
-        context = {"tokens": inputs.context.tokens, "source": inputs.context.source}
-        click.echo(json.dumps({"datasets": [x.as_dict() for x in plans], "throughput": throughput,
-                               "context": context}, indent=2))
-    else:
-        click.echo(plan_table(plans, throughput, inputs.context))
 
 
 @main.command("status", help="Show the budget, progress, speed and ETA of every dataset (or only of NAMES), read "
@@ -517,7 +230,7 @@ def _dry_run(inputs: Any, budgets: dict[str, int | None], out_dir: Path, expect_
 @opt("--json", "as_json", is_flag=True, envvar="BUDGETQ_STATUS_JSON", help="Print JSON for scripts.")
 def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: float, as_json: bool) -> None:
     from producer.status import all_status, status_table
-    client = _connect(redis_url)
+    client = connect(redis_url)
     try:
         while True:
             rows = all_status(client, list(names))
@@ -544,24 +257,9 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
 @click.argument("amount")
 @redis_url_option
 def budget_cmd(name: str, amount: str, redis_url: str) -> None:
-    from budget.ledger import Ledger
-    from budget.runstate import RunState
-    from producer.reader import valid_name
-    if not valid_name(name):
-        raise InputProblem(f"invalid dataset name {name!r}")
-    try:
-        value = None if amount.lower() in ("unlimited", "none") else parse_amount(amount)
-    except ValueError as exc:
-        raise InputProblem(str(exc)) from None
-    client = _connect(redis_url)
-    if not RunState(client).exists(name):
-        raise InputProblem(f"no dataset {name!r} in this Redis")
-    ledger = Ledger(client)
-    status = ledger.set_budget(name, value)
-    discarded = ledger.discard(name, "budget lowered") if status == "closed" else 0
-    state = ledger.state(name)
-    click.echo(f"{name}: budget {'unlimited' if value is None else f'{value:,}'}, used {state.used:,}, "
-               f"{status}" + (f", {discarded} queued chunks discarded" if discarded else ""))
+    from producer.status import change_budget, parse_budget_change
+    budget = parse_budget_change(name, amount)
+    click.echo(change_budget(connect(redis_url), name, budget))
 
 
 @main.command("metrics", help="Serve every dataset's budget, usage and progress as Prometheus metrics at "
@@ -577,7 +275,7 @@ def budget_cmd(name: str, amount: str, redis_url: str) -> None:
 def metrics_cmd(redis_url: str, host: str, port: int, verbose: bool, log_format: str) -> None:
     from producer.metrics import MetricsServer, serve_metrics
     _setup_logging(log_format, verbose)
-    client = _connect(redis_url)
+    client = connect(redis_url)
 
     def ready(server: MetricsServer) -> None:
         bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
@@ -586,8 +284,6 @@ def metrics_cmd(redis_url: str, host: str, port: int, verbose: bool, log_format:
 
     try:
         serve_metrics(client, host=host, port=port, on_ready=ready)
-    except OSError as exc:
-        raise RuntimeProblem(f"cannot listen on {host}:{port}: {exc}") from None
     except KeyboardInterrupt:
         return
 
@@ -612,28 +308,14 @@ def metrics_cmd(redis_url: str, host: str, port: int, verbose: bool, log_format:
 @log_options
 def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, password: str | None,
                   url_prefix: str, poll_interval: int | None, verbose: bool, log_format: str) -> None:
-    import ipaddress
-
-    from producer.dashboard import DashboardError, make_app, serve
+    from producer.dashboard import check_exposure, make_app, serve
     _setup_logging(log_format, verbose)
     # werkzeug logs every request at INFO on stderr; as rq-dashboard's own CLI, only with --verbose.
     logging.getLogger("werkzeug").setLevel(logging.INFO if verbose else logging.WARNING)
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if bool(username) != bool(password):
-        raise InputProblem("give both --username and --password (RQ_DASHBOARD_USERNAME, RQ_DASHBOARD_PASSWORD), "
-                           "or neither")
-    if not loopback and not (username and password):
-        raise InputProblem(f"--host {host} exposes the dashboard beyond this machine: set RQ_DASHBOARD_USERNAME "
-                           "and RQ_DASHBOARD_PASSWORD (basic auth)")
-    _connect(redis_url).close()  # a wrong URL is an exit 1 now, not a 500 on every page
-    try:
-        app = make_app(redis_url, username=username or None, password=password or None,
-                       url_prefix=url_prefix.rstrip("/"), poll_interval_ms=poll_interval)
-    except DashboardError as exc:
-        raise RuntimeProblem(str(exc)) from None
+    check_exposure(host, username, password)
+    connect(redis_url).close()  # a wrong URL is an exit 1 now, not a 500 on every page
+    app = make_app(redis_url, username=username or None, password=password or None,
+                   url_prefix=url_prefix.rstrip("/"), poll_interval_ms=poll_interval)
 
     def ready(bound_host: str, bound_port: int) -> None:
         url = f"http://{bound_host}:{bound_port}{url_prefix.rstrip('/')}/"
@@ -642,8 +324,6 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
 
     try:
         serve(app, host, port, on_ready=ready)
-    except OSError as exc:
-        raise RuntimeProblem(f"cannot listen on {host}:{port}: {exc}") from None
     except KeyboardInterrupt:
         return
 
@@ -682,86 +362,18 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
 def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | None, truncated: str, reasoning: str,
                per_turn: bool, token_ids: bool, tokenizer: str | None, redis_url: str | None, server_url: str | None,
                verbose: bool, log_format: str) -> None:
-    from budget import serverinfo
-    from producer.export import ExportError, ExportOptions, export_dataset, read_manifest
+    from producer.export import ExportJob, ExportOptions, export_datasets
+    from producer.manifest import fetch_servers
     _setup_logging(log_format, verbose)
-    tok = None
-    if token_ids or fmt == "tokens":
-        if not tokenizer:
-            raise InputProblem(f"{'--token-ids' if token_ids else '--format tokens'} needs --tokenizer")
-        from producer.render import RenderError, load_tokenizer
-        try:
-            tok = load_tokenizer(tokenizer)
-        except RenderError as exc:
-            raise InputProblem(str(exc)) from None
-    try:
-        options = ExportOptions(format=fmt, truncated=truncated, reasoning=reasoning, token_ids=token_ids,
-                                per_turn=per_turn)
-    except ExportError as exc:
-        raise InputProblem(str(exc)) from None
-    if dest is not None and len(names) > 1 and dest.suffix:
-        raise InputProblem("--dest must be a directory when exporting several datasets")
-    fetched = _fetch_servers(server_url) if server_url else None
-    client = _connect(redis_url) if redis_url else None
-    recorded: list[dict[str, Any]] | None = None
-    if client is not None and fetched is None:
-        recorded = serverinfo.load(client) or None
-        log.debug("%d SGLang server(s) recorded in Redis by the workers", len(recorded or []))
-    for name in names:
-        extra = _manifest_extra(client, name) if client is not None else None
-        servers = fetched
-        if servers is None and recorded is not None:
-            known = read_manifest(out_dir / name)
-            if known.get("server") is None and known.get("servers") is None:
-                servers = recorded  # the end of the run recorded none; what serves now is the best we know
-            else:
-                log.debug("%s: the manifest already names its servers: kept (--server-url replaces them)", name)
-        target = (dest if dest is not None and (len(names) == 1 and dest.suffix) else
-                  (dest / f"{name}.jsonl" if dest is not None else out_dir / name / f"{fmt}.jsonl"))
-        try:
-            report = export_dataset(out_dir / name, target, options, tokenizer=tok, servers=servers, extra=extra)
-        except ExportError as exc:
-            raise InputProblem(str(exc)) from None
-        what = "token rows" if fmt == "tokens" else ("turn rows" if per_turn else "conversations")
+    options = ExportOptions(format=fmt, truncated=truncated, reasoning=reasoning, token_ids=token_ids,
+                            per_turn=per_turn)
+    job = ExportJob.build(names, out_dir, options, dest=dest, tokenizer_dir=tokenizer)
+    fetched = fetch_servers(server_url, api_key=os.environ.get("SGLANG_API_KEY") or None) if server_url else None
+    client = connect(redis_url) if redis_url else None
+    what = "token rows" if fmt == "tokens" else ("turn rows" if per_turn else "conversations")
+    for name, report in export_datasets(job, client=client, fetched=fetched):
         click.echo(f"{name}: {report.written} {what} -> {report.path} ({report.dropped_truncated} truncated "
                    f"dropped, {report.skipped_failed} failed skipped); manifest {report.manifest}")
-        if servers is not None:
-            log.info("%s: manifest %s%s", name, report.manifest, _describe_servers(servers),
-                     extra={"dataset": name, "manifest": str(report.manifest), "servers": len(servers)})
-        if report.no_output_ids:
-            log.warning("%s: %d records of %s left out: written before record version 2, they have no server "
-                        "token ids", name, report.no_output_ids, out_dir / name / "raw_responses.jsonl",
-                        extra={"dataset": name, "no_output_ids": report.no_output_ids})
-        if report.prompt_mismatch:
-            log.warning("%s: %d turns left out: the re-rendered prompt differs (first: %s)", name,
-                        report.prompt_mismatch, ", ".join(report.mismatched_ids[:5]),
-                        extra={"dataset": name, "prompt_mismatch": report.prompt_mismatch})
-
-
-def _fetch_servers(server_url: str) -> list[dict[str, Any]]:
-    """--server-url: ask each server now (SGLANG_API_KEY as the bearer token). Exit 1 if one cannot answer."""
-    from budget import serverinfo
-    urls = [u.strip() for u in server_url.split(",") if u.strip()]
-    if not urls or not all(u.startswith(("http://", "https://")) for u in urls):
-        raise InputProblem("--server-url: expected http(s) URLs, comma-separated, not "
-                           f"{serverinfo.public_url(server_url)!r}")
-    api_key = os.environ.get("SGLANG_API_KEY") or None
-    out = []
-    for url in urls:
-        try:
-            found = serverinfo.discover(url, api_key=api_key)  # a router: the servers it lists
-        except serverinfo.ServerInfoError as exc:
-            raise RuntimeProblem(f"--server-url: {exc}") from None
-        for server in found:
-            out.append(serverinfo.clean({**server.entry(), "fetched": serverinfo.utc_iso(time.time())}))
-            log.debug("SGLang server %s: %s", out[-1]["url"], server.info, extra={"server": out[-1]["url"]})
-    return out
-
-
-def _manifest_extra(client: "redis.Redis", name: str) -> dict[str, Any]:
-    from budget.ledger import Ledger
-    state = Ledger(client).state(name)
-    return {"budget": state.budget, "budget_mode": state.mode, "used": state.used, "status": state.status}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import functools
 import hmac
+import ipaddress
 import logging
 from typing import TYPE_CHECKING, Any
+
+from producer.errors import ProduceError, UsageError
 
 if TYPE_CHECKING:
     from flask import Flask
@@ -34,8 +37,23 @@ RQ_DASHBOARD_VERSION = "0.9.0"
 _PATCHED = ("Worker", "Queue", "Job", "requeue_job")
 
 
-class DashboardError(Exception):
-    """rq-dashboard is missing or not the release this module knows; the message says what to install."""
+class DashboardError(ProduceError):
+    """rq-dashboard is missing or not the release this module knows; the message says what to install (exit 1)."""
+
+
+def check_exposure(host: str, username: str | None, password: str | None) -> None:
+    """Refuse (exit 2) half a basic-auth pair, and an address beyond this machine without basic auth: the pages
+    show every job's arguments and the dataset names."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if bool(username) != bool(password):
+        raise UsageError("give both --username and --password (RQ_DASHBOARD_USERNAME, RQ_DASHBOARD_PASSWORD), "
+                         "or neither")
+    if not loopback and not (username and password):
+        raise UsageError(f"--host {host} exposes the dashboard beyond this machine: set RQ_DASHBOARD_USERNAME "
+                         "and RQ_DASHBOARD_PASSWORD (basic auth)")
 
 
 def install_json_serializer() -> None:
@@ -139,15 +157,19 @@ def _require_basic_auth(app: "Flask", username: str, password: str) -> None:
 
 
 def serve(app: "Flask", host: str, port: int, on_ready: Any = None) -> None:
-    """Serve ``app`` until interrupted, with werkzeug's threaded server (as rq-dashboard's CLI does: Flask's
-    ``app.run``), so a slow page never holds up the others. ``on_ready(host, port)`` is called once bound."""
+    """Serve ``app`` until interrupted (KeyboardInterrupt propagates), with werkzeug's threaded server (as
+    rq-dashboard's CLI does: Flask's ``app.run``), so a slow page never holds up the others. ``on_ready(host,
+    port)`` is called once bound. A socket error (the port is taken) is a ProduceError (exit 1)."""
     from werkzeug.serving import make_server
 
-    server = make_server(host, port, app, threaded=True)
-    if on_ready is not None:
-        bound_host, bound_port = server.server_address[:2]
-        on_ready(str(bound_host), int(bound_port))
     try:
-        server.serve_forever()
-    finally:
-        server.server_close()
+        server = make_server(host, port, app, threaded=True)
+        if on_ready is not None:
+            bound_host, bound_port = server.server_address[:2]
+            on_ready(str(bound_host), int(bound_port))
+        try:
+            server.serve_forever()
+        finally:
+            server.server_close()
+    except OSError as exc:
+        raise ProduceError(f"cannot listen on {host}:{port}: {exc}") from None

@@ -3,8 +3,9 @@ manifest.
 
 ``raw_responses.jsonl`` keeps what SGLang returned, verbatim; training pipelines (EAGLE-3 draft training in
 SpecForge, SFT tools) want one conversation per line with the model's own answers as the assistant turns. This
-module is that conversion and nothing else: the CLI (``produce export``) only parses options and calls
-`export_dataset`. docs/export.md describes the formats, the decisions and their sharp edges. The pieces live
+module is that conversion and nothing else: the CLI (``produce export``) only parses options into an `ExportJob`
+and calls `export_datasets`, which decides where each dataset goes and which servers its manifest names, then
+`export_dataset` for each. docs/export.md describes the formats, the decisions and their sharp edges. The pieces live
 beside it: producer/exportfiles.py (reading and checking the files, the atomic write), producer/exportrows.py
 (the conversation rows), producer/manifest.py (the manifest), budget/history.py (which messages each turn answers).
 
@@ -26,22 +27,29 @@ Rules kept here:
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Final, Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Any, Final, Iterator, Mapping, Sequence
 
-from budget import history, record
+from budget import history, record, serverinfo
 from producer.exportfiles import (DEFAULT_THINK, MANIFEST, ExportError, Results, atomic, check_dest, failed_ids,
                                   markers, run_settings)
 from producer.exportrows import SHAREGPT_FROM, conversation_row, generation, is_truncated, turn_rows
-from producer.manifest import SERVER_INFO_KEYS, Stats, read_manifest, template_hash, write_manifest, write_manifest_of
+from producer.manifest import (Stats, budget_state, choose_servers, describe_servers, read_manifest, template_hash,
+                               write_manifest, write_manifest_of)
 from producer.generations import record_key
 from producer.output import RESULTS, STOPPED_BY_FAILED
-from producer.render import RenderError, Renderer
+from producer.render import RenderError, Renderer, load_tokenizer
 
-__all__ = ["CONVERSATION_FORMATS", "DEFAULT_THINK", "FORMATS", "MANIFEST", "REASONING_MODES", "SERVER_INFO_KEYS",
-           "SHAREGPT_FROM", "TOKEN_FORMATS", "TRUNCATED_MODES", "ExportError", "ExportOptions", "ExportReport",
-           "export_dataset", "read_manifest", "template_hash", "write_manifest"]
+if TYPE_CHECKING:
+    import redis
+
+__all__ = ["CONVERSATION_FORMATS", "DEFAULT_THINK", "FORMATS", "MANIFEST", "REASONING_MODES", "SHAREGPT_FROM",
+           "TOKEN_FORMATS", "TRUNCATED_MODES", "ExportError", "ExportJob", "ExportOptions", "ExportReport",
+           "export_dataset", "export_datasets", "read_manifest", "template_hash", "write_manifest"]
+
+log = logging.getLogger("budgetq.produce")
 
 FORMATS: Final = ("sharegpt", "openai-messages", "tokens")
 CONVERSATION_FORMATS: Final = ("sharegpt", "openai-messages")
@@ -97,17 +105,83 @@ class ExportReport:
     superseded: int = 0  # failed conversations a rerun's record of the same id replaced (only the last is exported)
 
 
+@dataclass(frozen=True)
+class ExportJob:
+    """``produce export``'s request, checked before any server or Redis is asked: which datasets, how, and the
+    run's tokenizer (loaded) when token ids are asked for."""
+
+    names: tuple[str, ...]
+    out_dir: Path
+    options: ExportOptions
+    dest: Path | None = None  # --dest: a file (one dataset, a path with a suffix) or a directory
+    tokenizer: Any | None = None
+
+    @classmethod
+    def build(cls, names: Sequence[str], out_dir: Path, options: ExportOptions, *, dest: Path | None,
+              tokenizer_dir: str | None) -> "ExportJob":
+        """Raises ExportError (exit 2) when token ids have no --tokenizer, or --dest is a file for several."""
+        tokenizer = None
+        if options.needs_tokenizer:
+            if not tokenizer_dir:
+                raise ExportError(f"{'--token-ids' if options.token_ids else '--format tokens'} needs --tokenizer")
+            try:
+                tokenizer = load_tokenizer(tokenizer_dir)
+            except RenderError as exc:
+                raise ExportError(str(exc)) from None
+        if dest is not None and len(names) > 1 and dest.suffix:
+            raise ExportError("--dest must be a directory when exporting several datasets")
+        return cls(tuple(names), Path(out_dir), options, dest, tokenizer)
+
+    def destination(self, name: str) -> Path:
+        """Where dataset ``name`` goes: --dest itself (one dataset, a path with a suffix), DEST/<name>.jsonl, or by
+        default OUT/<name>/<format>.jsonl."""
+        if self.dest is None:
+            return self.out_dir / name / f"{self.options.format}.jsonl"
+        if len(self.names) == 1 and self.dest.suffix:
+            return self.dest
+        return self.dest / f"{name}.jsonl"
+
+
+def export_datasets(job: ExportJob, *, client: "redis.Redis | None" = None,
+                    fetched: list[dict[str, Any]] | None = None) -> Iterator[tuple[str, ExportReport]]:
+    """Export each dataset of ``job`` (`export_dataset`), yielding its name and report as it is done.
+
+    Each manifest names the servers `choose_servers` picks: ``fetched`` (``--server-url``: asked just now), else
+    those the workers recorded in ``client``'s Redis, which also gives each manifest the dataset's budget state."""
+    recorded: list[dict[str, Any]] | None = None
+    if client is not None and fetched is None:
+        recorded = serverinfo.load(client) or None
+        log.debug("%d SGLang server(s) recorded in Redis by the workers", len(recorded or []))
+    for name in job.names:
+        dataset_dir = job.out_dir / name
+        extra = budget_state(client, name) if client is not None else None
+        servers = choose_servers(dataset_dir, fetched=fetched, recorded=recorded)
+        report = export_dataset(dataset_dir, job.destination(name), job.options, tokenizer=job.tokenizer,
+                                servers=servers, extra=extra)
+        yield name, report
+        # Said once the caller has printed the dataset's line, as notes on it.
+        if servers is not None:
+            log.info("%s: manifest %s%s", name, report.manifest, describe_servers(servers),
+                     extra={"dataset": name, "manifest": str(report.manifest), "servers": len(servers)})
+        if report.no_output_ids:
+            log.warning("%s: %d records of %s left out: written before record version 2, they have no server "
+                        "token ids", name, report.no_output_ids, dataset_dir / RESULTS,
+                        extra={"dataset": name, "no_output_ids": report.no_output_ids})
+        if report.prompt_mismatch:
+            log.warning("%s: %d turns left out: the re-rendered prompt differs (first: %s)", name,
+                        report.prompt_mismatch, ", ".join(report.mismatched_ids[:5]),
+                        extra={"dataset": name, "prompt_mismatch": report.prompt_mismatch})
+
 
 def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tokenizer: Any | None = None,
-                   server_info: Mapping[str, Any] | None = None,
                    servers: Sequence[Mapping[str, Any]] | None = None,
                    extra: Mapping[str, Any] | None = None) -> ExportReport:
     """Export ``dataset_dir``'s responses to the JSONL file ``dest`` and refresh the dataset's manifest.
 
     `tokenizer` (a transformers tokenizer, the one the run used) is required with ``options.token_ids`` and the
     ``tokens`` format.
-    `server_info`, `servers` and `extra` go to the manifest (see `write_manifest`). Raises ExportError on a user error;
-    ``dest`` is then left as it was.
+    `servers` and `extra` go to the manifest (see `write_manifest`). Raises ExportError on a user error; ``dest`` is
+    then left as it was.
     """
     dataset_dir, dest = Path(dataset_dir), Path(dest)
     settings = run_settings(dataset_dir)
@@ -162,7 +236,7 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
                               "needs them; regenerate the dataset (produce --new-run) or export it without "
                               "token ids")
     report.torn_tail = results.torn_tail
-    write_manifest_of(dataset_dir, settings, stats, len(failed), server_info, servers, extra)
+    write_manifest_of(dataset_dir, settings, stats, len(failed), servers, extra)
     return report
 
 

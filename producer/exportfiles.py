@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import IO, Any, Final, Iterator, Mapping
 
 from budget import record
+from producer.errors import UsageError
 from producer.generations import record_key
 from producer.output import FAILED, RESULTS, RUN, ReadEnd, iter_results
 
@@ -27,8 +28,8 @@ _REQUIRED_TURN: Final[dict[str, type]] = {
 }
 
 
-class ExportError(Exception):
-    """A user error (missing or malformed output files, bad options, wrong tokenizer), fit to show as is."""
+class ExportError(UsageError):
+    """A user error (missing or malformed output files, bad options, wrong tokenizer), fit to show as is (exit 2)."""
 
 
 class Results:

@@ -20,7 +20,7 @@ SEP: Final = "\x1f"
 #: The run.json key of ``--generations``; missing in a stored run means 1 (left out when it is 1, so the
 #: run.json of a one-generation run is what it always was).
 SETTING: Final = "generations"
-#: The sampling parameter that carries ``--seed`` (producer/cli.py).
+#: The sampling parameter that carries ``--seed`` (producer/settings.py).
 SEED: Final = "sampling_seed"
 TEMPERATURE: Final = "temperature"
 

@@ -1,34 +1,40 @@
 """``manifest.json``: what a dataset holds (counts recomputed from its files every time) and how it was made
-(run settings, servers, budget state), refreshed by ``produce`` at the end of a run and by every export.
-docs/export.md ("Manifest") describes it. Split from producer/export.py."""
+(run settings, servers, budget state), refreshed by ``produce`` at the end of a run (`write_run_manifests`) and by
+every export. docs/export.md ("Manifest") describes it. Split from producer/export.py.
+
+Which SGLang servers a manifest names is decided here (`choose_servers`): those asked just now (``produce export
+--server-url``, `fetch_servers`), else those the workers recorded in Redis (``bq:server_info``; at the end of a
+run always, at an export only when the manifest names none yet), else what the manifest already says."""
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Final, Mapping, Sequence
+from typing import Any, Callable, Final, Mapping, Sequence
+
+import redis
 
 from budget import record, serverinfo
-from producer.exportfiles import MANIFEST, Results, atomic, failed_ids, run_settings
+from budget.urls import server_urls
+from producer.errors import ProduceError, UsageError
+from producer.exportfiles import MANIFEST, ExportError, Results, atomic, failed_ids, run_settings
 from producer.exportrows import is_truncated
 from producer.output import RESULTS
 from producer.templatemix import SETTING as MIX_SETTING, TemplateMix, labels
 
-#: What a manifest keeps of SGLang's /get_server_info (defined in budget/serverinfo.py, shared with the workers):
-#: it returns every server argument, api_key included, so only what identifies the model and the engine is
-#: copied, never the whole dict.
-SERVER_INFO_KEYS: Final = serverinfo.SERVER_INFO_KEYS
+log = logging.getLogger("budgetq.produce")
 #: Why a conversation ends before its last user turn (``stopped_by``, docs/multiturn.md "Stopping rules").
 STOPPED_BY: Final = ("budget", "context", "failed", "length", "tool_mismatch")
 
 
-def write_manifest(dataset_dir: Path, *, server_info: Mapping[str, Any] | None = None,
-                   servers: Sequence[Mapping[str, Any]] | None = None,
+def write_manifest(dataset_dir: Path, *, servers: Sequence[Mapping[str, Any]] | None = None,
                    extra: Mapping[str, Any] | None = None) -> Path:
     """Write ``<dataset_dir>/manifest.json``: what the dataset holds and how it was made; return its path.
 
@@ -36,11 +42,10 @@ def write_manifest(dataset_dir: Path, *, server_info: Mapping[str, Any] | None =
     the caller knows replaces the previous manifest's when given and is kept from it when not, so refreshing the
     manifest (every export does) never loses it:
 
-    - the servers: either `servers`, entries as budget.serverinfo keeps them (``url``, ``host``, ``fetched`` and
-      SERVER_INFO_KEYS; from ``bq:server_info`` or `serverinfo.fetch`), written as ``servers`` with ``server``
-      = what they all report alike; or `server_info`, one server's /get_server_info, written as ``server``. Only
-      SERVER_INFO_KEYS are kept of either, never the whole dict (it holds the API key);
-    - `extra` (budget, mode...).
+    - `servers`: entries as budget.serverinfo keeps them (``url``, ``host``, ``fetched`` and its SERVER_INFO_KEYS;
+      from ``bq:server_info`` or `fetch_servers`), written as ``servers`` with ``server`` = what they all report
+      alike. Only SERVER_INFO_KEYS are kept of /get_server_info, never the whole dict (it holds the API key);
+    - `extra` (budget, mode...: `budget_state`).
     """
     dataset_dir = Path(dataset_dir)
     settings = run_settings(dataset_dir)
@@ -49,8 +54,7 @@ def write_manifest(dataset_dir: Path, *, server_info: Mapping[str, Any] | None =
     if source.is_file():
         for _number, rec in Results(source):
             stats.add(rec)
-    return write_manifest_of(dataset_dir, settings, stats, len(failed_ids(dataset_dir)), server_info, servers,
-                           extra)
+    return write_manifest_of(dataset_dir, settings, stats, len(failed_ids(dataset_dir)), servers, extra)
 
 
 def template_hash(tokenizer: Any) -> str:
@@ -58,6 +62,82 @@ def template_hash(tokenizer: Any) -> str:
     template = getattr(tokenizer, "chat_template", None)
     text = template if isinstance(template, str) else json.dumps(template, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def fetch_servers(server_url: str, *, api_key: str | None) -> list[dict[str, Any]]:
+    """``--server-url URL[,URL...]``: ask each server for its /get_server_info now (``api_key``: SGLANG_API_KEY,
+    as the bearer token); a router's URL gives the servers it lists. Raises UsageError (exit 2) for a list that is
+    not http(s) URLs, ProduceError (exit 1) naming a server that cannot answer."""
+    try:
+        urls = server_urls(server_url, "--server-url")
+    except ValueError:
+        raise UsageError("--server-url: expected http(s) URLs, comma-separated, not "
+                         f"{serverinfo.public_url(server_url)!r}") from None
+    out = []
+    for url in urls:
+        try:
+            found = serverinfo.discover(url, api_key=api_key)
+        except serverinfo.ServerInfoError as exc:
+            raise ProduceError(f"--server-url: {exc}") from None
+        for server in found:
+            out.append(serverinfo.clean({**server.entry(), "fetched": serverinfo.utc_iso(time.time())}))
+            log.debug("SGLang server %s: %s", out[-1]["url"], server.info, extra={"server": out[-1]["url"]})
+    return out
+
+
+def choose_servers(dataset_dir: Path, *, fetched: list[dict[str, Any]] | None,
+                   recorded: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The servers an export writes into ``dataset_dir``'s manifest: those asked just now, else those the workers
+    recorded when the manifest names none yet (the end of the run recorded none; what serves now is the best we
+    know), else None: the manifest keeps what it says."""
+    if fetched is not None or recorded is None:
+        return fetched
+    known = read_manifest(dataset_dir)
+    if known.get("server") is None and known.get("servers") is None:
+        return recorded
+    log.debug("%s: the manifest already names its servers: kept (--server-url replaces them)", Path(dataset_dir).name)
+    return None
+
+
+def budget_state(client: "redis.Redis", name: str) -> dict[str, Any]:
+    """A manifest's ``extra``: the dataset's budget, mode, usage and status in Redis now."""
+    from budget.ledger import Ledger
+    state = Ledger(client).state(name)
+    return {"budget": state.budget, "budget_mode": state.mode, "used": state.used, "status": state.status}
+
+
+def describe_servers(servers: Sequence[Mapping[str, Any]] | None) -> str:
+    """`` (SGLang: version V, model_path M; N servers)`` for a log line, or "" when there are none."""
+    if not servers:
+        return ""
+    same = serverinfo.common(servers)
+    what = ", ".join(f"{k} {same[k]}" for k in ("version", "model_path") if k in same) or (
+        "unknown behind a router" if serverinfo.unknown(servers) else "servers differ")
+    return f" (SGLang: {what}; {len(servers)} server{'s' if len(servers) != 1 else ''})"
+
+
+def write_run_manifests(client: "redis.Redis", out_dir: Path, names: Sequence[str], *,
+                        warn: Callable[[str], None]) -> list[dict[str, Any]] | None:
+    """At the end of a run: each dataset's manifest.json, with what the workers recorded of their SGLang
+    servers (bq:server_info) and the dataset's budget state; returns those servers. Best effort: a failure is a
+    warning, never an exit code (the responses are on disk; ``produce export`` writes the manifest again)."""
+    try:
+        servers: list[dict[str, Any]] | None = serverinfo.load(client) or None
+    except redis.RedisError as exc:
+        warn(f"warning: cannot read the SGLang servers' info from Redis ({exc}); the manifests keep what they had")
+        servers = None
+    if servers is None:
+        log.info("no worker recorded its SGLang servers' /get_server_info in the last %d h: the manifests keep "
+                 "what they had about the server", serverinfo.MAX_AGE_S // 3600)
+    for name in names:
+        try:
+            path = write_manifest(out_dir / name, servers=servers, extra=budget_state(client, name))
+        except (OSError, ExportError, redis.RedisError) as exc:
+            warn(f"warning: {name}: cannot write {out_dir / name / MANIFEST}: {exc}")
+            continue
+        log.info("%s: manifest %s%s", name, path, describe_servers(servers), extra={
+            "dataset": name, "manifest": str(path), "servers": len(servers or [])})
+    return servers
 
 
 
@@ -149,8 +229,7 @@ def read_manifest(dataset_dir: Path) -> dict[str, Any]:
 
 
 def write_manifest_of(dataset_dir: Path, settings: Mapping[str, Any], stats: Stats, failed: int,
-                    server_info: Mapping[str, Any] | None, servers: Sequence[Mapping[str, Any]] | None,
-                    extra: Mapping[str, Any] | None) -> Path:
+                      servers: Sequence[Mapping[str, Any]] | None, extra: Mapping[str, Any] | None) -> Path:
     path = dataset_dir / MANIFEST
     previous = _previous_manifest(path)
     mix = TemplateMix.from_setting(settings.get(MIX_SETTING))
@@ -189,8 +268,6 @@ def write_manifest_of(dataset_dir: Path, settings: Mapping[str, Any], stats: Sta
         if unknown:
             manifest["server_unknown"] = unknown
         manifest["servers"] = entries
-    elif server_info is not None:
-        manifest["server"] = serverinfo.pick(server_info)
     else:
         for key in ("server", "server_unknown", "servers"):
             if previous.get(key) is not None:

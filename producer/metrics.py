@@ -21,6 +21,7 @@ import redis
 from rq import Queue
 
 from budget import keys
+from producer.errors import ProduceError
 from producer.status import DatasetStatus, all_status
 
 DEFAULT_HOST = "127.0.0.1"
@@ -161,11 +162,15 @@ def serve_metrics(client: "redis.Redis", host: str = DEFAULT_HOST, port: int = D
                   on_ready: Callable[[MetricsServer], None] | None = None) -> None:
     """Serve ``http://HOST:PORT/metrics`` until ``shutdown()`` or an interrupt (KeyboardInterrupt propagates).
 
-    ``on_ready`` gets the bound server (its ``server_address``, e.g. to print it) before serving starts."""
-    server = make_server(client, host, port)
+    ``on_ready`` gets the bound server (its ``server_address``, e.g. to print it) before serving starts. A socket
+    error (the port is taken) is a ProduceError (exit 1)."""
     try:
-        if on_ready is not None:
-            on_ready(server)
-        server.serve_forever()
-    finally:
-        server.server_close()
+        server = make_server(client, host, port)
+        try:
+            if on_ready is not None:
+                on_ready(server)
+            server.serve_forever()
+        finally:
+            server.server_close()
+    except OSError as exc:
+        raise ProduceError(f"cannot listen on {host}:{port}: {exc}") from None

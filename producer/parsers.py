@@ -116,3 +116,11 @@ def mismatches(parser: str, servers: Sequence[Mapping[str, Any]] | None) -> list
             out.append(f"server {entry.get('url', '?')} was launched with --reasoning-parser {theirs}, this run "
                        f"parses with {parser}: check that the run names the model's family")
     return out
+
+
+def skip_special_tokens_default(parser: str | None) -> bool:
+    """What a reasoning parser needs from the server's detokenizer: SGLang's default (true: special tokens left
+    out of ``text``) for every family but harmony (gpt-oss), whose channel markers are special tokens that the
+    parser reads. The same rule as worker.reasoning.skip_special_tokens_for (the producer does not import the
+    worker; tests/test_record.py checks that they agree)."""
+    return parser != "gpt-oss"

@@ -1,18 +1,38 @@
-"""Checks of the Redis a run is about to trust with its budget state, before anything is written to it.
+"""Checks before a run writes anything: the output folders, the Redis it is about to trust with its budget state,
+and what the workers recorded of their SGLang servers (``bq:server_info``: reasoning parser, context, seed).
 
 A queue on an evicting Redis loses jobs and counters silently under memory pressure; a Redis without AOF loses
 everything since its last snapshot on a crash (with AOF everysec, a kill -9 lost nothing acknowledged here).
 """
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import redis
 
-from producer.errors import ProduceError
+from budget import connection, logs, serverinfo
+from producer.errors import ProduceError, UsageError
+
+if TYPE_CHECKING:
+    from producer.prepare import Inputs
+
+log = logging.getLogger("budgetq.produce")
+
+
+def connect(redis_url: str) -> "redis.Redis":
+    """A client for ``redis_url`` (budget/connection.py: short explicit timeouts, not redis-py's defaults), pinged
+    once so that a wrong URL is one clear error (exit 1) now rather than a traceback later."""
+    client = connection.connect(redis_url)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise ProduceError(f"cannot reach Redis at {logs.redact(redis_url)}: {exc}") from None
+    log.debug("connected to Redis at %s", logs.redact(redis_url), extra={"redis": logs.redact(redis_url)})
+    return client
 
 
 def check_redis(client: "redis.Redis", *, allow_eviction: bool, require_aof: bool,
@@ -24,17 +44,17 @@ def check_redis(client: "redis.Redis", *, allow_eviction: bool, require_aof: boo
     except redis.ResponseError as exc:  # an ACL user without CONFIG, or a managed Redis that hides it
         message = f"cannot check Redis persistence and eviction settings ({exc})"
         if require_aof:
-            raise ProduceError(message + "; --require-aof needs them", 1) from None
+            raise ProduceError(message + "; --require-aof needs them") from None
         warn(f"warning: {message}; make sure it runs with appendonly yes and maxmemory-policy noeviction")
         return
     if policy and policy != "noeviction" and not allow_eviction:
         raise ProduceError(f"Redis evicts keys under memory pressure (maxmemory-policy {policy}): queued chunks "
                            "and budget counters could vanish silently. Set maxmemory-policy noeviction, or "
-                           "pass --allow-eviction to run anyway.", 1)
+                           "pass --allow-eviction to run anyway.")
     if aof != "yes":
         if require_aof:
             raise ProduceError("Redis runs without AOF (appendonly no): a crash loses every commit since its "
-                               "last snapshot. Enable appendonly yes (appendfsync everysec).", 1)
+                               "last snapshot. Enable appendonly yes (appendfsync everysec).")
         warn("warning: Redis runs without AOF (appendonly no): a Redis crash loses recent commits from Redis; "
              "the output files keep them and a rerun recounts them, but enable appendonly yes")
 
@@ -47,8 +67,7 @@ def seed_warning(servers: Sequence[Mapping[str, Any]], sampling_params: Mapping[
     seed = sampling_params.get("sampling_seed")
     if seed is None or not servers:
         return None
-    from budget.serverinfo import seed_honoured
-    if seed_honoured(servers):
+    if serverinfo.seed_honoured(servers):
         return None
     without = sum(1 for s in servers if s.get("enable_deterministic_inference") is not True)
     return (f"warning: --seed {seed} is sent as sampling_seed, but {without} of the {len(servers)} SGLang servers "
@@ -73,5 +92,49 @@ def check_out_dirs(out_dir: Path, names: Iterable[str]) -> None:
             os.close(fd)
             os.unlink(probe)
         except OSError as exc:
-            raise ProduceError(f"--out {out_dir}: cannot write {folder} ({exc.strerror or exc}); give an --out "
-                               "folder this user can write", 2) from None
+            raise UsageError(f"--out {out_dir}: cannot write {folder} ({exc.strerror or exc}); give an --out "
+                             "folder this user can write") from None
+
+
+def check_server_parsers(client: "redis.Redis", parser: str, *, warn: Callable[[str], None]) -> None:
+    """Warn when a worker recorded a server launched with another --reasoning-parser (bq:server_info)."""
+    from producer.parsers import mismatches
+    try:
+        servers = serverinfo.load(client)
+    except redis.RedisError:
+        return  # best effort: the run itself reports Redis trouble
+    for message in mismatches(parser, servers):
+        warn(message)
+
+
+def recheck_context(client: "redis.Redis", inputs: "Inputs", max_tokens: int, *,
+                    warn: Callable[[str], None]) -> None:
+    """The SGLang servers' context limit, as their workers recorded it, wins over the offline one: prompts over
+    it are skipped now (counted as over context), not sent to be refused one by one."""
+    from producer.servercontext import recheck, server_context
+    try:
+        servers = serverinfo.load(client)
+    except redis.RedisError as exc:
+        raise ProduceError(f"Redis error: {exc}") from None
+    recheck(servers, inputs.prepared, inputs.context, max_tokens, echo=log.info, warn=warn)
+    limit = server_context(servers)
+    if limit is not None and limit.tokens < inputs.context.tokens:
+        inputs.context = limit  # what later turns of a conversation are checked against too
+
+
+def check_seed(client: "redis.Redis", sampling_params: Mapping[str, Any], *, warn: Callable[[str], None],
+               servers: Sequence[Mapping[str, Any]] | None = None) -> None:
+    """Warn when --seed is given and no server the workers recorded (or ``servers``) honours it. Before any worker
+    has recorded its servers there is nothing to check: the end of the run checks again."""
+    if sampling_params.get("sampling_seed") is None:
+        return
+    try:
+        entries = servers if servers is not None else serverinfo.load(client)
+    except redis.RedisError:
+        return
+    message = seed_warning(entries, sampling_params)
+    if message:
+        warn(message)
+    elif not entries:
+        log.info("--seed: no worker has recorded its SGLang servers yet; whether they honour the seed is checked "
+                 "at the end of the run (manifest: sampling_seed_honoured)")

@@ -14,7 +14,7 @@ from typing import Any, Callable, Final, Literal, Sequence
 
 from budget.history import plan
 from budget.payload import ConversationPayload
-from producer.errors import input_error
+from producer.errors import UsageError
 from producer.generations import SETTING as GENERATIONS, Generations, chunk_params, rounds, split_key
 from producer.modeldir import Context, ModelDirError, config_context
 from producer.order import FILE, Order, permute
@@ -318,7 +318,7 @@ def run_settings(renderer: Renderer, sampling_params: dict[str, Any],
 
 def resolve_parser(choice: str, tokenizer: Any, renderer: Renderer) -> str:
     """``--reasoning-parser``: the name given, or for ``auto`` the one the tokenizer and template point to.
-    Raises ProduceError (exit 2) naming the candidates when detection is ambiguous."""
+    Raises UsageError (exit 2) naming the candidates when detection is ambiguous."""
     from producer.parsers import AUTO, AmbiguousParser, detect, evidence
     if choice != AUTO:
         return choice
@@ -329,7 +329,7 @@ def resolve_parser(choice: str, tokenizer: Any, renderer: Renderer) -> str:
     try:
         return detect(evidence(tokenizer, opens))
     except AmbiguousParser as exc:
-        raise input_error(str(exc)) from None
+        raise UsageError(str(exc)) from None
 
 
 def choose_turns(requested: str, explicit: bool, run_file: Path, new_run: bool) -> str:
@@ -443,7 +443,7 @@ class Inputs:
 def choose_context(max_context: int | None, tokenizer: Any) -> Context:
     """--max-context if given, else the tokenizer's model_max_length, else the model's config.json beside it
     (real repositories often leave model_max_length unset: transformers then says int(1e30)).
-    Raises ProduceError (exit 2) when none of them states one."""
+    Raises UsageError (exit 2) when none of them states one."""
     from producer.render import default_max_context
     if max_context is not None:
         return Context(max_context, "--max-context")
@@ -454,13 +454,13 @@ def choose_context(max_context: int | None, tokenizer: Any) -> Context:
     try:
         from_config = config_context(directory)
     except ModelDirError as exc:
-        raise input_error(f"{exc}; give --max-context") from None
+        raise UsageError(f"{exc}; give --max-context") from None
     if from_config is not None:
         return from_config
     where = (f"{directory / 'config.json'} states none of max_position_embeddings, max_sequence_length, "
              "seq_length, max_seq_len, model_max_length" if (directory / "config.json").is_file() else
              f"there is no config.json in {directory}")
-    raise input_error(f"the tokenizer's model_max_length is unset and {where}: give --max-context")
+    raise UsageError(f"the tokenizer's model_max_length is unset and {where}: give --max-context")
 
 
 def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_context: int | None,
@@ -471,7 +471,7 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
                 order_for: Callable[[str, Order], Order] | None = None, turns: str = LAST,
                 turns_for: Callable[[str, str], str] | None = None, mix: TemplateMix | None = None,
                 generations: int = 1) -> Inputs:
-    """Read, validate and render every file. Raises ProduceError (exit 2) on any input problem.
+    """Read, validate and render every file. Raises UsageError (exit 2) on any input problem.
 
     ``order`` is the requested order; ``order_for(dataset, order)`` may change it per dataset (a stored run
     that predates --order keeps file order: producer/order.py ``choose``). ``turns`` (--turns) likewise, with
@@ -484,7 +484,7 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
     try:
         reads = read_all(list(files), skip_invalid, mapping=mapping or FieldMapping(), progress=reading.update)
     except InputError as exc:
-        raise input_error(str(exc)) from None
+        raise UsageError(str(exc)) from None
     finally:
         reading.close()
     for r in reads:
@@ -496,7 +496,7 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
         tok = load_tokenizer(tokenizer)
         renderer = Renderer(tok, chat_template_kwargs=chat_template_kwargs)
     except RenderError as exc:
-        raise input_error(str(exc)) from None
+        raise UsageError(str(exc)) from None
     from producer.parsers import AUTO, PARSER_MARKERS
     parser = resolve_parser(reasoning_parser, tok, renderer)
     markers = PARSER_MARKERS[parser]
@@ -508,7 +508,7 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
     if mix is not None:
         clash = sorted(set(mix.keys) & set(chat_template_kwargs))
         if clash:
-            raise input_error(f"--template-kwargs-mix and --chat-template-kwargs both set {', '.join(clash)}: "
+            raise UsageError(f"--template-kwargs-mix and --chat-template-kwargs both set {', '.join(clash)}: "
                               "give each key in one of them")
         variants = Variants(tok, chat_template_kwargs, mix, generations, opens_markers=opens_markers)
         echo(mix.describe())
@@ -524,7 +524,7 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
                             variants=variants)
                     for r in reads]
     except RenderError as exc:
-        raise input_error(str(exc)) from None
+        raise UsageError(str(exc)) from None
     finally:
         bar.close()
     for p in prepared:

@@ -1,4 +1,5 @@
-"""``produce status``: what every dataset in Redis is doing, read-only, from any machine that reaches Redis."""
+"""``produce status``: what every dataset in Redis is doing, read-only, from any machine that reaches Redis; and
+``produce budget``, the one change made from there: a dataset's budget, while it runs."""
 from __future__ import annotations
 
 import time
@@ -9,6 +10,8 @@ import redis
 
 from budget.runstate import RunState
 from budget.ledger import DatasetState, Ledger
+from producer.amount import parse_amount
+from producer.errors import UsageError
 
 RATE_WINDOW_S = 60  # tokens/s over the last minute of 10-second buckets
 
@@ -88,6 +91,30 @@ def all_status(client: "redis.Redis", names: list[str] | None = None) -> list[Da
     if not names:
         names = RunState(client).datasets()
     return [dataset_status(ledger.state(n), conversations_open=ledger.open_conversations(n)) for n in names]
+
+
+def parse_budget_change(name: str, amount: str) -> int | None:
+    """``produce budget NAME AMOUNT`` checked before Redis is asked: the new budget, None for unlimited."""
+    from producer.reader import valid_name
+    if not valid_name(name):
+        raise UsageError(f"invalid dataset name {name!r}")
+    try:
+        return None if amount.lower() in ("unlimited", "none") else parse_amount(amount)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def change_budget(client: "redis.Redis", name: str, budget: int | None) -> str:
+    """Set dataset ``name``'s budget: raising it reopens the dataset (the attached produce tops up its queue),
+    lowering it to what is used closes it and discards its queued chunks at once. Returns the line saying so."""
+    if not RunState(client).exists(name):
+        raise UsageError(f"no dataset {name!r} in this Redis")
+    ledger = Ledger(client)
+    status = ledger.set_budget(name, budget)
+    discarded = ledger.discard(name, "budget lowered") if status == "closed" else 0
+    state = ledger.state(name)
+    return (f"{name}: budget {'unlimited' if budget is None else f'{budget:,}'}, used {state.used:,}, {status}"
+            + (f", {discarded} queued chunks discarded" if discarded else ""))
 
 
 def _n(value: float | int | None) -> str:

@@ -170,3 +170,17 @@ def test_a_dataset_failing_midway_through_attach_leaves_no_collector_lock(tmp_pa
     assert res.exit_code != 0
     store = RunState(r)
     assert not r.exists(store.collector_key("a")) and not r.exists(store.collector_key("b"))
+
+
+@pytest.mark.parametrize("sglang_url, message", [
+    ("sglang:30000", "--pilot: SGLANG_URL: 'sglang:30000' is not an http(s) URL"),
+    (" , ", "--pilot: SGLANG_URL is empty"),
+])
+def test_pilot_refuses_an_sglang_url_that_is_not_http_before_reading_anything(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sglang_url: str, message: str) -> None:
+    # The same parser as the workers' (budget/urls.py): a URL without its scheme is exit 2 before any file is read.
+    monkeypatch.setenv("SGLANG_URL", sglang_url)
+    res = CliRunner().invoke(main, [str(tmp_path / "missing.jsonl"), "--tokenizer", str(tmp_path / "no-tok"),
+                                    "--max-tokens", "10", "--dry-run", "--pilot", "2"])
+    assert res.exit_code == 2, res.output
+    assert message in res.output and "not found" not in res.output

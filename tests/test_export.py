@@ -435,9 +435,10 @@ def test_token_ids_need_the_runs_tokenizer(dataset: Path, tmp_path: Path) -> Non
 
 
 def test_manifest(dataset: Path, tok: Any) -> None:
-    server = {"version": "0.5.4", "model_path": "Qwen/Qwen3-8B", "tp_size": 2, "api_key": "secret",
-              "internal_states": [{"last_gen_throughput": 1.0}]}
-    path = write_manifest(dataset, server_info=server, extra={"budget": 10_000_000, "mode": "drain"})
+    # What /get_server_info answers holds every server argument, api_key included: only the kept keys are written.
+    server = {"url": "http://gpu1:30000", "version": "0.5.4", "model_path": "Qwen/Qwen3-8B", "tp_size": 2,
+              "api_key": "secret", "internal_states": [{"last_gen_throughput": 1.0}]}
+    path = write_manifest(dataset, servers=[server], extra={"budget": 10_000_000, "mode": "drain"})
     assert path == dataset / "manifest.json"
     manifest = json.loads(path.read_text())
     records = read_jsonl(dataset / "raw_responses.jsonl")
@@ -456,13 +457,14 @@ def test_manifest(dataset: Path, tok: Any) -> None:
                                              "p95": lengths[8], "max": lengths[8]}
     assert manifest["sampling_params"] == {"max_new_tokens": 64} and manifest["settings"] == run
     assert manifest["server"] == {"version": "0.5.4", "model_path": "Qwen/Qwen3-8B", "tp_size": 2}
+    assert manifest["servers"] == [{"url": "http://gpu1:30000", **manifest["server"]}]
     assert manifest["extra"] == {"budget": 10_000_000, "mode": "drain"}
     assert manifest["budgetq_version"] == metadata.version("budgetq")
     assert manifest["created"].endswith("Z")
 
 
 def test_export_refreshes_the_manifest_and_keeps_what_only_the_caller_knew(dataset: Path, tmp_path: Path) -> None:
-    write_manifest(dataset, server_info={"version": "0.5.4"}, extra={"budget": 1000})
+    write_manifest(dataset, servers=[{"url": "http://gpu1:30000", "version": "0.5.4"}], extra={"budget": 1000})
     report = export_dataset(dataset, tmp_path / "x.jsonl", ExportOptions("sharegpt"))
     manifest = json.loads(report.manifest.read_text())
     assert manifest["counts"]["samples"] == 9

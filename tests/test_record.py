@@ -10,8 +10,8 @@ import pytest
 
 from budget import record, serverinfo
 from budget.payload import ChunkPayload, SamplePayload
-from producer.cli import skip_special_tokens_default
 from producer.output import FIELD_ORDER
+from producer.parsers import skip_special_tokens_default
 from producer.preflight import seed_warning
 from producer.prepare import resume_settings
 from worker.chunk import result_record

@@ -1,8 +1,10 @@
-"""The worker's environment (worker/config.py): defaults, and a bad value named instead of silently ignored."""
+"""The worker's environment (worker/config.py): defaults, and a bad value named instead of silently ignored; and
+the one parser of SGLang URL lists (budget/urls.py) that SGLANG_URL and ``produce export --server-url`` share."""
 from __future__ import annotations
 
 import pytest
 
+from budget.urls import server_urls
 from worker.config import WorkerConfig
 
 
@@ -37,3 +39,21 @@ def test_a_bad_value_names_the_variable(name: str, raw: str, message: str) -> No
     with pytest.raises(ValueError) as exc:
         WorkerConfig.from_env({name: raw})
     assert str(exc.value).startswith(name) and message in str(exc.value)
+
+
+def test_a_url_list_is_stripped_of_spaces_trailing_slashes_and_empty_items() -> None:
+    assert server_urls(" http://a:1/ ,, https://b/v1/ ") == ("http://a:1", "https://b/v1")
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("", "SGLANG_URL is empty"),
+    (" , ", "SGLANG_URL is empty"),
+    ("http://a:1,sglang:30000", "SGLANG_URL: 'sglang:30000' is not an http(s) URL"),
+    ("ftp://a", "SGLANG_URL: 'ftp://a' is not an http(s) URL"),
+])
+def test_a_url_list_without_an_http_url_is_refused_naming_its_source(raw: str, message: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        server_urls(raw)
+    assert str(exc.value) == message
+    with pytest.raises(ValueError, match="^--server-url"):
+        server_urls(raw, "--server-url")

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from budget.urls import DEFAULT_SGLANG_URL, server_urls
+
 
 def _number(env: Mapping[str, str], name: str, parse: Callable[[str], float], *, zero_ok: bool,
             what: str) -> float | None:
@@ -54,7 +56,7 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    servers: tuple[str, ...] = ("http://127.0.0.1:30000",)
+    servers: tuple[str, ...] = (DEFAULT_SGLANG_URL,)
     api_key: str | None = field(default=None, repr=False)
     concurrency: int = 64  # requests in flight per worker process
     max_attempts: int = 5  # per sample: unusable answers (aborts, broken bodies) tolerated
@@ -79,15 +81,8 @@ class WorkerConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "WorkerConfig":
         env = os.environ if env is None else env
-        servers = tuple(u.strip().rstrip("/") for u in env.get("SGLANG_URL", cls.servers[0]).split(",")
-                        if u.strip())
-        if not servers:
-            raise ValueError("SGLANG_URL is empty")
-        for url in servers:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"SGLANG_URL: {url!r} is not an http(s) URL")
         return cls(
-            servers=servers,
+            servers=server_urls(env.get("SGLANG_URL", DEFAULT_SGLANG_URL), "SGLANG_URL"),
             api_key=env.get("SGLANG_API_KEY") or None,
             concurrency=_int(env, "BUDGETQ_CONCURRENCY", cls.concurrency),
             max_attempts=_int(env, "BUDGETQ_MAX_ATTEMPTS", cls.max_attempts),

@@ -1,0 +1,193 @@
+"""``produce run``'s options as one checked, frozen value (`RunSettings`), built once from what click parsed.
+
+Everything that can be wrong with the options alone is found here, before a file is read or Redis is touched
+(exit 2, producer/errors.py UsageError); what needs the files (a --budget naming an unknown dataset) is checked
+by `RunSettings.budgets_for` once they are read. docs/cli.md describes every option.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from budget.urls import server_urls
+from producer.amount import parse_budget_option
+from producer.errors import UsageError
+from producer.generations import parse_temperatures
+from producer.order import DEFAULT_SEED, RANDOM, Order
+from producer.records import FieldMapping
+from producer.templatemix import MixError, TemplateMix
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What ``produce run`` was asked to do, parsed and checked; the fields mirror its options (docs/cli.md)."""
+
+    files: tuple[str, ...]
+    tokenizer: str
+    max_tokens: int
+    max_context: int | None
+    max_samples: int | None
+    out_dir: Path
+    redis_url: str
+    #: --budget AMOUNT (every dataset not named; None: the stored budget, or unlimited) and NAME=AMOUNT
+    budget: int | None
+    named_budgets: Mapping[str, int | None]
+    #: --budget-mode MODE and NAME=MODE (None: the stored mode, else predict)
+    mode: str | None
+    named_modes: Mapping[str, str]
+    order: Order  # --order and --order-seed, defaults filled in
+    order_explicit: bool  # --order or --order-seed given
+    turns: str | None  # --turns; None: not given (all, or what a stored run was made with)
+    generations: int
+    temperatures: tuple[float, ...] | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    skip_special_tokens: bool | None  # None: what the run's reasoning parser needs
+    chat_template_kwargs: Mapping[str, Any]
+    template_mix: TemplateMix | None
+    reasoning_parser: str
+    skip_invalid: bool
+    mapping: FieldMapping
+    expect_mean: float | None
+    dry_run: bool
+    pilot: int | None
+    #: where --pilot sends its requests (SGLANG_URL; empty without --pilot) and the key it sends them with
+    pilot_urls: tuple[str, ...]
+    api_key: str | None = field(repr=False)
+    throughput: float | None
+    in_flight: int | None
+    as_json: bool
+    chunk_size: int
+    queue_depth: int
+    new_run: bool
+    detach: bool
+    job_timeout: int
+    allow_eviction: bool
+    require_aof: bool
+    #: bars while validating, rendering and enqueueing: for a person at a terminal, never in JSON logs
+    show_progress: bool
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], *, sglang_url: str, api_key: str | None,
+                     terminal: bool) -> "RunSettings":
+        """Check and parse the ``run`` command's options (click's keyword arguments). ``sglang_url`` and
+        ``api_key``: SGLANG_URL and SGLANG_API_KEY, which only --pilot uses; ``terminal``: stderr is one.
+        Raises UsageError naming the option at fault."""
+        o = options
+        try:
+            budget, named_budgets = parse_budget_option(o["budgets"])
+            mode, named_modes = parse_mode_option(o["modes"])
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        top_k = o["top_k"]
+        if top_k is not None and top_k != -1 and top_k < 1:
+            raise UsageError("--top-k must be -1 or at least 1")
+        temperatures = _temperatures(o["temperature"], o["generations"])
+        if (o["pilot"] or o["throughput"] or o["in_flight"] or o["as_json"]) and not o["dry_run"]:
+            raise UsageError("--pilot, --throughput, --in-flight and --json go with --dry-run")
+        kwargs = _template_kwargs(o["chat_template_kwargs"])
+        try:
+            mapping = FieldMapping(messages_field=o["messages_field"], prompt_field=o["prompt_field"],
+                                   conversations_field=o["conversations_field"], id_field=o["id_field"],
+                                   system_prompt=o["system_prompt"])
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if o["order"] == "file" and o["order_seed"] is not None:
+            raise UsageError("--order-seed goes with --order random")
+        order = Order(o["order"] or RANDOM, DEFAULT_SEED if o["order_seed"] is None else o["order_seed"])
+        mix = None
+        if o["template_kwargs_mix"] is not None:
+            try:
+                mix = TemplateMix.parse(o["template_kwargs_mix"], order.seed)
+            except MixError as exc:
+                raise UsageError(f"--template-kwargs-mix: {exc}") from None
+        try:
+            pilot_urls = server_urls(sglang_url) if o["pilot"] else ()
+        except ValueError as exc:
+            raise UsageError(f"--pilot: {exc}") from None
+        return cls(
+            files=tuple(o["files"]), tokenizer=o["tokenizer"], max_tokens=o["max_tokens"],
+            max_context=o["max_context"], max_samples=o["max_samples"], out_dir=o["out_dir"],
+            redis_url=o["redis_url"], budget=budget, named_budgets=named_budgets, mode=mode,
+            named_modes=named_modes, order=order, order_explicit=o["order"] is not None or o["order_seed"] is not None,
+            turns=o["turns"], generations=o["generations"], temperatures=temperatures, top_p=o["top_p"], top_k=top_k,
+            seed=o["seed"], skip_special_tokens=o["skip_special_tokens"], chat_template_kwargs=kwargs,
+            template_mix=mix, reasoning_parser=o["reasoning_parser"], skip_invalid=o["skip_invalid"], mapping=mapping,
+            expect_mean=o["expect_mean"], dry_run=o["dry_run"], pilot=o["pilot"], pilot_urls=pilot_urls,
+            api_key=api_key, throughput=o["throughput"], in_flight=o["in_flight"], as_json=o["as_json"],
+            chunk_size=o["chunk_size"], queue_depth=o["queue_depth"], new_run=o["new_run"], detach=o["detach"],
+            job_timeout=o["job_timeout"], allow_eviction=o["allow_eviction"], require_aof=o["require_aof"],
+            show_progress=not o["quiet"] and o["log_format"] == "text" and terminal)
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The run's sampling parameters (run.json ``sampling_params``): a --temperature list stays a list
+        (generation k takes entry k mod len: producer/generations.py); one value is a number, as it always was."""
+        params: dict[str, Any] = {"max_new_tokens": self.max_tokens}
+        if self.temperatures is not None:
+            t = self.temperatures
+            params["temperature"] = t[0] if len(t) == 1 else list(t)
+        if self.top_p is not None:
+            params["top_p"] = self.top_p
+        if self.top_k is not None:
+            params["top_k"] = self.top_k
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed
+        return params
+
+    def budgets_for(self, names: Iterable[str]) -> dict[str, int | None]:
+        """Each dataset's --budget; a name given to --budget or --budget-mode that is not a dataset is an error."""
+        names = set(names)
+        unknown = sorted((set(self.named_budgets) | set(self.named_modes)) - names)
+        if unknown:
+            raise UsageError(f"--budget/--budget-mode name unknown dataset(s): {', '.join(unknown)} (datasets: "
+                             f"{', '.join(sorted(names))})")
+        return {n: self.named_budgets.get(n, self.budget) for n in names}
+
+    def modes_for(self, names: Iterable[str]) -> dict[str, str | None]:
+        return {n: self.named_modes.get(n, self.mode) for n in names}
+
+
+def parse_mode_option(values: Iterable[str]) -> tuple[str | None, dict[str, str]]:
+    """--budget-mode MODE (all datasets) or NAME=MODE (one), like --budget. Raises ValueError."""
+    from budget.ledger import MODES
+    default: str | None = None
+    named: dict[str, str] = {}
+    for value in values:
+        name, sep, mode = value.rpartition("=")
+        if mode not in MODES:
+            raise ValueError(f'invalid --budget-mode "{value}": expected one of {", ".join(MODES)} or NAME=MODE')
+        if sep:
+            named[name] = mode
+        elif default is None:
+            default = mode
+        else:
+            raise ValueError("--budget-mode without a dataset name given twice")
+    return default, named
+
+
+def _temperatures(text: str | None, generations: int) -> tuple[float, ...] | None:
+    if text is None:
+        return None
+    try:
+        temperatures = tuple(parse_temperatures(text))
+    except ValueError as exc:
+        raise UsageError(f"--temperature: {exc}") from None
+    if len(temperatures) > 1 and generations == 1:
+        raise UsageError(f"--temperature {text}: a list goes with --generations N > 1 (generation k uses entry k "
+                         "mod its length; one generation would use the first only)")
+    return temperatures
+
+
+def _template_kwargs(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"--chat-template-kwargs: not valid JSON ({exc})") from None
+    if not isinstance(kwargs, dict):
+        raise UsageError("--chat-template-kwargs: expected a JSON object")
+    return kwargs
