@@ -10,9 +10,9 @@ that arrived in the same epoll wake-up). The batch goes to Redis as one pipeline
 loop goes on with HTTP while Redis runs the scripts (redis-py releases the GIL while it waits on the socket).
 One batch is in flight at a time; calls made meanwhile form the next one, sent as soon as the reply is back,
 so batches grow with the load by themselves. Commits of one dataset in a batch merge into one script run, and
-a chunk's free slots are admitted by one (``Ledger.run_many``, ``Call.merge``). Each script decides each sample
-as if alone and stays idempotent, so batching changes no budget decision, and a resend after a lost connection
-is harmless (budget/ledger.py).
+a chunk's free slots are admitted by one (budget/pipeline.py ``run_many``, ``Call.merge``). Each script decides
+each sample as if alone and stays idempotent, so batching changes no budget decision, and a resend after a lost
+connection is harmless (budget/ledger.py).
 
 Measured against a zero-latency server (python -m bench.overhead, quiet machine, 64 in flight): one call at a
 time 1,297 samples/s; batched on the loop with the synchronous client 1,905; batched from this thread
@@ -26,16 +26,20 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
-from budget.ledger import Call, Ledger, T
+import redis
+
+from budget.pipeline import Call, T, run_many
 
 Pending = list[tuple[Call[Any], "asyncio.Future[Any]"]]
 
 
 class Batcher:
-    """Lives on one event loop; ``call`` must be called from that loop. ``close`` stops its thread."""
+    """Lives on one event loop; ``call`` must be called from that loop. ``close`` stops its thread.
 
-    def __init__(self, ledger: Ledger, max_batch: int = 256) -> None:
-        self.ledger = ledger
+    ``client`` is the Redis client the calls' scripts are registered on (the ledger's)."""
+
+    def __init__(self, client: "redis.Redis", max_batch: int = 256) -> None:
+        self.client = client
         self.max_batch = max_batch
         self._calls: Pending = []
         self._scheduled = False
@@ -67,7 +71,7 @@ class Batcher:
         self._busy = True
         self.batches += 1
         self.calls += len(batch)
-        sent = asyncio.get_running_loop().run_in_executor(self._pool, self.ledger.run_many, [c for c, _ in batch])
+        sent = asyncio.get_running_loop().run_in_executor(self._pool, run_many, self.client, [c for c, _ in batch])
         sent.add_done_callback(lambda done: self._settle(batch, done))
 
     def _settle(self, batch: Pending, done: "asyncio.Future[list[Any]]") -> None:

@@ -33,8 +33,10 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from rq.serializers import JSONSerializer
 
-from budget.ledger import LEASE_MS, REDIS_DOWN, Admission, Admit, Call, LengthSample, Ledger
+from budget.ledger import LEASE_MS, REDIS_DOWN, Ledger
+from budget.outcomes import Admission, Admit, LengthSample
 from budget.payload import ChunkPayload, SamplePayload, sampling_params_of
+from budget.pipeline import Call
 from budget.serverinfo import public_url
 from worker.batch import Batcher
 from worker.chunk import CLOSE_REASON, ChunkReport, generate_sample, result_record
@@ -162,7 +164,7 @@ class Dispatcher:
         self._beat: asyncio.Task[None] | None = None  # the worker-level RQ heartbeat (_keep_heartbeat)
         self.budgeting = Budgeting(lambda dataset: self._batched("length model", ledger.length_sample_call(dataset)),
                                    refresh_s=5 * config.reserve_interval, model_error=config.predict_model_error)
-        self.batcher = Batcher(ledger)
+        self.batcher = Batcher(ledger.r)
         self.slots = asyncio.Semaphore(config.concurrency)
         self.ended = asyncio.Event()  # set whenever any request of this worker ends
         self.running: dict[str, RunningChunk] = {}

@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from budget.history import plan
-from budget.ledger import EndVerdict, TurnAdmit, TurnVerdict
+from budget.outcomes import EndVerdict, TurnAdmit, TurnVerdict
 from budget.payload import SamplePayload, sampling_params_of, turn_request_key
 from budget.record import make_turn
 from budget.serverinfo import public_url
