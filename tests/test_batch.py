@@ -83,7 +83,7 @@ def test_batcher_caps_a_batch(r: "redis.Redis") -> None:
 
 
 def test_batcher_hands_a_connection_error_to_every_caller(redis_url: str) -> None:
-    """The dispatcher retries on REDIS_DOWN (worker/dispatch.py ``_retry``); it must see the error, not hang."""
+    """The dispatcher retries on REDIS_DOWN (worker/batch.py ``until_answered``); it must see the error, not hang."""
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)  # nothing listens on port 1
     ledger = Ledger(dead)
 

@@ -1,4 +1,4 @@
-"""Ledger calls made by many coroutines, sent in one Redis round trip per batch, off the event loop.
+"""The event loop's ledger calls: sent in one Redis round trip per batch, off the loop, and waited through an outage.
 
 Why: the worker's event loop is its request thread, and the ledger's redis-py client is synchronous. Called
 one at a time, admit + commit cost ~400 µs of blocked loop per sample, most of it waiting for replies, and
@@ -19,18 +19,58 @@ time 1,297 samples/s; batched on the loop with the synchronous client 1,905; bat
 2,000-2,174. An asyncio Redis client was tried too: it costs about twice the CPU per call (66-74 against
 34-35 µs a sample, client side, with hiredis). Beyond speed, the thread keeps a slow Redis (an fsync, a long
 discard script) from stalling the loop: responses are still read while ledger calls wait.
+
+Waiting through an outage: a call that finds Redis down (``REDIS_DOWN``) is sent again with a backoff until Redis
+answers (``Batcher.call_until_answered``, ``in_thread_until_answered``), so a Redis restart delays the worker's
+commits and admissions instead of failing them. Safe because every budget script is idempotent (a resent commit
+hits the done guard).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Any
+import logging
+from typing import Any, Awaitable, Callable
 
 import redis
 
+from budget.ledger import REDIS_DOWN
 from budget.pipeline import Call, T, run_many
 
+log = logging.getLogger("budgetq.worker")
+
 Pending = list[tuple[Call[Any], "asyncio.Future[Any]"]]
+
+#: While Redis is down, a waiting call says so in the log once every this many seconds of waiting.
+OUTAGE_LOG_EVERY_S = 30
+#: The first resend waits this long; each next one twice as long, up to OUTAGE_BACKOFF_CAP_S.
+OUTAGE_BACKOFF_S = 0.2
+OUTAGE_BACKOFF_CAP_S = 5.0
+
+
+async def until_answered(what: str, attempt: Callable[[], Awaitable[T]], failed: BaseException | None = None) -> T:
+    """``attempt()``'s result, trying again with a backoff for as long as Redis is down (``failed``: the first
+    attempt already failed so). ``what`` names the call in the log."""
+    delay, waited = OUTAGE_BACKOFF_S, 0.0
+    while True:
+        if failed is not None:
+            if waited == 0.0 or int(waited) // OUTAGE_LOG_EVERY_S != int(waited + delay) // OUTAGE_LOG_EVERY_S:
+                log.warning("%s: Redis unavailable (%s); retrying until it is back", what, failed)
+            await asyncio.sleep(delay)
+            waited += delay
+            delay = min(OUTAGE_BACKOFF_CAP_S, delay * 2)
+        try:
+            return await attempt()
+        except REDIS_DOWN as exc:
+            failed = exc
+
+
+async def in_thread_until_answered(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Call the ledger in a thread, waiting out a Redis outage: for the rare calls that take a while (a discard
+    marks thousands of jobs canceled over several round trips), so responses are still read meanwhile."""
+    async def once() -> T:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return await until_answered(what, once)
 
 
 class Batcher:
@@ -56,6 +96,15 @@ class Batcher:
             self._scheduled = True
             loop.call_soon(self._flush)
         return fut
+
+    async def call_until_answered(self, what: str, call: Call[T]) -> T:
+        """``call``, waiting out a Redis outage: for the calls the loop makes all the time (admit, commit, fail,
+        start, finish). The first attempt is awaited directly: this runs twice per sample, and the retry machinery
+        is only for outages."""
+        try:
+            return await self.call(call)
+        except REDIS_DOWN as exc:
+            return await until_answered(what, lambda: self.call(call), failed=exc)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

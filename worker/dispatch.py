@@ -29,16 +29,15 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable
 
 from rq.serializers import JSONSerializer
 
-from budget.ledger import LEASE_MS, REDIS_DOWN, Ledger
+from budget.ledger import LEASE_MS, Ledger
 from budget.outcomes import Admission, Admit, LengthSample
 from budget.payload import ChunkPayload, SamplePayload, sampling_params_of
-from budget.pipeline import Call
 from budget.serverinfo import public_url
-from worker.batch import Batcher
+from worker.batch import Batcher, in_thread_until_answered
 from worker.chunk import CLOSE_REASON, ChunkReport, generate_sample, result_record
 from worker.config import WorkerConfig
 from worker.estimate import LengthModel, RateTracker
@@ -46,8 +45,6 @@ from worker.sglang import GenerateError, SGLangClient
 from worker.turns import run_conversation
 
 log = logging.getLogger("budgetq.worker")
-
-T = TypeVar("T")
 
 #: How often a running chunk's progress is copied into its RQ job's meta, where rq-dashboard's job page shows it.
 META_INTERVAL_S = 5.0
@@ -162,9 +159,10 @@ class Dispatcher:
         self.on_fault = on_fault  # called once, on the loop, when a configuration fault stops the dispatcher
         self.fault: str | None = None  # why this worker cannot work (a refused API key), once known
         self._beat: asyncio.Task[None] | None = None  # the worker-level RQ heartbeat (_keep_heartbeat)
-        self.budgeting = Budgeting(lambda dataset: self._batched("length model", ledger.length_sample_call(dataset)),
-                                   refresh_s=5 * config.reserve_interval, model_error=config.predict_model_error)
         self.batcher = Batcher(ledger.r)
+        self.budgeting = Budgeting(
+            lambda dataset: self.batcher.call_until_answered("length model", ledger.length_sample_call(dataset)),
+            refresh_s=5 * config.reserve_interval, model_error=config.predict_model_error)
         self.slots = asyncio.Semaphore(config.concurrency)
         self.ended = asyncio.Event()  # set whenever any request of this worker ends
         self.running: dict[str, RunningChunk] = {}
@@ -204,43 +202,11 @@ class Dispatcher:
         if self.on_fault is not None:
             self.on_fault(self.fault)
 
-    async def _redis(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Call the ledger in a thread, waiting out a Redis outage: for the rare calls that take a while (a
-        discard marks thousands of jobs canceled over several round trips), so responses are still read
-        meanwhile. Every budget script is idempotent (a resent commit hits the done guard), so retrying is safe."""
-        async def once() -> T:
-            return await asyncio.to_thread(fn, *args, **kwargs)
-        return await self._retry(what, once)
-
-    async def _batched(self, what: str, call: Call[T]) -> T:
-        """``_redis`` for the calls the loop makes all the time (admit, commit, fail, start, finish): sent
-        with the others of this loop iteration in one round trip, off the loop (worker/batch.py). The first
-        attempt is awaited directly: this runs twice per sample, and the retry machinery is only for outages."""
-        try:
-            return await self.batcher.call(call)
-        except REDIS_DOWN as exc:
-            return await self._retry(what, lambda: self.batcher.call(call), failed=exc)
-
-    async def _retry(self, what: str, attempt: Callable[[], Awaitable[T]],
-                     failed: BaseException | None = None) -> T:
-        delay, waited = 0.2, 0.0
-        while True:
-            if failed is not None:
-                if waited == 0.0 or int(waited) // 30 != int(waited + delay) // 30:
-                    log.warning("%s: Redis unavailable (%s); retrying until it is back", what, failed)
-                await asyncio.sleep(delay)
-                waited += delay
-                delay = min(5.0, delay * 2)
-            try:
-                return await attempt()
-            except REDIS_DOWN as exc:
-                failed = exc
-
     # -- the RQ job's part ------------------------------------------------------------------------------
     async def dispatch(self, chunk: ChunkPayload) -> ChunkReport:
         """Start every sample of the chunk as slots free up; return once none is left to start."""
         rc = RunningChunk(chunk)
-        started = await self._batched("start", self.ledger.start_chunk_call(rc.dataset, rc.id))
+        started = await self.batcher.call_until_answered("start", self.ledger.start_chunk_call(rc.dataset, rc.id))
         if started != "ok":
             rc.report.status = started
             rc.report.not_started = len(chunk["samples"])
@@ -248,7 +214,8 @@ class Dispatcher:
             return rc.report
         if chunk.get("conversation"):
             ids = [smp["id"] for smp in chunk["samples"] if smp.get("turns", 1) > 1]
-            rc.resume = await self._redis("conversations", self.ledger.conversation_turns, rc.dataset, ids)
+            rc.resume = await in_thread_until_answered("conversations", self.ledger.conversation_turns, rc.dataset,
+                                                       ids)
         self.running[rc.id] = rc
         self._write_meta(rc, "running")
         if self.heartbeat is not None and self._beat is None:
@@ -324,7 +291,7 @@ class Dispatcher:
             rc.report.not_started += len(todo)
             if verdict is Admit.CLOSED:
                 # strict closes at admission; discard is idempotent
-                await self._redis("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
+                await in_thread_until_answered("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
             return
 
     async def _admit(self, rc: RunningChunk, batch: list[SamplePayload], expected: int, sd: float) -> list[Admission]:
@@ -337,9 +304,9 @@ class Dispatcher:
             groups.setdefault(sample.get("turns", 1) if rc.chunk.get("conversation") else 1, []).append(i)
         if len(groups) == 1:
             (turns,) = groups
-            return await self._batched("admit", self.ledger.admit_call(
+            return await self.batcher.call_until_answered("admit", self.ledger.admit_call(
                 rc.dataset, [s["id"] for s in batch], rc.id, expected * turns, margin, taper))
-        replies = await asyncio.gather(*(self._batched("admit", self.ledger.admit_call(
+        replies = await asyncio.gather(*(self.batcher.call_until_answered("admit", self.ledger.admit_call(
             rc.dataset, [batch[i]["id"] for i in at], rc.id, expected * turns, margin, taper))
             for turns, at in groups.items()))
         verdicts: list[Admission] = [Admission(Admit.REVOKED, 0)] * len(batch)
@@ -390,14 +357,14 @@ class Dispatcher:
                     report.status = "unauthorized"
                     self._config_fault(err)
                     return
-                if await self._batched("fail", self.ledger.fail_call(
+                if await self.batcher.call_until_answered("fail", self.ledger.fail_call(
                         rc.dataset, sid, rc.id, {"id": sid, "reason": err.reason, "status": err.status,
                                                  "attempts": err.attempts}, reserved=flight.reserved)):
                     report.failed += 1
                 return
             elapsed = time.monotonic() - flight.started
             self.budgeting.rates.observe(gen.completion_tokens, elapsed)
-            outcome = await self._batched("commit", self.ledger.commit_call(
+            outcome = await self.batcher.call_until_answered("commit", self.ledger.commit_call(
                 rc.dataset, sid, gen.completion_tokens, result_record(rc.dataset, sample, gen, rc.chunk),
                 chunk=rc.id, reserved=flight.reserved, finish_reason=gen.finish_reason))
             if outcome.committed:
@@ -407,7 +374,7 @@ class Dispatcher:
             else:
                 report.duplicates += 1
             if outcome.closed_now:
-                n = await self._redis("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
+                n = await in_thread_until_answered("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
                 log.info("%s reached its budget (%d tokens): closed, %d queued chunks discarded",
                          rc.dataset, outcome.used, n)
         finally:
@@ -439,7 +406,7 @@ class Dispatcher:
             await asyncio.gather(rc.lease, return_exceptions=True)
         self.running.pop(rc.id, None)
         if not cancelled:
-            await self._batched("finish", self.ledger.finish_chunk_call(rc.dataset, rc.id))
+            await self.batcher.call_until_answered("finish", self.ledger.finish_chunk_call(rc.dataset, rc.id))
         self._write_meta(rc, "interrupted" if cancelled else "done")
 
     def _write_meta(self, rc: RunningChunk, state: str) -> None:

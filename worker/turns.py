@@ -28,6 +28,7 @@ from budget.outcomes import EndVerdict, TurnAdmit, TurnVerdict
 from budget.payload import SamplePayload, sampling_params_of, turn_request_key
 from budget.record import make_turn
 from budget.serverinfo import public_url
+from worker.batch import in_thread_until_answered
 from worker.chunk import CLOSE_REASON, generate_sample, parse_response
 from budget.conversation import BUDGET, CONTEXT, FAILED, header, walk
 from worker.sglang import GenerateError
@@ -64,7 +65,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
     steps = plan(sample["messages"])
     turns: list[dict[str, Any]] = []
     if resumed:
-        turns = await d._redis("committed turns", d.ledger.committed_turns, dataset, sid)
+        turns = await in_thread_until_answered("committed turns", d.ledger.committed_turns, dataset, sid)
     renderer: "Renderer | None" = None
     prefer: str | None = turns[-1].get("server") if turns else None
     stopped_by: str | None = None
@@ -123,7 +124,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
                 d._config_fault(err)
                 return
             if i == 0:  # nothing committed: a failed sample, as a one-turn one (failed.jsonl)
-                if await d._batched("fail", d.ledger.fail_call(
+                if await d.batcher.call_until_answered("fail", d.ledger.fail_call(
                         dataset, sid, rc.id, {"id": sid, "reason": err.reason, "status": err.status,
                                               "attempts": err.attempts}, reserved=flight.reserved)):
                     report.failed += 1
@@ -137,7 +138,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
                          completion_tokens=gen.completion_tokens, finish_reason=gen.finish_reason, prompt_ids=ids,
                          output_ids=gen.output_ids, **parsed)
         turn["server"] = public_url(gen.server)
-        outcome = await d._batched("commit turn", d.ledger.commit_turn_call(
+        outcome = await d.batcher.call_until_answered("commit turn", d.ledger.commit_turn_call(
             dataset, sid, i, gen.completion_tokens, turn, chunk=rc.id, reserved=flight.reserved,
             finish_reason=gen.finish_reason))
         flight.reserved = 0
@@ -149,7 +150,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
             # Committed already (our own resend after a lost reply, or a zombie's copy): go on from what Redis
             # counted, so the history is always what the budget counted. Empty: the conversation is written.
             report.duplicates += 1
-            turns = await d._redis("committed turns", d.ledger.committed_turns, dataset, sid)
+            turns = await in_thread_until_answered("committed turns", d.ledger.committed_turns, dataset, sid)
             if len(turns) <= i:
                 return
         else:  # OUT_OF_ORDER: another worker is ahead of us on this conversation
@@ -157,7 +158,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
             return
         prefer = gen.server
         if outcome.closed_now:
-            n = await d._redis("discard", d.ledger.discard, dataset, CLOSE_REASON)
+            n = await in_thread_until_answered("discard", d.ledger.discard, dataset, CLOSE_REASON)
             log.info("%s reached its budget (%d tokens): closed, %d queued chunks discarded", dataset, outcome.used, n)
         flight.started = time.monotonic()
     if not turns:
@@ -165,7 +166,8 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
     rec = header(sample_id=sid, dataset=dataset, sent=walk(steps, turns).messages, turns=turns, stopped_by=stopped_by,
                  reasoning_parser=chunk.get("reasoning_parser"), sampling_params=sampling_params,
                  failed_reason=failed_reason, chat_template_kwargs=sample.get("chat_template_kwargs"))
-    ended = await d._batched("end conversation", d.ledger.end_conversation_call(dataset, sid, len(turns), rec))
+    ended = await d.batcher.call_until_answered("end conversation",
+                                                d.ledger.end_conversation_call(dataset, sid, len(turns), rec))
     if ended.verdict is EndVerdict.ENDED:
         report.committed += 1
     elif ended.verdict is EndVerdict.DUPLICATE:
@@ -190,8 +192,8 @@ async def _admit(d: "Dispatcher", rc: "RunningChunk", sid: str, turn: int, fligh
             each = await d.budgeting.expected(rc.dataset)
             reservation = each * (1 + later)
             flight.future = each * later
-        admission = await d._batched("admit turn", d.ledger.admit_turn_call(rc.dataset, sid, turn, rc.id,
-                                                                             reservation))
+        admission = await d.batcher.call_until_answered("admit turn", d.ledger.admit_turn_call(
+            rc.dataset, sid, turn, rc.id, reservation))
         if admission.verdict is TurnAdmit.START:
             flight.reserved = admission.reserved
             flight.started = time.monotonic()
