@@ -29,18 +29,18 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from rq.serializers import JSONSerializer
 
 from budget.ledger import LEASE_MS, Ledger
-from budget.outcomes import Admission, Admit, LengthSample
+from budget.outcomes import Admission, Admit
 from budget.payload import ChunkPayload, SamplePayload, sampling_params_of
 from budget.serverinfo import public_url
 from worker.batch import Batcher, in_thread_until_answered
 from worker.chunk import CLOSE_REASON, ChunkReport, generate_sample, result_record
 from worker.config import WorkerConfig
-from worker.estimate import LengthModel, RateTracker
+from worker.estimate import LengthModels
 from worker.sglang import GenerateError, SGLangClient
 from worker.turns import run_conversation
 
@@ -60,56 +60,6 @@ class Flight:
     reserved: int
     #: predict: what a conversation's later turns are expected to add, reserved with this turn (worker/turns.py)
     future: int = 0
-
-
-class Budgeting:
-    """What a worker knows about a dataset's budget mode and lengths, refreshed from Redis every
-    ``refresh_s`` seconds (5 reservation intervals: the running requests' progress in the model stays fresh).
-
-    Never blocks the loop: ``fetch`` is the dispatcher's batched ledger path (off the loop, waiting out an
-    outage). Only a dataset's first model is awaited; after that a stale model is answered at once while one
-    refresh per dataset runs in the background, and stays in use for as long as Redis does not answer."""
-
-    def __init__(self, fetch: Callable[[str], Awaitable[LengthSample]], refresh_s: float = 5.0,
-                 model_error: float = 0.0) -> None:
-        self.fetch = fetch
-        self.model_error = model_error  # z: reservations add z standard errors of the model (LengthModel.reserve)
-        self.REFRESH_S = refresh_s
-        self.rates = RateTracker()
-        self._models: dict[str, tuple[float, str, LengthModel]] = {}
-        self._refreshing: dict[str, asyncio.Task[None]] = {}
-
-    async def model(self, dataset: str) -> tuple[str, LengthModel]:
-        cached = self._models.get(dataset)
-        if cached is None or time.monotonic() - cached[0] > self.REFRESH_S:
-            task = self._refreshing.get(dataset)
-            if task is None:
-                task = self._refreshing[dataset] = asyncio.create_task(self._refresh(dataset))
-                task.add_done_callback(lambda done: self._refreshed(dataset, done))
-            if cached is None:
-                await asyncio.shield(task)
-                cached = self._models[dataset]
-        return cached[1], cached[2]
-
-    async def _refresh(self, dataset: str) -> None:
-        sample = await self.fetch(dataset)
-        self._models[dataset] = (time.monotonic(), sample.mode, LengthModel(
-            sample.lengths, sample.prior_mean, sample.max_new_tokens, running=sample.running))
-
-    def _refreshed(self, dataset: str, done: "asyncio.Task[None]") -> None:
-        self._refreshing.pop(dataset, None)
-        if not done.cancelled() and done.exception() is not None and dataset in self._models:
-            log.warning("length model of %s not refreshed (%s); keeping the last one", dataset, done.exception())
-
-    def close(self) -> None:
-        for task in list(self._refreshing.values()):
-            task.cancel()
-
-    async def expected(self, dataset: str, elapsed: float = 0.0) -> int:
-        return (await self.model(dataset))[1].reserve(self.rates.progress(elapsed), self.model_error)
-
-    async def sd(self, dataset: str) -> float:
-        return (await self.model(dataset))[1].sd()
 
 
 class RunningChunk:
@@ -160,7 +110,7 @@ class Dispatcher:
         self.fault: str | None = None  # why this worker cannot work (a refused API key), once known
         self._beat: asyncio.Task[None] | None = None  # the worker-level RQ heartbeat (_keep_heartbeat)
         self.batcher = Batcher(ledger.r)
-        self.budgeting = Budgeting(
+        self.length_models = LengthModels(
             lambda dataset: self.batcher.call_until_answered("length model", ledger.length_sample_call(dataset)),
             refresh_s=5 * config.reserve_interval, model_error=config.predict_model_error)
         self.slots = asyncio.Semaphore(config.concurrency)
@@ -261,8 +211,8 @@ class Dispatcher:
             if rc.lost.is_set():
                 verdicts = [Admission(Admit.REVOKED, 0)] * n
             else:
-                expected = await self.budgeting.expected(rc.dataset)
-                sd = await self.budgeting.sd(rc.dataset)
+                expected = await self.length_models.expected(rc.dataset)
+                sd = await self.length_models.sd(rc.dataset)
                 verdicts = await self._admit(rc, batch, expected, sd)
             refused: list[tuple[SamplePayload, Admit]] = []
             for sample, admission in zip(batch, verdicts):
@@ -363,7 +313,7 @@ class Dispatcher:
                     report.failed += 1
                 return
             elapsed = time.monotonic() - flight.started
-            self.budgeting.rates.observe(gen.completion_tokens, elapsed)
+            self.length_models.rates.observe(gen.completion_tokens, elapsed)
             outcome = await self.batcher.call_until_answered("commit", self.ledger.commit_call(
                 rc.dataset, sid, gen.completion_tokens, result_record(rc.dataset, sample, gen, rc.chunk),
                 chunk=rc.id, reserved=flight.reserved, finish_reason=gen.finish_reason))
@@ -432,12 +382,12 @@ class Dispatcher:
             reserved: int | None = None
             progress: list[int] | None = None
             try:
-                mode, model = await self.budgeting.model(rc.dataset)
+                mode, model = await self.length_models.model(rc.dataset)
                 if mode == "predict" and rc.flights:
                     progress = []
                     for f in rc.flights.values():
-                        done = self.budgeting.rates.progress(now - f.started)
-                        f.reserved = model.reserve(done, self.budgeting.model_error) + f.future
+                        done = self.length_models.rates.progress(now - f.started)
+                        f.reserved = model.reserve(done, self.length_models.model_error) + f.future
                         progress.append(int(done))
                     reserved = sum(f.reserved for f in rc.flights.values())
                 elif now - last_lease < LEASE_MS / 4000:
@@ -475,7 +425,7 @@ class Dispatcher:
         """Wait until every started request is committed (a warm shutdown keeps all GPU work)."""
         while self.finishers:
             await asyncio.gather(*list(self.finishers), return_exceptions=True)
-        self.budgeting.close()
+        self.length_models.close()
         if self._beat is not None:
             self._beat.cancel()
 

@@ -132,7 +132,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
             flight.reserved = flight.future = 0  # the chunk's next reservation update drops what it held
             stopped_by, failed_reason = FAILED, f"turn {i}: {err.reason}"
             break
-        d.budgeting.rates.observe(gen.completion_tokens, time.monotonic() - flight.started)
+        d.length_models.rates.observe(gen.completion_tokens, time.monotonic() - flight.started)
         parsed = parse_response(dataset, chunk, turn_sample, gen)
         turn = make_turn(response=gen.text, prompt_tokens=gen.prompt_tokens, cached_tokens=gen.cached_tokens,
                          completion_tokens=gen.completion_tokens, finish_reason=gen.finish_reason, prompt_ids=ids,
@@ -187,9 +187,9 @@ async def _admit(d: "Dispatcher", rc: "RunningChunk", sid: str, turn: int, fligh
         if rc.lost.is_set():
             return TurnAdmit.REVOKED
         reservation = 0
-        mode, _model = await d.budgeting.model(rc.dataset)
+        mode, _model = await d.length_models.model(rc.dataset)
         if mode == "predict":
-            each = await d.budgeting.expected(rc.dataset)
+            each = await d.length_models.expected(rc.dataset)
             reservation = each * (1 + later)
             flight.future = each * later
         admission = await d.batcher.call_until_answered("admit turn", d.ledger.admit_turn_call(
