@@ -133,7 +133,7 @@ CATEGORIES = [
       "length_sample (budget/ledger.py", "fail (budget/ledger.py")),
     ("HTTP (aiohttp: request write, response read)", ("(aiohttp/",)),
     ("response JSON parse + validation", ("loads (json/", "parse_generation (worker/sglang.py")),
-    ("result record + reasoning split", ("result_record (worker/chunk.py",)),
+    ("result record + reasoning split", ("result_record (worker/trip.py",)),
     ("asyncio scheduling (tasks, semaphores, futures)", ("_run_once (asyncio/base_events.py",)),
 ]
 SOCKET_LEAVES = ("send_packed_command", "read_from_socket", "recv", "sendall", "can_read")

@@ -23,9 +23,9 @@ from budget.payload import VERSION, ChunkPayload
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from tests.procs import sim_stats
 from tests.redis_server import RedisServer
-from worker.chunk import ChunkReport
 from worker.config import WorkerConfig
 from worker.dispatch import Dispatcher
+from worker.running import ChunkReport
 from worker.sglang import SGLangClient
 
 DS = "ds"

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from rq.serializers import JSONSerializer
@@ -38,10 +37,11 @@ from budget.outcomes import Admission, Admit
 from budget.payload import ChunkPayload, SamplePayload, sampling_params_of
 from budget.serverinfo import public_url
 from worker.batch import Batcher, in_thread_until_answered
-from worker.chunk import CLOSE_REASON, ChunkReport, generate_sample, result_record
 from worker.config import WorkerConfig
 from worker.estimate import LengthModels
+from worker.running import ChunkReport, Flight, RunningChunk
 from worker.sglang import GenerateError, SGLangClient
+from worker.trip import CLOSE_REASON, generate_sample, result_record
 from worker.turns import run_conversation
 
 log = logging.getLogger("budgetq.worker")
@@ -50,45 +50,6 @@ log = logging.getLogger("budgetq.worker")
 META_INTERVAL_S = 5.0
 #: How often the worker-level task renews the RQ worker's registration while chunks run (RQ's worker TTL: 420 s).
 HEARTBEAT_S = 10.0
-
-
-@dataclass
-class Flight:
-    """A request in flight and what it reserves (budget/scripts.py ADMIT, COMMIT)."""
-
-    started: float
-    reserved: int
-    #: predict: what a conversation's later turns are expected to add, reserved with this turn (worker/turns.py)
-    future: int = 0
-
-
-class RunningChunk:
-    """A chunk from its start until its last request is committed."""
-
-    def __init__(self, chunk: ChunkPayload) -> None:
-        self.chunk = chunk
-        self.dataset, self.id = chunk["dataset"], chunk["chunk"]
-        self.report = ChunkReport(self.id)
-        self.flights: dict[str, Flight] = {}
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.lost = asyncio.Event()
-        self.lease: asyncio.Task[None] | None = None
-        self.started = 0  # requests started (admitted and sent)
-        self.resume: dict[str, int] = {}  # conversations of this chunk started before (sample -> turns committed)
-        self.meta_at = 0.0  # monotonic time of the last progress write to the RQ job's meta
-
-    def meta(self, state: str) -> dict[str, Any]:
-        """The RQ job's meta: what the producer wrote at enqueue (dataset, samples, first, last) plus progress.
-        ``state``: running (requests may still start or run), done (last request committed), interrupted (the
-        worker's code or shutdown cut it short: the lease lapses and the producer re-enqueues the rest), or
-        revoked/closed (given back at its start: reclaimed, discarded, or its dataset closed)."""
-        samples, r = self.chunk["samples"], self.report
-        return {"dataset": self.dataset, "samples": len(samples),
-                "first": samples[0]["id"] if samples else None, "last": samples[-1]["id"] if samples else None,
-                "state": state, "started": self.started, "in_flight": len(self.flights), "committed": r.committed,
-                "failed": r.failed, "skipped": r.skipped, "not_started": r.not_started, "tokens": r.tokens,
-                "stop_reason": None if r.status == "ok" else r.status,
-                "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _log_meta_error(chunk: str, done: "asyncio.Future[bool]") -> None:

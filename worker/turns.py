@@ -23,24 +23,25 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from budget.conversation import BUDGET, CONTEXT, FAILED, header, walk
 from budget.history import plan
 from budget.outcomes import EndVerdict, TurnAdmit, TurnVerdict
 from budget.payload import SamplePayload, sampling_params_of, turn_request_key
 from budget.record import make_turn
 from budget.serverinfo import public_url
 from worker.batch import in_thread_until_answered
-from worker.chunk import CLOSE_REASON, generate_sample, parse_response
-from budget.conversation import BUDGET, CONTEXT, FAILED, header, walk
+from worker.running import Flight, RunningChunk
 from worker.sglang import GenerateError
+from worker.trip import CLOSE_REASON, generate_sample, parse_response
 
 if TYPE_CHECKING:
     from render.chat import Renderer
-    from worker.dispatch import Dispatcher, Flight, RunningChunk
+    from worker.dispatch import Dispatcher
 
 log = logging.getLogger("budgetq.worker")
 
 
-def _renderer(d: "Dispatcher", rc: "RunningChunk", sample: SamplePayload) -> "Renderer":
+def _renderer(d: "Dispatcher", rc: RunningChunk, sample: SamplePayload) -> "Renderer":
     """The run's Renderer, or with a template kwargs mix the sample's (its own kwargs and fingerprint; the
     tokenizer files are the run's, stored under the conversation block's fingerprint)."""
     from worker.tokenizer_cache import renderer_for
@@ -54,7 +55,7 @@ def _renderer(d: "Dispatcher", rc: "RunningChunk", sample: SamplePayload) -> "Re
                         opens_markers=ThinkMarkers(markers[0], markers[1]) if markers else None)
 
 
-async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePayload, flight: "Flight",
+async def run_conversation(d: "Dispatcher", rc: RunningChunk, sample: SamplePayload, flight: Flight,
                            resumed: bool) -> None:
     """Carry conversation ``sample`` to its end (or until it is no longer this chunk's). ``resumed``: it has
     committed turns already (another worker started it); its turn 0 was not admitted with the chunk."""
@@ -177,7 +178,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
                     dataset, sid, len(turns), ended.tokens)
 
 
-async def _admit(d: "Dispatcher", rc: "RunningChunk", sid: str, turn: int, flight: "Flight",
+async def _admit(d: "Dispatcher", rc: RunningChunk, sid: str, turn: int, flight: Flight,
                  later: int) -> TurnAdmit:
     """Ask ``admit_turn`` until it answers something other than FULL (strict: the budget is reserved by requests
     in flight; one of them ending may free room). A START books ``flight.reserved`` for the turn's commit: in
