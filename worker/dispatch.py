@@ -389,6 +389,3 @@ class Dispatcher:
         self.length_models.close()
         if self._beat is not None:
             self._beat.cancel()
-
-    def in_flight(self) -> int:
-        return sum(len(rc.flights) for rc in self.running.values())
