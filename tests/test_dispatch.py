@@ -164,6 +164,41 @@ def test_stop_while_dispatching_gives_the_rest_back_and_commits_what_runs(r: "re
 
 
 # -- a lost lease ------------------------------------------------------------------------------------------
+def test_a_wait_for_a_slot_ends_on_a_stop_or_a_cancel_and_keeps_no_slot(redis_url: str) -> None:
+    """The window is full and a dispatch waits for a slot (``Dispatcher._take_slots``): a stop wakes it with no slot
+    taken, and a cancelled wait (the job interrupted) leaves every slot to the window, even a slot granted to it in
+    the same loop iteration as its cancel. No request is sent: the server URL is never called."""
+    async def go() -> None:
+        async with dispatcher(redis_url, "http://127.0.0.1:1", concurrency=1) as d:
+            stop = asyncio.ensure_future(d.stop_requested.wait())
+            for grant in (False, True):
+                await d.slots.acquire()  # the window is full
+                waiter = asyncio.create_task(d._take_slots(3, stop))
+                await asyncio.sleep(0.05)
+                assert not waiter.done()
+                if grant:
+                    d.slots.release()  # the slot goes to the waiter ...
+                waiter.cancel()  # ... which is cancelled before it runs again
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiter
+                if not grant:
+                    d.slots.release()
+                assert not d.slots.locked()
+                await d.slots.acquire()  # exactly one slot: the window has its size back
+                assert d.slots.locked()
+                d.slots.release()
+            await d.slots.acquire()
+            waiter = asyncio.create_task(d._take_slots(3, stop))
+            await asyncio.sleep(0.05)
+            d.stop()
+            assert await asyncio.wait_for(waiter, 5) == 0
+            d.slots.release()
+            assert not d.slots.locked()
+            stop.cancel()
+
+    asyncio.run(go())
+
+
 def test_lost_lease_stops_admitting_and_late_commits_hit_the_done_guard(r: "redis.Redis", redis_url: str,
                                                                         sim_factory: Any) -> None:
     """Chunk A runs two slow requests when it is reclaimed (as after a missed lease) and its samples are

@@ -78,11 +78,17 @@ class Dispatcher:
         self.ended = asyncio.Event()  # set whenever any request of this worker ends
         self.running: dict[str, RunningChunk] = {}
         self.finishers: set[asyncio.Task[None]] = set()
-        self.stopping = False  # warm shutdown: start nothing more, finish what runs
+        #: A warm shutdown (or a fault) asked for: start nothing more, finish what runs. It also wakes a dispatch
+        #: waiting for a free slot (``_take_slots``), so the chunk gives its unstarted samples back at once.
+        self.stop_requested = asyncio.Event()
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_requested.is_set()
 
     def stop(self) -> None:
-        self.stopping = True
-        self.slots.release()  # wake a dispatch waiting for a slot so it can give its chunk back
+        """Warm stop: start nothing more; requests already running finish and are committed."""
+        self.stop_requested.set()
 
     def _config_fault(self, err: GenerateError) -> None:
         """The server refused our credentials (401/403): start nothing more, once, and say so, once."""
@@ -148,12 +154,16 @@ class Dispatcher:
         """Admit and start the chunk's samples as slots free up. Every free slot is filled at once: one
         admission script decides them all (budget/scripts.py ADMIT), then the admitted requests start together."""
         todo = list(reversed(rc.chunk["samples"]))  # a stack: the next sample to start is last
+        stop = asyncio.ensure_future(self.stop_requested.wait())  # what wakes a wait for a slot on a stop
+        try:
+            await self._start_each(rc, todo, stop)
+        finally:
+            stop.cancel()
+
+    async def _start_each(self, rc: RunningChunk, todo: list[SamplePayload], stop: "asyncio.Future[Any]") -> None:
+        """``_start_all``'s loop: ``todo`` is a stack (the next sample to start is last), ``stop`` the stop request."""
         while todo:
-            await self.slots.acquire()
-            n = 1
-            while n < len(todo) and not self.slots.locked():
-                await self.slots.acquire()  # does not suspend while the semaphore is unlocked
-                n += 1
+            n = await self._take_slots(len(todo), stop)
             if self.stopping:
                 rc.report.status = "unauthorized" if self.fault else "stopped"
                 rc.report.not_started += len(todo)
@@ -238,6 +248,35 @@ class Dispatcher:
             task = asyncio.create_task(self._run_one(rc, sample, flight))
         rc.tasks.add(task)
         task.add_done_callback(rc.tasks.discard)
+
+    async def _take_slots(self, most: int, stop: "asyncio.Future[Any]") -> int:
+        """Wait for a free slot, then take every free one, up to ``most``. 0 if ``stop`` (the dispatcher's stop
+        request) ends the wait first: then no slot is taken."""
+        if not self.slots.locked():
+            await self.slots.acquire()  # does not suspend while the semaphore is unlocked
+        elif not await self._slot_or_stop(stop):
+            return 0
+        n = 1
+        while n < most and not self.slots.locked():
+            await self.slots.acquire()  # does not suspend while the semaphore is unlocked
+            n += 1
+        return n
+
+    async def _slot_or_stop(self, stop: "asyncio.Future[Any]") -> bool:
+        """Wait for whichever comes first: a slot frees (True: it is taken) or ``stop`` (False: none is)."""
+        if self.stopping:
+            return False
+        slot = asyncio.ensure_future(self.slots.acquire())
+        try:
+            await asyncio.wait((slot, stop), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the dispatch itself was cancelled: leave no slot taken
+            if not slot.cancel():
+                self.slots.release()
+            raise
+        if slot.done():
+            return True
+        slot.cancel()  # a slot granted meanwhile goes back to the semaphore (asyncio.Semaphore.acquire)
+        return False
 
     def _release(self, n: int) -> None:
         for _ in range(n):
