@@ -124,7 +124,7 @@ def profile(pid: int, seconds: float, out: Path) -> dict[str, Any] | None:
 CATEGORIES = [
     ("idle: waiting for network events (epoll)", ("select (selectors.py", "poll (selectors.py")),
     ("Redis admit/commit/fail, batched: one pipeline per loop iteration (worker/batch.py)",
-     ("run_many (budget/ledger.py", "admit_call (budget/ledger.py", "commit_call (budget/ledger.py",
+     ("run_many (budget/pipeline.py", "admit_call (budget/ledger.py", "commit_call (budget/ledger.py",
       "fail_call (budget/ledger.py")),
     ("Redis admit (blocking call on the event loop)", ("admit (budget/ledger.py",)),
     ("Redis commit (blocking call on the event loop)", ("commit (budget/ledger.py",)),
@@ -133,7 +133,7 @@ CATEGORIES = [
       "length_sample (budget/ledger.py", "fail (budget/ledger.py")),
     ("HTTP (aiohttp: request write, response read)", ("(aiohttp/",)),
     ("response JSON parse + validation", ("loads (json/", "parse_generation (worker/sglang.py")),
-    ("result record + reasoning split", ("result_record (worker/chunk.py",)),
+    ("result record + reasoning split", ("result_record (worker/trip.py",)),
     ("asyncio scheduling (tasks, semaphores, futures)", ("_run_once (asyncio/base_events.py",)),
 ]
 SOCKET_LEAVES = ("send_packed_command", "read_from_socket", "recv", "sendall", "can_read")
@@ -184,8 +184,9 @@ def summarize(text: str) -> dict[str, Any]:
 
 def redis_round_trips(redis_url: str, n: int = 2048, batch: int = 64) -> dict[str, Any]:
     """admit + commit for n samples: one call at a time (the worker before worker/batch.py) vs ``batch`` at a
-    time in one pipeline (``Ledger.run_many``, what the worker's batcher sends)."""
+    time in one pipeline (budget/pipeline.py ``run_many``, what the worker's batcher sends)."""
     from budget.ledger import Ledger
+    from budget.pipeline import run_many
     from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
     out: dict[str, Any] = {"samples": n, "batch": batch}
     client = redis.Redis.from_url(redis_url)
@@ -211,9 +212,9 @@ def redis_round_trips(redis_url: str, n: int = 2048, batch: int = 64) -> dict[st
                     ledger.commit(name, it.id, 32, {**record, "id": it.id}, chunk=cid)
         else:  # as the worker sends them: a chunk's admissions in one call, then its commits merged into one
             for cid, items in zip(cids, chunks):
-                ledger.run_many([ledger.admit_call(name, [it.id for it in items], cid)])
-                ledger.run_many([ledger.commit_call(name, it.id, 32, {**record, "id": it.id}, chunk=cid,
-                                                    finish_reason="stop") for it in items])
+                run_many(client, [ledger.admit_call(name, [it.id for it in items], cid)])
+                run_many(client, [ledger.commit_call(name, it.id, 32, {**record, "id": it.id}, chunk=cid,
+                                                     finish_reason="stop") for it in items])
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         assert int(client.hget(keys_meta(name), "committed") or 0) == n, "micro benchmark lost commits"
         out[mode] = {"us_per_sample": dt / n * 1e6, "cpu_us_per_sample": cpu / n * 1e6, "samples_per_s": n / dt}

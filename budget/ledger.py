@@ -1,22 +1,24 @@
 """Typed Python calls for the budget scripts: the only way the rest of budgetq changes budget state.
 
 The ledger is policy-free mechanism: it answers "is this sample admitted", "was this commit new", "did this
-commit close the dataset". Workers and the producer decide what to do with the answers.
+commit close the dataset" (the answers' types: budget/outcomes.py). Workers and the producer decide what to do with
+the answers. How a worker sends many calls in one round trip is budget/pipeline.py's.
 """
 from __future__ import annotations
 
-import enum
 import functools
 import json
-from dataclasses import dataclass
-from typing import Any, Callable, Generic, Sequence, TypeVar
+from typing import Any, Sequence
 
 import orjson
 import redis
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
 
 from budget import keys, scripts
+from budget.outcomes import (Admission, CommitOutcome, DatasetState, EndOutcome, LengthSample, TurnAdmission,
+                             TurnOutcome, parse_admissions, parse_commit, parse_end, parse_length_sample,
+                             parse_turn_admission, parse_turn_commit, text)
+from budget.pipeline import Call, run
 
 #: How long a running chunk's lease lasts without a refresh. Workers refresh every LEASE_MS / 4, so a lease
 #: expires only when its worker stopped refreshing (killed, frozen, cut off from Redis) for this long.
@@ -34,192 +36,17 @@ MODES = ("drain", "predict", "strict")
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Call(Generic[T]):
-    """One budget script call as a value: run alone (``Ledger.run``) or many in one round trip
-    (``Ledger.run_many``). Building the call and reading its reply are the ledger's; when it is sent is the
-    caller's."""
-
-    script: Script
-    keys: list[str]
-    args: list[Any]
-    parse: Callable[[Any], T]
-    #: Width of one reply in a script that takes repeated groups of ARGV (COMMIT). Calls of such a script
-    #: with the same KEYS go to Redis as one EVALSHA with their ARGV joined (``run_many``); each gets back
-    #: its own ``merge`` values. 0: never merged.
-    merge: int = 0
-
-
 def default_prior_mean(max_new_tokens: int) -> float:
     """Expected completion length before a dataset has results or an --expect-mean: a quarter of the cap,
     at most 1024. Only the first few dozen admissions of a predict run rely on it."""
     return min(max_new_tokens / 4, 1024.0)
 
 
-class Admit(enum.IntEnum):
-    START = 1
-    CLOSED = 0
-    REVOKED = -1
-    SKIP = -2
-    FULL = -3  # the remaining budget is reserved by requests in flight; the dataset is still open
-
-
-@dataclass(frozen=True)
-class Admission:
-    verdict: Admit
-    reserved: int  # tokens this request reserves until its commit (0 in drain mode)
-
-
-@dataclass(frozen=True)
-class LengthSample:
-    lengths: list[int]  # the last 4096 completion lengths
-    running: list[int]  # progress of requests running now: lengths known only to exceed these
-    prior_mean: float | None
-    max_new_tokens: int
-    mode: str
-
-
-@dataclass(frozen=True)
-class CommitOutcome:
-    committed: bool  # False: a duplicate; nothing was changed
-    used: int
-    closed_now: bool  # this commit brought the counter to the budget and closed the dataset
-    late: bool = False  # the chunk had lost its lease while the request ran (its reservation had expired)
-
-
-@dataclass(frozen=True)
-class DatasetState:
-    name: str
-    status: str  # open / closed / '' (never set up)
-    budget: int | None
-    used: int
-    committed: int
-    done: int
-    failed: int
-    live_chunks: int
-    queued_chunks: int
-    unwritten: int  # results in the stream, not yet on disk
-    discarded_chunks: int
-    reserved: int
-    in_flight: int
-    discards_to_mark: int  # discarded chunks whose RQ jobs are not yet marked canceled (an interrupted discard)
-    fields: dict[str, str]
-    stats: dict[str, str]
-
-    @property
-    def mode(self) -> str:
-        return self.fields.get("mode", "drain")
-
-    @property
-    def max_new_tokens(self) -> int:
-        return int(self.fields.get("max_new_tokens", 0) or 0)
-
-    def has_room(self) -> bool:
-        """Could a new request be admitted now? (what the producer asks before enqueueing more)"""
-        if self.status != "open":
-            return False
-        if self.budget is None or self.mode == "drain":
-            return True
-        if self.mode == "strict":
-            return self.used + self.reserved + self.max_new_tokens <= self.budget
-        return self.used + self.reserved < self.budget
-
-
-class TurnVerdict(enum.IntEnum):
-    COMMITTED = 1
-    DUPLICATE = 0  # the turn is committed already, or its conversation is written: nothing changed
-    OUT_OF_ORDER = -1  # not the conversation's next turn (generated on another history): nothing changed
-
-
-@dataclass(frozen=True)
-class TurnOutcome:
-    """What ``commit_turn`` decided for one turn of a conversation (budget/scripts.py COMMIT_TURN)."""
-
-    verdict: TurnVerdict
-    used: int
-    closed_now: bool  # this turn brought the counter to the budget and closed the dataset (no new conversation)
-    late: bool = False  # the chunk had lost its lease while the request ran
-
-    @property
-    def committed(self) -> bool:
-        return self.verdict is TurnVerdict.COMMITTED
-
-
-class TurnAdmit(enum.IntEnum):
-    """admit_turn's verdicts (budget/scripts.py ADMIT_TURN)."""
-
-    START = 1
-    STOP = 0  # end the conversation with stopped_by "budget": the budget was cut, or (strict) the turn cannot fit
-    REVOKED = -1  # the chunk is no longer ours: start nothing more
-    SKIP = -2  # not this chunk's conversation, written already, or not at this turn: someone else carries it on
-    FULL = -3  # strict: the budget is reserved by requests in flight; ask again once they commit
-
-
-@dataclass(frozen=True)
-class TurnAdmission:
-    verdict: TurnAdmit
-    reserved: int  # tokens the turn reserves until its commit_turn (0 in drain mode)
-
-
-class EndVerdict(enum.IntEnum):
-    ENDED = 1
-    DUPLICATE = 0  # ended already (in done): nothing changed
-    MISMATCH = -1  # the conversation has not exactly that many turns committed: nothing changed
-
-
-@dataclass(frozen=True)
-class EndOutcome:
-    """What ``end_conversation`` decided (budget/scripts.py END_CONVERSATION)."""
-
-    verdict: EndVerdict
-    tokens: int  # ENDED/DUPLICATE: the conversation's done value; MISMATCH: the turns committed
-
-    @property
-    def ended(self) -> bool:
-        return self.verdict is EndVerdict.ENDED
-
-
-def _turn_admission(reply: Any) -> TurnAdmission:
-    verdict, reserved = reply
-    return TurnAdmission(TurnAdmit(int(verdict)), int(reserved))
-
-
-def _end_outcome(reply: Any) -> EndOutcome:
-    verdict, tokens = reply
-    return EndOutcome(EndVerdict(int(verdict)), int(tokens))
-
-
-def _turn_outcome(reply: Any) -> TurnOutcome:
-    verdict, used, closed, late = reply
-    return TurnOutcome(TurnVerdict(int(verdict)), int(used), bool(closed), bool(late))
-
-
-def _admissions(reply: Any, n: int) -> list[Admission]:
-    out = [Admission(Admit(int(reply[i])), int(reply[i + 1])) for i in range(0, len(reply), 2)]
-    return out + [out[-1]] * (n - len(out))
-
-
-def _commit_outcome(reply: Any) -> CommitOutcome:
-    ok, used, closed, late = reply
-    return CommitOutcome(bool(ok), int(used), bool(closed), bool(late))
-
-
-def _length_sample(reply: Any) -> LengthSample:
-    lengths, progress, (prior, max_new, mode) = reply
-    running = [int(x) for row in progress for x in json.loads(row)]
-    return LengthSample([int(x) for x in lengths], running, float(prior) if prior else None,
-                        int(max_new or 0), _s(mode) if mode else "drain")
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class Ledger:
-    """Budget state of every dataset in one Redis database. Pass it the client; it registers the scripts."""
+    """Budget state of every dataset in one Redis database. Pass it the client; it registers the scripts.
+
+    Each script has a plain method (``commit``: sent at once, for tests and the producer) and a ``*_call`` form
+    (``commit_call``: a budget/pipeline.py ``Call``, for the worker, whose batcher sends many in one round trip)."""
 
     def __init__(self, client: "redis.Redis") -> None:
         self.r = client
@@ -249,7 +76,7 @@ class Ledger:
     def set_budget(self, name: str, budget: int | None) -> str:
         k = keys.DatasetKeys(name)
         status, _used = self._set_budget(keys=[k.meta, k.used], args=["" if budget is None else budget])
-        return _s(status)
+        return text(status)
 
     def reconcile(self, name: str, records: Sequence[tuple[str, int]], batch: int = 2000) -> tuple[int, int]:
         """Count on-disk responses Redis does not know. Returns (samples added, tokens added)."""
@@ -282,7 +109,7 @@ class Ledger:
 
     def reclaim(self, name: str) -> list[str]:
         k = keys.DatasetKeys(name)
-        return [_s(x) for x in self._reclaim(keys=[k.chunks, k.resv, k.inflight, k.progress])]
+        return [text(x) for x in self._reclaim(keys=[k.chunks, k.resv, k.inflight, k.progress])]
 
     def reclaim_queued(self, name: str, overdue: Sequence[str] = ()) -> tuple[list[str], list[str]]:
         """Take back the dataset's queued chunks whose RQ job is gone or ended without starting them, and those
@@ -291,7 +118,7 @@ class Ledger:
         still queued whose job a worker has popped: the caller times them and passes them back as overdue)."""
         k = keys.DatasetKeys(name)
         stale, popped = self._reclaim_queued(keys=[k.chunks, keys.RQ_INTERMEDIATE], args=[keys.RQ_JOB_PREFIX, *overdue])
-        return [_s(x) for x in stale], [_s(x) for x in popped]
+        return [text(x) for x in stale], [text(x) for x in popped]
 
     def discard(self, name: str, reason: str, keep_s: int = DISCARDED_TTL_S, mark_batch: int = MARK_BATCH) -> int:
         """Take a closed dataset's queued chunks out of the queue (one script: from its return no worker can
@@ -311,15 +138,15 @@ class Ledger:
 
     # -- the worker's side ---------------------------------------------------------------------------
     def start_chunk(self, name: str, chunk: str, lease_ms: int = LEASE_MS) -> str:
-        return self.run(self.start_chunk_call(name, chunk, lease_ms))
+        return run(self.start_chunk_call(name, chunk, lease_ms))
 
     def start_chunk_call(self, name: str, chunk: str, lease_ms: int = LEASE_MS) -> Call[str]:
         k = self._keys(name)
-        return Call(self._start, [k.meta, k.chunks, k.resv, k.inflight], [chunk, lease_ms], _s)
+        return Call(self._start, [k.meta, k.chunks, k.resv, k.inflight], [chunk, lease_ms], text)
 
     def refresh_chunk(self, name: str, chunk: str, lease_ms: int = LEASE_MS, reserved: int | None = None,
                       progress: list[int] | None = None) -> bool:
-        return self.run(self.refresh_chunk_call(name, chunk, lease_ms, reserved, progress))
+        return run(self.refresh_chunk_call(name, chunk, lease_ms, reserved, progress))
 
     def refresh_chunk_call(self, name: str, chunk: str, lease_ms: int = LEASE_MS, reserved: int | None = None,
                            progress: list[int] | None = None) -> Call[bool]:
@@ -329,7 +156,7 @@ class Ledger:
                      "" if progress is None else json.dumps(progress)], bool)
 
     def finish_chunk(self, name: str, chunk: str) -> None:
-        self.run(self.finish_chunk_call(name, chunk))
+        run(self.finish_chunk_call(name, chunk))
 
     def finish_chunk_call(self, name: str, chunk: str) -> Call[bool]:
         k = self._keys(name)
@@ -341,7 +168,7 @@ class Ledger:
 
     def admit(self, name: str, sample: str, chunk: str, expected: int = 0, margin: float = 0.0,
               taper: float = 0.0) -> Admission:
-        return self.run(self.admit_call(name, [sample], chunk, expected, margin, taper))[0]
+        return run(self.admit_call(name, [sample], chunk, expected, margin, taper))[0]
 
     def admit_call(self, name: str, samples: Sequence[str], chunk: str, expected: int = 0,
                    margin: float = 0.0, taper: float = 0.0) -> Call[list[Admission]]:
@@ -352,11 +179,12 @@ class Ledger:
         k = self._keys(name)
         n = len(samples)
         return Call(self._admit, [k.meta, k.chunks, k.pending, k.done, k.used, k.resv, k.inflight],
-                    [chunk, int(expected), round(margin, 1), round(taper, 1), *samples], lambda reply: _admissions(reply, n))
+                    [chunk, int(expected), round(margin, 1), round(taper, 1), *samples],
+                    lambda reply: parse_admissions(reply, n))
 
     def commit(self, name: str, sample: str, completion_tokens: int, result: dict[str, Any], *,
                chunk: str = "", reserved: int = 0, finish_reason: str | None = None) -> CommitOutcome:
-        return self.run(self.commit_call(name, sample, completion_tokens, result, chunk=chunk, reserved=reserved,
+        return run(self.commit_call(name, sample, completion_tokens, result, chunk=chunk, reserved=reserved,
                                          finish_reason=finish_reason))
 
     def commit_call(self, name: str, sample: str, completion_tokens: int, result: dict[str, Any], *,
@@ -366,10 +194,10 @@ class Ledger:
         reason = finish_reason or str(result.get("finish_reason", "unknown"))
         return Call(self._commit,
                     [k.meta, k.used, k.done, k.pending, k.results, k.failed, k.resv, k.inflight, k.lengths, k.stats],
-                    [sample, completion_tokens, body, chunk, reserved, reason], _commit_outcome, merge=4)
+                    [sample, completion_tokens, body, chunk, reserved, reason], parse_commit, merge=4)
 
     def fail(self, name: str, sample: str, chunk: str, reason: dict[str, Any], reserved: int = 0) -> bool:
-        return self.run(self.fail_call(name, sample, chunk, reason, reserved))
+        return run(self.fail_call(name, sample, chunk, reason, reserved))
 
     def fail_call(self, name: str, sample: str, chunk: str, reason: dict[str, Any],
                   reserved: int = 0) -> Call[bool]:
@@ -385,7 +213,7 @@ class Ledger:
 
     def commit_turn(self, name: str, sample: str, turn: int, completion_tokens: int, record: dict[str, Any], *,
                     chunk: str = "", reserved: int = 0, finish_reason: str | None = None) -> TurnOutcome:
-        return self.run(self.commit_turn_call(name, sample, turn, completion_tokens, record, chunk=chunk,
+        return run(self.commit_turn_call(name, sample, turn, completion_tokens, record, chunk=chunk,
                                               reserved=reserved, finish_reason=finish_reason))
 
     def commit_turn_call(self, name: str, sample: str, turn: int, completion_tokens: int, record: dict[str, Any],
@@ -403,7 +231,7 @@ class Ledger:
         return Call(self._commit_turn,
                     [k.meta, k.used, k.done, k.turns, k.turnrec, k.convs, k.resv, k.inflight, k.lengths, k.stats],
                     [sample, turn, completion_tokens, orjson.dumps(record), chunk, reserved, reason],
-                    _turn_outcome, merge=4)
+                    parse_turn_commit, merge=4)
 
     @functools.cached_property
     def _admit_turn(self) -> Script:
@@ -422,7 +250,7 @@ class Ledger:
         return self.r.register_script(scripts.REOPEN)
 
     def admit_turn(self, name: str, sample: str, turn: int, chunk: str, reservation: int = 0) -> TurnAdmission:
-        return self.run(self.admit_turn_call(name, sample, turn, chunk, reservation))
+        return run(self.admit_turn_call(name, sample, turn, chunk, reservation))
 
     def admit_turn_call(self, name: str, sample: str, turn: int, chunk: str,
                         reservation: int = 0) -> Call[TurnAdmission]:
@@ -434,10 +262,10 @@ class Ledger:
             raise ValueError("admit_turn admits turns >= 1; turn 0 is a new conversation: admit")
         k = self._keys(name)
         return Call(self._admit_turn, [k.meta, k.chunks, k.pending, k.done, k.convs, k.used, k.resv, k.inflight],
-                    [chunk, sample, turn, int(reservation)], _turn_admission)
+                    [chunk, sample, turn, int(reservation)], parse_turn_admission)
 
     def end_conversation(self, name: str, sample: str, turns: int, header: dict[str, Any]) -> EndOutcome:
-        return self.run(self.end_conversation_call(name, sample, turns, header))
+        return run(self.end_conversation_call(name, sample, turns, header))
 
     def end_conversation_call(self, name: str, sample: str, turns: int, header: dict[str, Any]) -> Call[EndOutcome]:
         """End conversation ``sample`` with its ``turns`` committed turns: once, its record (``header``: every
@@ -450,7 +278,7 @@ class Ledger:
         k = self._keys(name)
         return Call(self._end_conversation,
                     [k.meta, k.done, k.turns, k.turnrec, k.convs, k.pending, k.results, k.stats],
-                    [sample, turns, orjson.dumps(header)], _end_outcome)
+                    [sample, turns, orjson.dumps(header)], parse_end)
 
     def reconcile_turns(self, name: str, on_disk: Sequence[str], batch: int = 2000) -> tuple[int, int]:
         """Drop the committed turns Redis still holds of conversations written to disk (Redis restored from
@@ -508,70 +336,13 @@ class Ledger:
         """Σ of committed turns not yet in a record: with Σ done, what ``used`` must equal."""
         return sum(int(v) for v in self.r.hvals(self._keys(name).turns))
 
-    # -- running calls -------------------------------------------------------------------------------
-    def run(self, call: Call[T]) -> T:
-        return call.parse(call.script(keys=call.keys, args=call.args))
-
-    def run_many(self, calls: Sequence[Call[Any]]) -> list[Any]:
-        """Send ``calls`` in one non-transactional pipeline: one round trip instead of len(calls).
-
-        Returns each call's parsed reply, or the exception a call raised (a refused script does not stop the
-        others; each script is atomic on its own, which is all the budget needs). A connection error raises for
-        the whole batch: a caller may resend any of them, because every budget script is idempotent.
-
-        Calls that can merge (``Call.merge``: COMMIT) and share a script and KEYS go as one EVALSHA with their
-        ARGV joined: packing, sending and running one script instead of many is most of what a batch saves. The
-        script still decides each group as if it ran alone, in order; the calls of a batch are concurrent, so
-        no caller relied on an order between them. A refused merged script is refused for each of its calls.
-
-        The pipeline sends plain EVALSHAs, not redis-py's pipeline scripts, which ask SCRIPT EXISTS before every
-        execute (a second round trip); a NOSCRIPT reply (Redis restarted, or SCRIPT FLUSH) means that script did
-        not run, so it is loaded and those sends alone go again."""
-        sends: list[tuple[Call[Any], list[Any], list[int]]] = []  # (call, joined ARGV, indices of its calls)
-        merged: dict[tuple[int, tuple[str, ...]], int] = {}
-        for i, call in enumerate(calls):
-            if call.merge:
-                at = merged.setdefault((id(call.script), tuple(call.keys)), len(sends))
-                if at < len(sends):
-                    sends[at][1].extend(call.args)
-                    sends[at][2].append(i)
-                    continue
-            sends.append((call, list(call.args), [i]))
-        replies: list[Any] = [None] * len(calls)
-        todo = sends
-        for attempt in (1, 2):
-            with self.r.pipeline(transaction=False) as p:
-                for call, args, _ in todo:
-                    p.evalsha(call.script.sha, len(call.keys), *call.keys, *args)
-                raw = p.execute(raise_on_error=False)
-            missing = []
-            for send, reply in zip(todo, raw):
-                call, _, members = send
-                if isinstance(reply, NoScriptError) and attempt == 1:
-                    missing.append(send)
-                elif isinstance(reply, Exception):
-                    for i in members:
-                        replies[i] = reply
-                elif call.merge:
-                    w = call.merge
-                    for j, i in enumerate(members):
-                        replies[i] = calls[i].parse(reply[j * w:(j + 1) * w])
-                else:
-                    replies[members[0]] = call.parse(reply)
-            if not missing:
-                break
-            for script in {id(send[0].script): send[0].script for send in missing}.values():
-                script.sha = self.r.script_load(script.script)
-            todo = missing
-        return replies
-
     def length_sample(self, name: str) -> LengthSample:
         """What predict's length model learns from: recent completion lengths, running requests' progress."""
-        return self.run(self.length_sample_call(name))
+        return run(self.length_sample_call(name))
 
     def length_sample_call(self, name: str) -> Call[LengthSample]:
         k = self._keys(name)
-        return Call(self._length_sample, [k.lengths, k.progress, k.meta], [], _length_sample)
+        return Call(self._length_sample, [k.lengths, k.progress, k.meta], [], parse_length_sample)
 
     # -- reading -------------------------------------------------------------------------------------
     def state(self, name: str) -> DatasetState:
@@ -589,7 +360,7 @@ class Ledger:
             p.hgetall(k.stats)
             p.llen(k.discarded)
             meta, used, done, failed, live, queued, unwritten, resv, inflight, stats, to_mark = p.execute()
-        fields = {_s(a): _s(b) for a, b in meta.items()}
+        fields = {text(a): text(b) for a, b in meta.items()}
         budget = fields.get("budget", "")
         return DatasetState(
             name=name, status=fields.get("status", ""), budget=int(budget) if budget else None,
@@ -597,17 +368,17 @@ class Ledger:
             failed=int(failed), live_chunks=int(live), queued_chunks=int(queued), unwritten=int(unwritten),
             discarded_chunks=int(fields.get("discarded_chunks", 0)), reserved=sum(int(x) for x in resv),
             in_flight=sum(int(x) for x in inflight), discards_to_mark=int(to_mark), fields=fields,
-            stats={_s(a): _s(b) for a, b in stats.items()})
+            stats={text(a): text(b) for a, b in stats.items()})
 
     def done_ids(self, name: str) -> dict[str, int]:
-        return {_s(a): int(b) for a, b in self.r.hgetall(keys.DatasetKeys(name).done).items()}
+        return {text(a): int(b) for a, b in self.r.hgetall(keys.DatasetKeys(name).done).items()}
 
     def failed(self, name: str) -> dict[str, dict[str, Any]]:
-        return {_s(a): json.loads(b) for a, b in self.r.hgetall(keys.DatasetKeys(name).failed).items()}
+        return {text(a): json.loads(b) for a, b in self.r.hgetall(keys.DatasetKeys(name).failed).items()}
 
     def live_chunks(self, name: str) -> set[str]:
-        return {_s(x) for x in self.r.zrange(keys.DatasetKeys(name).chunks, 0, -1)}
+        return {text(x) for x in self.r.zrange(keys.DatasetKeys(name).chunks, 0, -1)}
 
     def holders(self, name: str) -> dict[str, str]:
         """sample id -> chunk id, for samples the pending hash assigns to a chunk (live or not)."""
-        return {_s(a): _s(b) for a, b in self.r.hgetall(keys.DatasetKeys(name).pending).items()}
+        return {text(a): text(b) for a, b in self.r.hgetall(keys.DatasetKeys(name).pending).items()}

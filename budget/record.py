@@ -18,7 +18,7 @@ before; `as_v2` is the one place that reads them, so resume, counting and export
 and ``completion_tokens`` are the same in both, which is all a resume reads.
 
 Lives in budget/ because both sides build it: the worker the turn and the record without ``messages``
-(`worker.chunk.result_record`), the producer adds ``messages`` and writes the line (`producer.output`).
+(`worker.trip.result_record`), the producer adds ``messages`` and writes the line (`producer.output`).
 """
 from __future__ import annotations
 

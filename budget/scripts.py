@@ -6,7 +6,16 @@ redis-py resend of a command whose reply was lost) could both see "not yet" and 
 alone on the server, so each decision is taken exactly once.
 
 Each script starts with a header naming its KEYS, ARGV and return value. Time comes from Redis (``TIME``),
-never from a client's clock, so leases mean the same to every machine.
+never from a client's clock, so leases mean the same to every machine. Each is called through one typed
+method: budget/ledger.py's, and budget/runstate.py's for the collector lock.
+
+One module on purpose, though it is long (nearly all of it Lua): it is one concept and reads top to bottom in
+the order of a dataset's life: the shared fragments; the budget (SET_BUDGET, CLOSE); a chunk's lease
+(START_CHUNK, REFRESH_CHUNK, JOB_META, LENGTH_SAMPLE, FINISH_CHUNK); a request (ADMIT, COMMIT); a conversation's
+turns (COMMIT_TURN, ADMIT_TURN, END_CONVERSATION, RECONCILE_TURNS, REOPEN); a failure (FAIL); the close
+(DISCARD, MARK_DISCARDED); recovery (RECLAIM, RECLAIM_QUEUED, RECONCILE, UNCOMMIT); the collector lock
+(LOCK_REFRESH, LOCK_RELEASE). The fragments are pasted into several scripts, so a split would put a decision
+and the fragment it relies on in different files.
 """
 from __future__ import annotations
 

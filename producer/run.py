@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterator
 import redis
 
 from budget.conversation import end_as_is
-from budget.ledger import LEASE_MS, REDIS_DOWN, DatasetState, EndVerdict, Ledger, default_prior_mean
+from budget.ledger import LEASE_MS, REDIS_DOWN, Ledger, default_prior_mean
+from budget.outcomes import DatasetState, EndVerdict
 from budget.runstate import RunState
 from producer.attach import LOCK_TTL_MS, Attacher
 from producer.datasetrun import DatasetRun, RunOptions

@@ -9,7 +9,8 @@ from typing import Any
 import redis
 
 from budget.runstate import RunState
-from budget.ledger import DatasetState, Ledger
+from budget.ledger import Ledger
+from budget.outcomes import DatasetState
 from producer.amount import parse_amount
 from producer.errors import UsageError
 

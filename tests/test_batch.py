@@ -1,4 +1,4 @@
-"""Ledger calls in one round trip (budget/ledger.py run_many, worker/batch.py) on a real redis-server."""
+"""Ledger calls in one round trip (budget/pipeline.py run_many, worker/batch.py) on a real redis-server."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +7,9 @@ import pytest
 import redis
 
 from budget import keys
-from budget.ledger import Admit, CommitOutcome, Ledger
+from budget.ledger import Ledger
+from budget.outcomes import Admit, CommitOutcome
+from budget.pipeline import run_many
 from worker.batch import Batcher
 
 
@@ -16,7 +18,7 @@ def test_run_many_gives_each_call_its_own_reply(r: "redis.Redis") -> None:
     ledger.set_budget("ds", 20)
     calls = [ledger.commit_call("ds", f"s{i}", 8, {"id": f"s{i}"}) for i in range(3)]
     calls.append(ledger.commit_call("ds", "s0", 8, {"id": "s0"}))  # a resend in the same batch
-    outcomes = ledger.run_many(calls)
+    outcomes = run_many(r, calls)
     assert [o.committed for o in outcomes] == [True, True, True, False]
     assert [o.closed_now for o in outcomes] == [False, False, True, False]
     assert int(r.get(keys.DatasetKeys("ds").used) or 0) == 24
@@ -26,8 +28,8 @@ def test_run_many_a_refused_call_does_not_stop_the_others(r: "redis.Redis") -> N
     ledger = Ledger(r)
     ledger.set_budget("ds", None)
     r.set(keys.DatasetKeys("bad").used, "not a number")  # INCRBY on it fails inside the script
-    replies = ledger.run_many([ledger.commit_call("ds", "a", 5, {}), ledger.commit_call("bad", "b", 5, {}),
-                               ledger.commit_call("ds", "c", 5, {})])
+    replies = run_many(r, [ledger.commit_call("ds", "a", 5, {}), ledger.commit_call("bad", "b", 5, {}),
+                           ledger.commit_call("ds", "c", 5, {})])
     assert isinstance(replies[0], CommitOutcome) and replies[0].committed
     assert isinstance(replies[1], redis.ResponseError)
     assert isinstance(replies[2], CommitOutcome) and replies[2].used == 10
@@ -40,8 +42,8 @@ def test_run_many_reloads_scripts_redis_forgot(r: "redis.Redis") -> None:
     ledger.set_budget("ds", None)
     r.hset(keys.DatasetKeys("ds").pending, "f", "c1")  # chunk c1 holds sample f, so its failure is recorded
     r.script_flush()  # our own session server (tests/conftest.py)
-    outcomes = ledger.run_many([ledger.commit_call("ds", f"s{i}", 3, {}) for i in range(4)]
-                               + [ledger.fail_call("ds", "f", "c1", {"reason": "x"})])
+    outcomes = run_many(r, [ledger.commit_call("ds", f"s{i}", 3, {}) for i in range(4)]
+                        + [ledger.fail_call("ds", "f", "c1", {"reason": "x"})])
     assert [o.committed for o in outcomes[:4]] == [True] * 4
     assert outcomes[4] is True
     k = keys.DatasetKeys("ds")
@@ -53,7 +55,7 @@ def test_batcher_sends_calls_of_one_loop_iteration_together(r: "redis.Redis") ->
     ledger.set_budget("ds", 1000)
 
     async def main() -> tuple[list[CommitOutcome], Batcher]:
-        batcher = Batcher(ledger)
+        batcher = Batcher(r)
         outcomes = await asyncio.gather(*(batcher.call(ledger.commit_call("ds", f"s{i}", 10, {}))
                                           for i in range(50)))
         batcher.close()
@@ -70,7 +72,7 @@ def test_batcher_caps_a_batch(r: "redis.Redis") -> None:
     ledger.set_budget("ds", None)
 
     async def main() -> Batcher:
-        batcher = Batcher(ledger, max_batch=8)
+        batcher = Batcher(r, max_batch=8)
         await asyncio.gather(*(batcher.call(ledger.commit_call("ds", f"s{i}", 1, {})) for i in range(20)))
         batcher.close()
         return batcher
@@ -81,12 +83,12 @@ def test_batcher_caps_a_batch(r: "redis.Redis") -> None:
 
 
 def test_batcher_hands_a_connection_error_to_every_caller(redis_url: str) -> None:
-    """The dispatcher retries on REDIS_DOWN (worker/dispatch.py ``_retry``); it must see the error, not hang."""
+    """The dispatcher retries on REDIS_DOWN (worker/batch.py ``until_answered``); it must see the error, not hang."""
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)  # nothing listens on port 1
     ledger = Ledger(dead)
 
     async def main() -> list[object]:
-        batcher = Batcher(ledger)
+        batcher = Batcher(dead)
         try:
             return list(await asyncio.gather(
                 *(batcher.call(ledger.admit_call("ds", [f"s{i}"], "c")) for i in range(3)), return_exceptions=True))
@@ -104,7 +106,7 @@ def test_batcher_sends_calls_made_while_a_batch_is_in_flight_next(r: "redis.Redi
     ledger.set_budget("ds", None)
 
     async def main() -> tuple[Batcher, list[CommitOutcome]]:
-        batcher = Batcher(ledger)
+        batcher = Batcher(r)
         first = [batcher.call(ledger.commit_call("ds", f"a{i}", 1, {})) for i in range(10)]
         await asyncio.sleep(0)  # the first batch leaves: the ledger thread has it
         assert batcher.batches == 1
@@ -136,7 +138,7 @@ def test_admissions_in_one_call_match_one_by_one(r: "redis.Redis") -> None:
         if name == "one":
             verdicts = [ledger.admit(name, sid, cid) for sid in ids]
         else:
-            [verdicts] = ledger.run_many([ledger.admit_call(name, ids, cid)])
+            [verdicts] = run_many(r, [ledger.admit_call(name, ids, cid)])
         assert [v.verdict for v in verdicts] == [Admit.START, Admit.SKIP, Admit.START, Admit.FULL, Admit.FULL,
                                                  Admit.FULL], name
         assert [v.reserved for v in verdicts] == [10, 0, 10, 0, 0, 0]
@@ -158,7 +160,7 @@ def test_commits_of_one_dataset_go_as_one_script_run(r: "redis.Redis") -> None:
     calls = [ledger.commit_call(name, f"s{i}", 10, {"id": f"s{i}"}) for i in range(4) for name in ("a", "b")]
     calls.append(ledger.commit_call("a", "s0", 10, {"id": "s0"}))  # a resend, merged with its original
     before = _evalsha_calls(r)
-    outcomes = ledger.run_many(calls)
+    outcomes = run_many(r, calls)
     assert _evalsha_calls(r) - before == 2  # one per dataset
     a, b = outcomes[0:8:2] + outcomes[8:], outcomes[1:8:2]
     assert [(o.committed, o.used, o.closed_now) for o in a] == [
@@ -175,5 +177,5 @@ def _evalsha_calls(r: "redis.Redis") -> int:
 def test_run_many_of_a_single_or_few_calls(r: "redis.Redis", n: int) -> None:
     ledger = Ledger(r)
     ledger.set_budget("ds", None)
-    assert len(ledger.run_many([ledger.commit_call("ds", f"s{i}", 1, {}) for i in range(n)])) == n
-    assert ledger.run_many([]) == []
+    assert len(run_many(r, [ledger.commit_call("ds", f"s{i}", 1, {}) for i in range(n)])) == n
+    assert run_many(r, []) == []

@@ -33,7 +33,7 @@ from budget.ledger import Ledger
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from tests.procs import wait_for
 from tests.redis_server import RedisServer, free_port
-from worker.chunk import CLOSE_REASON
+from worker.trip import CLOSE_REASON
 
 pytest.importorskip("rq_dashboard")
 

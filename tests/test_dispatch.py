@@ -23,9 +23,9 @@ from budget.payload import VERSION, ChunkPayload
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from tests.procs import sim_stats
 from tests.redis_server import RedisServer
-from worker.chunk import ChunkReport
 from worker.config import WorkerConfig
 from worker.dispatch import Dispatcher
+from worker.running import ChunkReport
 from worker.sglang import SGLangClient
 
 DS = "ds"
@@ -46,6 +46,11 @@ def enqueue(r: "redis.Redis", ids: list[str], max_new: int) -> ChunkPayload:
                             settings=JobSettings())
     return {"v": VERSION, "dataset": DS, "chunk": cid, "sampling_params": sampling(max_new), "think": None,
             "samples": [{"id": sid, "input_ids": [11, 12, 13, 14], "opens_think": False} for sid in ids]}
+
+
+def in_flight(d: Dispatcher) -> int:
+    """Requests ``d`` has started and not yet seen end, over all its running chunks."""
+    return sum(len(rc.flights) for rc in d.running.values())
 
 
 @contextlib.asynccontextmanager
@@ -120,7 +125,7 @@ def test_full_with_nothing_of_ours_in_flight_gives_the_chunk_back(r: "redis.Redi
     async def go() -> ChunkReport:
         async with dispatcher(redis_url, sim.url, concurrency=4) as d:
             report = await d.dispatch(chunk)
-            assert d.in_flight() == 0
+            assert in_flight(d) == 0
         return report
 
     report = asyncio.run(go())
@@ -142,7 +147,7 @@ def test_stop_while_dispatching_gives_the_rest_back_and_commits_what_runs(r: "re
     async def go() -> ChunkReport:
         async with dispatcher(redis_url, sim.url, concurrency=2) as d:
             task = asyncio.create_task(d.dispatch(chunk))
-            await until(lambda: d.in_flight() == 2, "two requests running")
+            await until(lambda: in_flight(d) == 2, "two requests running")
             assert not task.done()  # waiting for a slot: 4 samples not started
             d.stop()
             report = await task
@@ -159,6 +164,41 @@ def test_stop_while_dispatching_gives_the_rest_back_and_commits_what_runs(r: "re
 
 
 # -- a lost lease ------------------------------------------------------------------------------------------
+def test_a_wait_for_a_slot_ends_on_a_stop_or_a_cancel_and_keeps_no_slot(redis_url: str) -> None:
+    """The window is full and a dispatch waits for a slot (``Dispatcher._take_slots``): a stop wakes it with no slot
+    taken, and a cancelled wait (the job interrupted) leaves every slot to the window, even a slot granted to it in
+    the same loop iteration as its cancel. No request is sent: the server URL is never called."""
+    async def go() -> None:
+        async with dispatcher(redis_url, "http://127.0.0.1:1", concurrency=1) as d:
+            stop = asyncio.ensure_future(d.stop_requested.wait())
+            for grant in (False, True):
+                await d.slots.acquire()  # the window is full
+                waiter = asyncio.create_task(d._take_slots(3, stop))
+                await asyncio.sleep(0.05)
+                assert not waiter.done()
+                if grant:
+                    d.slots.release()  # the slot goes to the waiter ...
+                waiter.cancel()  # ... which is cancelled before it runs again
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiter
+                if not grant:
+                    d.slots.release()
+                assert not d.slots.locked()
+                await d.slots.acquire()  # exactly one slot: the window has its size back
+                assert d.slots.locked()
+                d.slots.release()
+            await d.slots.acquire()
+            waiter = asyncio.create_task(d._take_slots(3, stop))
+            await asyncio.sleep(0.05)
+            d.stop()
+            assert await asyncio.wait_for(waiter, 5) == 0
+            d.slots.release()
+            assert not d.slots.locked()
+            stop.cancel()
+
+    asyncio.run(go())
+
+
 def test_lost_lease_stops_admitting_and_late_commits_hit_the_done_guard(r: "redis.Redis", redis_url: str,
                                                                         sim_factory: Any) -> None:
     """Chunk A runs two slow requests when it is reclaimed (as after a missed lease) and its samples are
@@ -174,7 +214,7 @@ def test_lost_lease_stops_admitting_and_late_commits_hit_the_done_guard(r: "redi
         async with dispatcher(redis_url, sim.url, concurrency=2) as da, \
                 dispatcher(redis_url, sim.url, concurrency=8) as db:
             task = asyncio.create_task(da.dispatch(a))
-            await until(lambda: da.in_flight() == 2, "A's two requests running")
+            await until(lambda: in_flight(da) == 2, "A's two requests running")
             # The lease lapses (set to end in the past; A refreshes it only every 5 s) and the producer reclaims
             # A, then enqueues its unfinished samples again as B.
             assert ledger.start_chunk(DS, a["chunk"], lease_ms=-60_000) == "ok"
@@ -183,7 +223,7 @@ def test_lost_lease_stops_admitting_and_late_commits_hit_the_done_guard(r: "redi
             rb = await db.dispatch(b)
             await asyncio.wait_for(db.drain(), 60)
             assert sorted(ledger.done_ids(DS)) == ids  # B did every sample while A's two still run
-            assert da.in_flight() == 2
+            assert in_flight(da) == 2
             ra = await task  # A's next admission, once a slot frees, is refused: revoked
             await asyncio.wait_for(da.drain(), 60)
         return ra, rb
@@ -220,13 +260,13 @@ def _redis_down_mid_chunk(server: RedisServer, sim_factory: Any, caplog: pytest.
     async def go() -> ChunkReport:
         async with dispatcher(server.url, sim.url, concurrency=4) as d:
             report = await d.dispatch(chunk)  # returns once all 4 have started
-            assert report.committed == 0 and d.in_flight() == 4
+            assert report.committed == 0 and in_flight(d) == 4
             await asyncio.to_thread(server.stop)  # a clean shutdown: the AOF holds everything so far
             # The requests end while Redis is down: their commits wait for it.
             await until(lambda: any("commit: Redis unavailable" in m for m in caplog.messages), "a commit retry")
             await until(lambda: asyncio.to_thread(lambda: bool(sim_stats(sim.url)["completed"] == 4)),
                         "the requests ended")
-            assert d.in_flight() == 4  # nothing committed: still held, still in flight in our books
+            assert in_flight(d) == 4  # nothing committed: still held, still in flight in our books
             await asyncio.to_thread(server.start)  # same port, same AOF
             await asyncio.wait_for(d.drain(), 90)
         return report

@@ -14,7 +14,8 @@ from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
 
 from budget import keys
-from budget.ledger import Admit, Ledger
+from budget.ledger import Ledger
+from budget.outcomes import Admit
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 
 

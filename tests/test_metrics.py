@@ -20,7 +20,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from budget import keys
-from budget.ledger import Admit, Ledger
+from budget.ledger import Ledger
+from budget.outcomes import Admit
 from producer import metrics
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from producer.status import all_status

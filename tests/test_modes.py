@@ -9,7 +9,9 @@ import pytest
 import redis
 
 from budget import keys
-from budget.ledger import Admit, Ledger
+from budget.ledger import Ledger
+from budget.outcomes import Admit
+from budget.pipeline import run
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from worker.estimate import LengthModel, RateTracker, predict_admits, prior_sample
 
@@ -193,14 +195,14 @@ def test_taper_counts_the_new_request_and_the_spread_after_it(r: "redis.Redis") 
 def test_taper_counts_the_samples_before_it_in_one_admission_batch(r: "redis.Redis") -> None:
     """A chunk's free slots are admitted by one script run: near the close, that run must not start them all."""
     ledger, (tapered, untapered) = setup(r, "predict", 1000, chunks=2, size=10)
-    verdicts = ledger.run(ledger.admit_call("ds", [f"s0-{i}" for i in range(10)], tapered, expected=100,
+    verdicts = run(ledger.admit_call("ds", [f"s0-{i}" for i in range(10)], tapered, expected=100,
                                             margin=0, taper=100))
     # k-th start (k-1 before it): 100 (k-1) + 100 + 100 sqrt(k) <= 1000 holds up to k = 7 (964.6); 8: 1082.8.
     assert [v.verdict for v in verdicts] == [Admit.START] * 7 + [Admit.FULL] * 3  # the rest share the refusal
     assert ledger.state("ds").reserved == 700
     for i in range(7):
         ledger.commit("ds", f"s0-{i}", 0, {}, chunk=tapered, reserved=100, finish_reason="stop")
-    verdicts = ledger.run(ledger.admit_call("ds", [f"s1-{i}" for i in range(10)], untapered, expected=100))
+    verdicts = run(ledger.admit_call("ds", [f"s1-{i}" for i in range(10)], untapered, expected=100))
     assert [v.verdict for v in verdicts] == [Admit.START] * 10  # the old rule: held < budget, 900 < 1000
 
 
@@ -215,7 +217,7 @@ def test_predict_admits_mirrors_the_admit_script(r: "redis.Redis", seed: int) ->
         expected, margin, taper = rng.randrange(1, 400), rng.choice([0.0, 50.0, 200.0]), rng.choice([0.0, 100.0, 300.0])
         n = rng.randrange(0, 12)
         if n:
-            ledger.run(ledger.admit_call("ds", [f"s0-{i}" for i in range(n)], cid, expected=1))
+            run(ledger.admit_call("ds", [f"s0-{i}" for i in range(n)], cid, expected=1))
             ledger.refresh_chunk("ds", cid, reserved=rng.randrange(0, budget))
         used = rng.randrange(0, budget)
         r.set(keys.DatasetKeys("ds").used, used)

@@ -14,7 +14,7 @@ from producer.output import FIELD_ORDER
 from producer.parsers import skip_special_tokens_default
 from producer.preflight import seed_warning
 from producer.prepare import resume_settings
-from worker.chunk import result_record
+from worker.trip import result_record
 from worker.sglang import GenerateError, parse_generation
 
 V1 = {"id": "s1", "dataset": "ds", "messages": [{"role": "user", "content": "hi"}], "response": "a</think>b",

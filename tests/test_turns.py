@@ -15,7 +15,9 @@ import pytest
 import redis
 
 from budget import keys, record, scripts
-from budget.ledger import EndOutcome, EndVerdict, Ledger, TurnAdmission, TurnAdmit, TurnVerdict
+from budget.ledger import Ledger
+from budget.outcomes import EndOutcome, EndVerdict, TurnAdmission, TurnAdmit, TurnVerdict
+from budget.pipeline import run, run_many
 from budget.runstate import RunState
 from producer.output import RESULTS, ResultsFile, collect
 
@@ -149,7 +151,7 @@ def test_a_resend_after_a_lost_reply_counts_once(r: "redis.Redis", redis_url: st
         assert time.monotonic() < deadline, "the first send never ran"
         time.sleep(0.01)
     conn.disconnect()  # its reply is never read
-    again = ledger.run(call)
+    again = run(call)
     assert again.verdict is TurnVerdict.DUPLICATE and again.used == 14
     assert int(r.get(k.used) or 0) == 14 and int(r.hget(k.convs, "c1") or 0) == 2
     audit(r, ledger)
@@ -162,7 +164,7 @@ def test_commits_batched_in_one_round_trip_are_decided_in_order(r: "redis.Redis"
              ledger.commit_turn_call(DS, "c1", 1, 5, turn("c1", 1, 5)),
              ledger.commit_turn_call(DS, "c1", 1, 6, turn("c1", 1, 6)),
              ledger.commit_turn_call(DS, "c2", 0, 7, turn("c2", 0, 7))]
-    out = ledger.run_many(calls)
+    out = run_many(r, calls)
     assert [o.verdict for o in out] == [TurnVerdict.COMMITTED, TurnVerdict.COMMITTED, TurnVerdict.DUPLICATE,
                                         TurnVerdict.COMMITTED]
     assert [o.used for o in out] == [4, 9, 9, 16]
@@ -393,7 +395,7 @@ def test_racing_end_conversation_writes_once(r: "redis.Redis", redis_url: str) -
         mine = Ledger(redis.Redis.from_url(redis_url))
         go.wait()
         calls = [mine.end_conversation_call(DS, f"c{c}", 3, {**HEADER, "id": f"c{c}"}) for c in range(conversations)]
-        out = mine.run_many(calls)
+        out = run_many(mine.r, calls)
         with lock:
             verdicts.extend(o.verdict for o in out)
 
@@ -424,7 +426,7 @@ def test_end_conversation_resent_after_a_lost_reply_changes_nothing(r: "redis.Re
         assert time.monotonic() < deadline, "the first send never ran"
         time.sleep(0.01)
     conn.disconnect()
-    assert ledger.run(call) == EndOutcome(EndVerdict.DUPLICATE, total)
+    assert run(call) == EndOutcome(EndVerdict.DUPLICATE, total)
     assert r.xlen(k.results) == 1
     audit(r, ledger)
 

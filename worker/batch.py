@@ -1,4 +1,4 @@
-"""Ledger calls made by many coroutines, sent in one Redis round trip per batch, off the event loop.
+"""The event loop's ledger calls: sent in one Redis round trip per batch, off the loop, and waited through an outage.
 
 Why: the worker's event loop is its request thread, and the ledger's redis-py client is synchronous. Called
 one at a time, admit + commit cost ~400 µs of blocked loop per sample, most of it waiting for replies, and
@@ -10,32 +10,76 @@ that arrived in the same epoll wake-up). The batch goes to Redis as one pipeline
 loop goes on with HTTP while Redis runs the scripts (redis-py releases the GIL while it waits on the socket).
 One batch is in flight at a time; calls made meanwhile form the next one, sent as soon as the reply is back,
 so batches grow with the load by themselves. Commits of one dataset in a batch merge into one script run, and
-a chunk's free slots are admitted by one (``Ledger.run_many``, ``Call.merge``). Each script decides each sample
-as if alone and stays idempotent, so batching changes no budget decision, and a resend after a lost connection
-is harmless (budget/ledger.py).
+a chunk's free slots are admitted by one (budget/pipeline.py ``run_many``, ``Call.merge``). Each script decides
+each sample as if alone and stays idempotent, so batching changes no budget decision, and a resend after a lost
+connection is harmless (budget/ledger.py).
 
 Measured against a zero-latency server (python -m bench.overhead, quiet machine, 64 in flight): one call at a
 time 1,297 samples/s; batched on the loop with the synchronous client 1,905; batched from this thread
 2,000-2,174. An asyncio Redis client was tried too: it costs about twice the CPU per call (66-74 against
 34-35 µs a sample, client side, with hiredis). Beyond speed, the thread keeps a slow Redis (an fsync, a long
 discard script) from stalling the loop: responses are still read while ledger calls wait.
+
+Waiting through an outage: a call that finds Redis down (``REDIS_DOWN``) is sent again with a backoff until Redis
+answers (``Batcher.call_until_answered``, ``in_thread_until_answered``), so a Redis restart delays the worker's
+commits and admissions instead of failing them. Safe because every budget script is idempotent (a resent commit
+hits the done guard).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Any
+import logging
+from typing import Any, Awaitable, Callable
 
-from budget.ledger import Call, Ledger, T
+import redis
+
+from budget.ledger import REDIS_DOWN
+from budget.pipeline import Call, T, run_many
+
+log = logging.getLogger("budgetq.worker")
 
 Pending = list[tuple[Call[Any], "asyncio.Future[Any]"]]
 
+#: While Redis is down, a waiting call says so in the log once every this many seconds of waiting.
+OUTAGE_LOG_EVERY_S = 30
+#: The first resend waits this long; each next one twice as long, up to OUTAGE_BACKOFF_CAP_S.
+OUTAGE_BACKOFF_S = 0.2
+OUTAGE_BACKOFF_CAP_S = 5.0
+
+
+async def until_answered(what: str, attempt: Callable[[], Awaitable[T]], failed: BaseException | None = None) -> T:
+    """``attempt()``'s result, trying again with a backoff for as long as Redis is down (``failed``: the first
+    attempt already failed so). ``what`` names the call in the log."""
+    delay, waited = OUTAGE_BACKOFF_S, 0.0
+    while True:
+        if failed is not None:
+            if waited == 0.0 or int(waited) // OUTAGE_LOG_EVERY_S != int(waited + delay) // OUTAGE_LOG_EVERY_S:
+                log.warning("%s: Redis unavailable (%s); retrying until it is back", what, failed)
+            await asyncio.sleep(delay)
+            waited += delay
+            delay = min(OUTAGE_BACKOFF_CAP_S, delay * 2)
+        try:
+            return await attempt()
+        except REDIS_DOWN as exc:
+            failed = exc
+
+
+async def in_thread_until_answered(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Call the ledger in a thread, waiting out a Redis outage: for the rare calls that take a while (a discard
+    marks thousands of jobs canceled over several round trips), so responses are still read meanwhile."""
+    async def once() -> T:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return await until_answered(what, once)
+
 
 class Batcher:
-    """Lives on one event loop; ``call`` must be called from that loop. ``close`` stops its thread."""
+    """Lives on one event loop; ``call`` must be called from that loop. ``close`` stops its thread.
 
-    def __init__(self, ledger: Ledger, max_batch: int = 256) -> None:
-        self.ledger = ledger
+    ``client`` is the Redis client the calls' scripts are registered on (the ledger's)."""
+
+    def __init__(self, client: "redis.Redis", max_batch: int = 256) -> None:
+        self.client = client
         self.max_batch = max_batch
         self._calls: Pending = []
         self._scheduled = False
@@ -53,6 +97,15 @@ class Batcher:
             loop.call_soon(self._flush)
         return fut
 
+    async def call_until_answered(self, what: str, call: Call[T]) -> T:
+        """``call``, waiting out a Redis outage: for the calls the loop makes all the time (admit, commit, fail,
+        start, finish). The first attempt is awaited directly: this runs twice per sample, and the retry machinery
+        is only for outages."""
+        try:
+            return await self.call(call)
+        except REDIS_DOWN as exc:
+            return await until_answered(what, lambda: self.call(call), failed=exc)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -67,7 +120,7 @@ class Batcher:
         self._busy = True
         self.batches += 1
         self.calls += len(batch)
-        sent = asyncio.get_running_loop().run_in_executor(self._pool, self.ledger.run_many, [c for c, _ in batch])
+        sent = asyncio.get_running_loop().run_in_executor(self._pool, run_many, self.client, [c for c, _ in batch])
         sent.add_done_callback(lambda done: self._settle(batch, done))
 
     def _settle(self, batch: Pending, done: "asyncio.Future[list[Any]]") -> None:

@@ -28,118 +28,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Callable
 
 from rq.serializers import JSONSerializer
 
-from budget.ledger import LEASE_MS, REDIS_DOWN, Admission, Admit, Call, LengthSample, Ledger
+from budget.ledger import LEASE_MS, Ledger
+from budget.outcomes import Admission, Admit
 from budget.payload import ChunkPayload, SamplePayload, sampling_params_of
 from budget.serverinfo import public_url
-from worker.batch import Batcher
-from worker.chunk import CLOSE_REASON, ChunkReport, generate_sample, result_record
+from worker.batch import Batcher, in_thread_until_answered
 from worker.config import WorkerConfig
-from worker.estimate import LengthModel, RateTracker
+from worker.estimate import LengthModels
+from worker.running import ChunkReport, Flight, RunningChunk
 from worker.sglang import GenerateError, SGLangClient
+from worker.trip import CLOSE_REASON, generate_sample, result_record
 from worker.turns import run_conversation
 
 log = logging.getLogger("budgetq.worker")
-
-T = TypeVar("T")
 
 #: How often a running chunk's progress is copied into its RQ job's meta, where rq-dashboard's job page shows it.
 META_INTERVAL_S = 5.0
 #: How often the worker-level task renews the RQ worker's registration while chunks run (RQ's worker TTL: 420 s).
 HEARTBEAT_S = 10.0
-
-
-@dataclass
-class Flight:
-    """A request in flight and what it reserves (budget/scripts.py ADMIT, COMMIT)."""
-
-    started: float
-    reserved: int
-    #: predict: what a conversation's later turns are expected to add, reserved with this turn (worker/turns.py)
-    future: int = 0
-
-
-class Budgeting:
-    """What a worker knows about a dataset's budget mode and lengths, refreshed from Redis every
-    ``refresh_s`` seconds (5 reservation intervals: the running requests' progress in the model stays fresh).
-
-    Never blocks the loop: ``fetch`` is the dispatcher's batched ledger path (off the loop, waiting out an
-    outage). Only a dataset's first model is awaited; after that a stale model is answered at once while one
-    refresh per dataset runs in the background, and stays in use for as long as Redis does not answer."""
-
-    def __init__(self, fetch: Callable[[str], Awaitable[LengthSample]], refresh_s: float = 5.0,
-                 model_error: float = 0.0) -> None:
-        self.fetch = fetch
-        self.model_error = model_error  # z: reservations add z standard errors of the model (LengthModel.reserve)
-        self.REFRESH_S = refresh_s
-        self.rates = RateTracker()
-        self._models: dict[str, tuple[float, str, LengthModel]] = {}
-        self._refreshing: dict[str, asyncio.Task[None]] = {}
-
-    async def model(self, dataset: str) -> tuple[str, LengthModel]:
-        cached = self._models.get(dataset)
-        if cached is None or time.monotonic() - cached[0] > self.REFRESH_S:
-            task = self._refreshing.get(dataset)
-            if task is None:
-                task = self._refreshing[dataset] = asyncio.create_task(self._refresh(dataset))
-                task.add_done_callback(lambda done: self._refreshed(dataset, done))
-            if cached is None:
-                await asyncio.shield(task)
-                cached = self._models[dataset]
-        return cached[1], cached[2]
-
-    async def _refresh(self, dataset: str) -> None:
-        sample = await self.fetch(dataset)
-        self._models[dataset] = (time.monotonic(), sample.mode, LengthModel(
-            sample.lengths, sample.prior_mean, sample.max_new_tokens, running=sample.running))
-
-    def _refreshed(self, dataset: str, done: "asyncio.Task[None]") -> None:
-        self._refreshing.pop(dataset, None)
-        if not done.cancelled() and done.exception() is not None and dataset in self._models:
-            log.warning("length model of %s not refreshed (%s); keeping the last one", dataset, done.exception())
-
-    def close(self) -> None:
-        for task in list(self._refreshing.values()):
-            task.cancel()
-
-    async def expected(self, dataset: str, elapsed: float = 0.0) -> int:
-        return (await self.model(dataset))[1].reserve(self.rates.progress(elapsed), self.model_error)
-
-    async def sd(self, dataset: str) -> float:
-        return (await self.model(dataset))[1].sd()
-
-
-class RunningChunk:
-    """A chunk from its start until its last request is committed."""
-
-    def __init__(self, chunk: ChunkPayload) -> None:
-        self.chunk = chunk
-        self.dataset, self.id = chunk["dataset"], chunk["chunk"]
-        self.report = ChunkReport(self.id)
-        self.flights: dict[str, Flight] = {}
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.lost = asyncio.Event()
-        self.lease: asyncio.Task[None] | None = None
-        self.started = 0  # requests started (admitted and sent)
-        self.resume: dict[str, int] = {}  # conversations of this chunk started before (sample -> turns committed)
-        self.meta_at = 0.0  # monotonic time of the last progress write to the RQ job's meta
-
-    def meta(self, state: str) -> dict[str, Any]:
-        """The RQ job's meta: what the producer wrote at enqueue (dataset, samples, first, last) plus progress.
-        ``state``: running (requests may still start or run), done (last request committed), interrupted (the
-        worker's code or shutdown cut it short: the lease lapses and the producer re-enqueues the rest), or
-        revoked/closed (given back at its start: reclaimed, discarded, or its dataset closed)."""
-        samples, r = self.chunk["samples"], self.report
-        return {"dataset": self.dataset, "samples": len(samples),
-                "first": samples[0]["id"] if samples else None, "last": samples[-1]["id"] if samples else None,
-                "state": state, "started": self.started, "in_flight": len(self.flights), "committed": r.committed,
-                "failed": r.failed, "skipped": r.skipped, "not_started": r.not_started, "tokens": r.tokens,
-                "stop_reason": None if r.status == "ok" else r.status,
-                "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _log_meta_error(chunk: str, done: "asyncio.Future[bool]") -> None:
@@ -160,18 +70,25 @@ class Dispatcher:
         self.on_fault = on_fault  # called once, on the loop, when a configuration fault stops the dispatcher
         self.fault: str | None = None  # why this worker cannot work (a refused API key), once known
         self._beat: asyncio.Task[None] | None = None  # the worker-level RQ heartbeat (_keep_heartbeat)
-        self.budgeting = Budgeting(lambda dataset: self._batched("length model", ledger.length_sample_call(dataset)),
-                                   refresh_s=5 * config.reserve_interval, model_error=config.predict_model_error)
-        self.batcher = Batcher(ledger)
+        self.batcher = Batcher(ledger.r)
+        self.length_models = LengthModels(
+            lambda dataset: self.batcher.call_until_answered("length model", ledger.length_sample_call(dataset)),
+            refresh_s=5 * config.reserve_interval, model_error=config.predict_model_error)
         self.slots = asyncio.Semaphore(config.concurrency)
         self.ended = asyncio.Event()  # set whenever any request of this worker ends
         self.running: dict[str, RunningChunk] = {}
         self.finishers: set[asyncio.Task[None]] = set()
-        self.stopping = False  # warm shutdown: start nothing more, finish what runs
+        #: A warm shutdown (or a fault) asked for: start nothing more, finish what runs. It also wakes a dispatch
+        #: waiting for a free slot (``_take_slots``), so the chunk gives its unstarted samples back at once.
+        self.stop_requested = asyncio.Event()
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_requested.is_set()
 
     def stop(self) -> None:
-        self.stopping = True
-        self.slots.release()  # wake a dispatch waiting for a slot so it can give its chunk back
+        """Warm stop: start nothing more; requests already running finish and are committed."""
+        self.stop_requested.set()
 
     def _config_fault(self, err: GenerateError) -> None:
         """The server refused our credentials (401/403): start nothing more, once, and say so, once."""
@@ -202,43 +119,11 @@ class Dispatcher:
         if self.on_fault is not None:
             self.on_fault(self.fault)
 
-    async def _redis(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Call the ledger in a thread, waiting out a Redis outage: for the rare calls that take a while (a
-        discard marks thousands of jobs canceled over several round trips), so responses are still read
-        meanwhile. Every budget script is idempotent (a resent commit hits the done guard), so retrying is safe."""
-        async def once() -> T:
-            return await asyncio.to_thread(fn, *args, **kwargs)
-        return await self._retry(what, once)
-
-    async def _batched(self, what: str, call: Call[T]) -> T:
-        """``_redis`` for the calls the loop makes all the time (admit, commit, fail, start, finish): sent
-        with the others of this loop iteration in one round trip, off the loop (worker/batch.py). The first
-        attempt is awaited directly: this runs twice per sample, and the retry machinery is only for outages."""
-        try:
-            return await self.batcher.call(call)
-        except REDIS_DOWN as exc:
-            return await self._retry(what, lambda: self.batcher.call(call), failed=exc)
-
-    async def _retry(self, what: str, attempt: Callable[[], Awaitable[T]],
-                     failed: BaseException | None = None) -> T:
-        delay, waited = 0.2, 0.0
-        while True:
-            if failed is not None:
-                if waited == 0.0 or int(waited) // 30 != int(waited + delay) // 30:
-                    log.warning("%s: Redis unavailable (%s); retrying until it is back", what, failed)
-                await asyncio.sleep(delay)
-                waited += delay
-                delay = min(5.0, delay * 2)
-            try:
-                return await attempt()
-            except REDIS_DOWN as exc:
-                failed = exc
-
     # -- the RQ job's part ------------------------------------------------------------------------------
     async def dispatch(self, chunk: ChunkPayload) -> ChunkReport:
         """Start every sample of the chunk as slots free up; return once none is left to start."""
         rc = RunningChunk(chunk)
-        started = await self._batched("start", self.ledger.start_chunk_call(rc.dataset, rc.id))
+        started = await self.batcher.call_until_answered("start", self.ledger.start_chunk_call(rc.dataset, rc.id))
         if started != "ok":
             rc.report.status = started
             rc.report.not_started = len(chunk["samples"])
@@ -246,7 +131,8 @@ class Dispatcher:
             return rc.report
         if chunk.get("conversation"):
             ids = [smp["id"] for smp in chunk["samples"] if smp.get("turns", 1) > 1]
-            rc.resume = await self._redis("conversations", self.ledger.conversation_turns, rc.dataset, ids)
+            rc.resume = await in_thread_until_answered("conversations", self.ledger.conversation_turns, rc.dataset,
+                                                       ids)
         self.running[rc.id] = rc
         self._write_meta(rc, "running")
         if self.heartbeat is not None and self._beat is None:
@@ -268,12 +154,16 @@ class Dispatcher:
         """Admit and start the chunk's samples as slots free up. Every free slot is filled at once: one
         admission script decides them all (budget/scripts.py ADMIT), then the admitted requests start together."""
         todo = list(reversed(rc.chunk["samples"]))  # a stack: the next sample to start is last
+        stop = asyncio.ensure_future(self.stop_requested.wait())  # what wakes a wait for a slot on a stop
+        try:
+            await self._start_each(rc, todo, stop)
+        finally:
+            stop.cancel()
+
+    async def _start_each(self, rc: RunningChunk, todo: list[SamplePayload], stop: "asyncio.Future[Any]") -> None:
+        """``_start_all``'s loop: ``todo`` is a stack (the next sample to start is last), ``stop`` the stop request."""
         while todo:
-            await self.slots.acquire()
-            n = 1
-            while n < len(todo) and not self.slots.locked():
-                await self.slots.acquire()  # does not suspend while the semaphore is unlocked
-                n += 1
+            n = await self._take_slots(len(todo), stop)
             if self.stopping:
                 rc.report.status = "unauthorized" if self.fault else "stopped"
                 rc.report.not_started += len(todo)
@@ -292,8 +182,8 @@ class Dispatcher:
             if rc.lost.is_set():
                 verdicts = [Admission(Admit.REVOKED, 0)] * n
             else:
-                expected = await self.budgeting.expected(rc.dataset)
-                sd = await self.budgeting.sd(rc.dataset)
+                expected = await self.length_models.expected(rc.dataset)
+                sd = await self.length_models.sd(rc.dataset)
                 verdicts = await self._admit(rc, batch, expected, sd)
             refused: list[tuple[SamplePayload, Admit]] = []
             for sample, admission in zip(batch, verdicts):
@@ -322,7 +212,7 @@ class Dispatcher:
             rc.report.not_started += len(todo)
             if verdict is Admit.CLOSED:
                 # strict closes at admission; discard is idempotent
-                await self._redis("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
+                await in_thread_until_answered("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
             return
 
     async def _admit(self, rc: RunningChunk, batch: list[SamplePayload], expected: int, sd: float) -> list[Admission]:
@@ -335,9 +225,9 @@ class Dispatcher:
             groups.setdefault(sample.get("turns", 1) if rc.chunk.get("conversation") else 1, []).append(i)
         if len(groups) == 1:
             (turns,) = groups
-            return await self._batched("admit", self.ledger.admit_call(
+            return await self.batcher.call_until_answered("admit", self.ledger.admit_call(
                 rc.dataset, [s["id"] for s in batch], rc.id, expected * turns, margin, taper))
-        replies = await asyncio.gather(*(self._batched("admit", self.ledger.admit_call(
+        replies = await asyncio.gather(*(self.batcher.call_until_answered("admit", self.ledger.admit_call(
             rc.dataset, [batch[i]["id"] for i in at], rc.id, expected * turns, margin, taper))
             for turns, at in groups.items()))
         verdicts: list[Admission] = [Admission(Admit.REVOKED, 0)] * len(batch)
@@ -358,6 +248,35 @@ class Dispatcher:
             task = asyncio.create_task(self._run_one(rc, sample, flight))
         rc.tasks.add(task)
         task.add_done_callback(rc.tasks.discard)
+
+    async def _take_slots(self, most: int, stop: "asyncio.Future[Any]") -> int:
+        """Wait for a free slot, then take every free one, up to ``most``. 0 if ``stop`` (the dispatcher's stop
+        request) ends the wait first: then no slot is taken."""
+        if not self.slots.locked():
+            await self.slots.acquire()  # does not suspend while the semaphore is unlocked
+        elif not await self._slot_or_stop(stop):
+            return 0
+        n = 1
+        while n < most and not self.slots.locked():
+            await self.slots.acquire()  # does not suspend while the semaphore is unlocked
+            n += 1
+        return n
+
+    async def _slot_or_stop(self, stop: "asyncio.Future[Any]") -> bool:
+        """Wait for whichever comes first: a slot frees (True: it is taken) or ``stop`` (False: none is)."""
+        if self.stopping:
+            return False
+        slot = asyncio.ensure_future(self.slots.acquire())
+        try:
+            await asyncio.wait((slot, stop), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the dispatch itself was cancelled: leave no slot taken
+            if not slot.cancel():
+                self.slots.release()
+            raise
+        if slot.done():
+            return True
+        slot.cancel()  # a slot granted meanwhile goes back to the semaphore (asyncio.Semaphore.acquire)
+        return False
 
     def _release(self, n: int) -> None:
         for _ in range(n):
@@ -388,14 +307,14 @@ class Dispatcher:
                     report.status = "unauthorized"
                     self._config_fault(err)
                     return
-                if await self._batched("fail", self.ledger.fail_call(
+                if await self.batcher.call_until_answered("fail", self.ledger.fail_call(
                         rc.dataset, sid, rc.id, {"id": sid, "reason": err.reason, "status": err.status,
                                                  "attempts": err.attempts}, reserved=flight.reserved)):
                     report.failed += 1
                 return
             elapsed = time.monotonic() - flight.started
-            self.budgeting.rates.observe(gen.completion_tokens, elapsed)
-            outcome = await self._batched("commit", self.ledger.commit_call(
+            self.length_models.rates.observe(gen.completion_tokens, elapsed)
+            outcome = await self.batcher.call_until_answered("commit", self.ledger.commit_call(
                 rc.dataset, sid, gen.completion_tokens, result_record(rc.dataset, sample, gen, rc.chunk),
                 chunk=rc.id, reserved=flight.reserved, finish_reason=gen.finish_reason))
             if outcome.committed:
@@ -405,7 +324,7 @@ class Dispatcher:
             else:
                 report.duplicates += 1
             if outcome.closed_now:
-                n = await self._redis("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
+                n = await in_thread_until_answered("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
                 log.info("%s reached its budget (%d tokens): closed, %d queued chunks discarded",
                          rc.dataset, outcome.used, n)
         finally:
@@ -437,7 +356,7 @@ class Dispatcher:
             await asyncio.gather(rc.lease, return_exceptions=True)
         self.running.pop(rc.id, None)
         if not cancelled:
-            await self._batched("finish", self.ledger.finish_chunk_call(rc.dataset, rc.id))
+            await self.batcher.call_until_answered("finish", self.ledger.finish_chunk_call(rc.dataset, rc.id))
         self._write_meta(rc, "interrupted" if cancelled else "done")
 
     def _write_meta(self, rc: RunningChunk, state: str) -> None:
@@ -463,12 +382,12 @@ class Dispatcher:
             reserved: int | None = None
             progress: list[int] | None = None
             try:
-                mode, model = await self.budgeting.model(rc.dataset)
+                mode, model = await self.length_models.model(rc.dataset)
                 if mode == "predict" and rc.flights:
                     progress = []
                     for f in rc.flights.values():
-                        done = self.budgeting.rates.progress(now - f.started)
-                        f.reserved = model.reserve(done, self.budgeting.model_error) + f.future
+                        done = self.length_models.rates.progress(now - f.started)
+                        f.reserved = model.reserve(done, self.length_models.model_error) + f.future
                         progress.append(int(done))
                     reserved = sum(f.reserved for f in rc.flights.values())
                 elif now - last_lease < LEASE_MS / 4000:
@@ -506,9 +425,6 @@ class Dispatcher:
         """Wait until every started request is committed (a warm shutdown keeps all GPU work)."""
         while self.finishers:
             await asyncio.gather(*list(self.finishers), return_exceptions=True)
-        self.budgeting.close()
+        self.length_models.close()
         if self._beat is not None:
             self._beat.cancel()
-
-    def in_flight(self) -> int:
-        return sum(len(rc.flights) for rc in self.running.values())

@@ -15,15 +15,24 @@ request in flight: the in-flight sum misses by n x that error, not by sqrt(n) x 
 does. So a reservation adds z standard errors of the estimate (``LengthModel.reserve``, z =
 BUDGETQ_PREDICT_MODEL_ERROR): large while the model is young, nearly nothing once lengths accumulate
 (docs/budget.md, "The model's own error").
+
+The worker keeps one model per dataset (``LengthModels``), rebuilt from Redis every few seconds without ever
+making its event loop wait.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+import time
 from bisect import bisect_right
 from collections import deque
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
 
 from budget.ledger import default_prior_mean
+from budget.outcomes import LengthSample
+
+log = logging.getLogger("budgetq.worker")
 
 #: How many pseudo-observations the prior is worth: enough to be sensible before the first results, few
 #: enough that a few dozen real lengths outweigh it.
@@ -191,6 +200,60 @@ class RateTracker:
     def progress(self, elapsed: float) -> float:
         rate = self.rate
         return 0.0 if rate is None else elapsed * rate
+
+
+class LengthModels:
+    """A worker's length model of each dataset (and the dataset's budget mode), rebuilt from Redis every
+    ``refresh_s`` seconds (5 reservation intervals: the running requests' progress in the model stays fresh).
+
+    Never blocks the loop: ``fetch`` reads a dataset's ``LengthSample`` (the dispatcher passes its batched ledger
+    path: off the loop, waiting out an outage). Only a dataset's first model is awaited; after that a stale model
+    is answered at once while one refresh per dataset runs in the background, and stays in use for as long as
+    Redis does not answer."""
+
+    def __init__(self, fetch: Callable[[str], Awaitable[LengthSample]], refresh_s: float = 5.0,
+                 model_error: float = 0.0) -> None:
+        self.fetch = fetch
+        self.model_error = model_error  # z: reservations add z standard errors of the model (LengthModel.reserve)
+        self.REFRESH_S = refresh_s
+        self.rates = RateTracker()
+        self._models: dict[str, tuple[float, str, LengthModel]] = {}
+        self._refreshing: dict[str, asyncio.Task[None]] = {}
+
+    async def model(self, dataset: str) -> tuple[str, LengthModel]:
+        """The dataset's budget mode and length model; only the first ever waits for Redis."""
+        cached = self._models.get(dataset)
+        if cached is None or time.monotonic() - cached[0] > self.REFRESH_S:
+            task = self._refreshing.get(dataset)
+            if task is None:
+                task = self._refreshing[dataset] = asyncio.create_task(self._refresh(dataset))
+                task.add_done_callback(lambda done: self._refreshed(dataset, done))
+            if cached is None:
+                await asyncio.shield(task)
+                cached = self._models[dataset]
+        return cached[1], cached[2]
+
+    async def _refresh(self, dataset: str) -> None:
+        sample = await self.fetch(dataset)
+        self._models[dataset] = (time.monotonic(), sample.mode, LengthModel(
+            sample.lengths, sample.prior_mean, sample.max_new_tokens, running=sample.running))
+
+    def _refreshed(self, dataset: str, done: "asyncio.Task[None]") -> None:
+        self._refreshing.pop(dataset, None)
+        if not done.cancelled() and done.exception() is not None and dataset in self._models:
+            log.warning("length model of %s not refreshed (%s); keeping the last one", dataset, done.exception())
+
+    def close(self) -> None:
+        for task in list(self._refreshing.values()):
+            task.cancel()
+
+    async def expected(self, dataset: str, elapsed: float = 0.0) -> int:
+        """What a request of ``dataset`` that has run ``elapsed`` seconds reserves now (``LengthModel.reserve``)."""
+        return (await self.model(dataset))[1].reserve(self.rates.progress(elapsed), self.model_error)
+
+    async def sd(self, dataset: str) -> float:
+        """The spread of the dataset's lengths: predict's margin and taper are multiples of it."""
+        return (await self.model(dataset))[1].sd()
 
 
 def predict_admits(used: int, reserved: int, expected: int, in_flight: int, budget: int, margin: float,

@@ -19,9 +19,9 @@ import redis
 from budget import connection as budget_connection
 from budget.ledger import Ledger
 from budget.payload import ChunkPayload
-from worker.chunk import ChunkReport
 from worker.config import WorkerConfig
 from worker.dispatch import Dispatcher
+from worker.running import ChunkReport
 from worker.serverinfo import ServerInfoReporter
 from worker.sglang import SGLangClient
 

@@ -3,7 +3,7 @@
 Everything SGLang can answer is sorted into four outcomes: a valid generation; a final error (a 400: the
 request itself is wrong and will be wrong again); a refused key (401, 403: not the sample's fault but the
 worker's own configuration, ``SGLANG_API_KEY``; worker/dispatch.py stops the worker); a retryable error (5xx,
-429, resets, timeouts, an aborted generation, a body that breaks the contract). Retry policy lives with the caller (worker/chunk.py).
+429, resets, timeouts, an aborted generation, a body that breaks the contract). Retry policy lives with the caller (worker/trip.py).
 Only the fields the contract guarantees are relied on: ``meta_info.id``, ``finish_reason``,
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, and the top-level ``output_ids`` (checked against
 ``completion_tokens`` when present, and kept in the record).

@@ -23,23 +23,25 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from budget.conversation import BUDGET, CONTEXT, FAILED, header, walk
 from budget.history import plan
-from budget.ledger import EndVerdict, TurnAdmit, TurnVerdict
+from budget.outcomes import EndVerdict, TurnAdmit, TurnVerdict
 from budget.payload import SamplePayload, sampling_params_of, turn_request_key
 from budget.record import make_turn
 from budget.serverinfo import public_url
-from worker.chunk import CLOSE_REASON, generate_sample, parse_response
-from budget.conversation import BUDGET, CONTEXT, FAILED, header, walk
+from worker.batch import in_thread_until_answered
+from worker.running import Flight, RunningChunk
 from worker.sglang import GenerateError
+from worker.trip import CLOSE_REASON, generate_sample, parse_response
 
 if TYPE_CHECKING:
     from render.chat import Renderer
-    from worker.dispatch import Dispatcher, Flight, RunningChunk
+    from worker.dispatch import Dispatcher
 
 log = logging.getLogger("budgetq.worker")
 
 
-def _renderer(d: "Dispatcher", rc: "RunningChunk", sample: SamplePayload) -> "Renderer":
+def _renderer(d: "Dispatcher", rc: RunningChunk, sample: SamplePayload) -> "Renderer":
     """The run's Renderer, or with a template kwargs mix the sample's (its own kwargs and fingerprint; the
     tokenizer files are the run's, stored under the conversation block's fingerprint)."""
     from worker.tokenizer_cache import renderer_for
@@ -53,7 +55,7 @@ def _renderer(d: "Dispatcher", rc: "RunningChunk", sample: SamplePayload) -> "Re
                         opens_markers=ThinkMarkers(markers[0], markers[1]) if markers else None)
 
 
-async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePayload, flight: "Flight",
+async def run_conversation(d: "Dispatcher", rc: RunningChunk, sample: SamplePayload, flight: Flight,
                            resumed: bool) -> None:
     """Carry conversation ``sample`` to its end (or until it is no longer this chunk's). ``resumed``: it has
     committed turns already (another worker started it); its turn 0 was not admitted with the chunk."""
@@ -64,7 +66,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
     steps = plan(sample["messages"])
     turns: list[dict[str, Any]] = []
     if resumed:
-        turns = await d._redis("committed turns", d.ledger.committed_turns, dataset, sid)
+        turns = await in_thread_until_answered("committed turns", d.ledger.committed_turns, dataset, sid)
     renderer: "Renderer | None" = None
     prefer: str | None = turns[-1].get("server") if turns else None
     stopped_by: str | None = None
@@ -123,7 +125,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
                 d._config_fault(err)
                 return
             if i == 0:  # nothing committed: a failed sample, as a one-turn one (failed.jsonl)
-                if await d._batched("fail", d.ledger.fail_call(
+                if await d.batcher.call_until_answered("fail", d.ledger.fail_call(
                         dataset, sid, rc.id, {"id": sid, "reason": err.reason, "status": err.status,
                                               "attempts": err.attempts}, reserved=flight.reserved)):
                     report.failed += 1
@@ -131,13 +133,13 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
             flight.reserved = flight.future = 0  # the chunk's next reservation update drops what it held
             stopped_by, failed_reason = FAILED, f"turn {i}: {err.reason}"
             break
-        d.budgeting.rates.observe(gen.completion_tokens, time.monotonic() - flight.started)
+        d.length_models.rates.observe(gen.completion_tokens, time.monotonic() - flight.started)
         parsed = parse_response(dataset, chunk, turn_sample, gen)
         turn = make_turn(response=gen.text, prompt_tokens=gen.prompt_tokens, cached_tokens=gen.cached_tokens,
                          completion_tokens=gen.completion_tokens, finish_reason=gen.finish_reason, prompt_ids=ids,
                          output_ids=gen.output_ids, **parsed)
         turn["server"] = public_url(gen.server)
-        outcome = await d._batched("commit turn", d.ledger.commit_turn_call(
+        outcome = await d.batcher.call_until_answered("commit turn", d.ledger.commit_turn_call(
             dataset, sid, i, gen.completion_tokens, turn, chunk=rc.id, reserved=flight.reserved,
             finish_reason=gen.finish_reason))
         flight.reserved = 0
@@ -149,7 +151,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
             # Committed already (our own resend after a lost reply, or a zombie's copy): go on from what Redis
             # counted, so the history is always what the budget counted. Empty: the conversation is written.
             report.duplicates += 1
-            turns = await d._redis("committed turns", d.ledger.committed_turns, dataset, sid)
+            turns = await in_thread_until_answered("committed turns", d.ledger.committed_turns, dataset, sid)
             if len(turns) <= i:
                 return
         else:  # OUT_OF_ORDER: another worker is ahead of us on this conversation
@@ -157,7 +159,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
             return
         prefer = gen.server
         if outcome.closed_now:
-            n = await d._redis("discard", d.ledger.discard, dataset, CLOSE_REASON)
+            n = await in_thread_until_answered("discard", d.ledger.discard, dataset, CLOSE_REASON)
             log.info("%s reached its budget (%d tokens): closed, %d queued chunks discarded", dataset, outcome.used, n)
         flight.started = time.monotonic()
     if not turns:
@@ -165,7 +167,8 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
     rec = header(sample_id=sid, dataset=dataset, sent=walk(steps, turns).messages, turns=turns, stopped_by=stopped_by,
                  reasoning_parser=chunk.get("reasoning_parser"), sampling_params=sampling_params,
                  failed_reason=failed_reason, chat_template_kwargs=sample.get("chat_template_kwargs"))
-    ended = await d._batched("end conversation", d.ledger.end_conversation_call(dataset, sid, len(turns), rec))
+    ended = await d.batcher.call_until_answered("end conversation",
+                                                d.ledger.end_conversation_call(dataset, sid, len(turns), rec))
     if ended.verdict is EndVerdict.ENDED:
         report.committed += 1
     elif ended.verdict is EndVerdict.DUPLICATE:
@@ -175,7 +178,7 @@ async def run_conversation(d: "Dispatcher", rc: "RunningChunk", sample: SamplePa
                     dataset, sid, len(turns), ended.tokens)
 
 
-async def _admit(d: "Dispatcher", rc: "RunningChunk", sid: str, turn: int, flight: "Flight",
+async def _admit(d: "Dispatcher", rc: RunningChunk, sid: str, turn: int, flight: Flight,
                  later: int) -> TurnAdmit:
     """Ask ``admit_turn`` until it answers something other than FULL (strict: the budget is reserved by requests
     in flight; one of them ending may free room). A START books ``flight.reserved`` for the turn's commit: in
@@ -185,13 +188,13 @@ async def _admit(d: "Dispatcher", rc: "RunningChunk", sid: str, turn: int, fligh
         if rc.lost.is_set():
             return TurnAdmit.REVOKED
         reservation = 0
-        mode, _model = await d.budgeting.model(rc.dataset)
+        mode, _model = await d.length_models.model(rc.dataset)
         if mode == "predict":
-            each = await d.budgeting.expected(rc.dataset)
+            each = await d.length_models.expected(rc.dataset)
             reservation = each * (1 + later)
             flight.future = each * later
-        admission = await d._batched("admit turn", d.ledger.admit_turn_call(rc.dataset, sid, turn, rc.id,
-                                                                             reservation))
+        admission = await d.batcher.call_until_answered("admit turn", d.ledger.admit_turn_call(
+            rc.dataset, sid, turn, rc.id, reservation))
         if admission.verdict is TurnAdmit.START:
             flight.reserved = admission.reserved
             flight.started = time.monotonic()

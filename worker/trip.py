@@ -1,4 +1,4 @@
-"""One sample's trip: generate with retries, then the record that gets committed; and a chunk's report.
+"""One sample's trip: generate with retries, then the record that gets committed.
 
 The retry policy lives here: 5xx, 429, resets, timeouts, aborted generations and malformed bodies are retried
 with full-jitter backoff (never before Retry-After) up to ``BUDGETQ_MAX_ATTEMPTS``; a 400 is final, except
@@ -12,41 +12,20 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from budget.payload import ChunkPayload, SamplePayload, request_id, sampling_params_of
 from budget.record import make_record, make_turn
 from worker.config import WorkerConfig
 from worker.reasoning import parse_turn, split_reasoning
+from worker.running import ChunkReport
 from worker.sglang import Generation, GenerateError, SGLangClient
 
 log = logging.getLogger("budgetq.worker")
 
+#: Why a commit that closed its dataset discards the dataset's queued chunks: the reason their canceled RQ jobs
+#: carry in their description (rq-dashboard).
 CLOSE_REASON = "budget reached"
-
-
-@dataclass
-class ChunkReport:
-    """What happened to a chunk. The RQ job returns it when the chunk is dispatched (every sample started or
-    given back); the counts of its requests still running keep growing until the chunk finishes."""
-
-    chunk: str
-    status: str = "ok"  # ok / stopped / revoked / closed / full / unauthorized
-    committed: int = 0
-    duplicates: int = 0
-    failed: int = 0
-    skipped: int = 0
-    not_started: int = 0
-    tokens: int = 0
-    late: int = 0  # committed after this chunk had lost its lease (its reservation had expired)
-    attempts: int = 0
-    errors: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["errors"] = self.errors[:5]
-        return d
 
 
 def backoff(attempt: int, cap: float, retry_after: float | None) -> float:
