@@ -28,7 +28,12 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:ds:{n}:resv``          | hash   | admit/commit, worker     | running chunk id -> tokens its requests reserve   |
 | ``bq:ds:{n}:inflight``      | hash   | admit/commit             | running chunk id -> requests in flight            |
 | ``bq:ds:{n}:lengths``       | list   | ``commit`` script        | the last 4096 completion lengths (predict's model)|
-| ``bq:ds:{n}:stats``         | hash   | ``commit`` script        | finish reasons, late commits, tokens per 10 s     |
+| ``bq:ds:{n}:lengths:{j}``   | list   | ``commit_turn`` script   | the last 4096 lengths of conversations' turn j    |
+|                             |        |                          | (j = 0, 1, 2; 3 = the fourth turn and later):     |
+|                             |        |                          | predict's per-turn model                          |
+| ``bq:ds:{n}:stats``         | hash   | ``commit`` script        | finish reasons, late commits, tokens per 10 s;    |
+|                             |        | (``end_conversation``:   | ``offered:{j}``/``reached:{j}``: ended            |
+|                             |        | offered/reached)         | conversations that could go on to / reached turn j|
 | ``bq:ds:{n}:progress``      | hash   | worker (refresh_chunk)   | running chunk id -> its requests' progress (JSON) |
 | ``bq:ds:{n}:discarded``     | list   | ``discard`` script       | chunk ids out of the queue whose RQ job hashes    |
 |                             |        |                          | ``mark_discarded`` has not yet marked canceled    |
@@ -176,6 +181,11 @@ class DatasetKeys:
         return self.base + ":lengths"
 
     @functools.cached_property
+    def turn_lengths(self) -> list[str]:
+        """``lengths:0`` .. ``lengths:{TURN_BUCKETS - 1}``: the recent lengths of each turn of conversations."""
+        return [f"{self.base}:lengths:{j}" for j in range(TURN_BUCKETS)]
+
+    @functools.cached_property
     def stats(self) -> str:
         return self.base + ":stats"
 
@@ -203,7 +213,7 @@ class DatasetKeys:
         """Every key of the dataset (for ``--new-run``, which starts it over)."""
         return [self.meta, self.used, self.done, self.pending, self.chunks, self.seq, self.results,
                 self.failed, self.collector, self.resv, self.inflight, self.lengths, self.stats, self.progress,
-                self.discarded, self.turns, self.turnrec, self.convs]
+                self.discarded, self.turns, self.turnrec, self.convs, *self.turn_lengths]
 
 
 def chunk_id(dataset: str, seq: int) -> str:
@@ -214,6 +224,16 @@ def chunk_id(dataset: str, seq: int) -> str:
     pairs never give the same id.
     """
     return f"bq-{dataset}-{seq:07d}"
+
+
+#: Turn indexes with a length list of their own (``lengths:{j}``); every later turn shares the last one's. The
+#: commit_turn script picks ``KEYS[11 + min(turn, 3)]``: keep the two in step.
+TURN_BUCKETS = 4
+
+
+def turn_bucket(turn: int) -> int:
+    """The ``lengths:{j}`` list (and predict's model) of a conversation's ``turn``: its own for 0..2, then 3."""
+    return min(max(turn, 0), TURN_BUCKETS - 1)
 
 
 #: Between a turn's index and its sample key in the fields of ``turns`` and ``turnrec``. Sample ids hold only

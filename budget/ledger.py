@@ -229,7 +229,8 @@ class Ledger:
         k = self._keys(name)
         reason = finish_reason or str(record.get("finish_reason", "unknown"))
         return Call(self._commit_turn,
-                    [k.meta, k.used, k.done, k.turns, k.turnrec, k.convs, k.resv, k.inflight, k.lengths, k.stats],
+                    [k.meta, k.used, k.done, k.turns, k.turnrec, k.convs, k.resv, k.inflight, k.lengths, k.stats,
+                     *k.turn_lengths],
                     [sample, turn, completion_tokens, orjson.dumps(record), chunk, reserved, reason],
                     parse_turn_commit, merge=4)
 
@@ -264,13 +265,17 @@ class Ledger:
         return Call(self._admit_turn, [k.meta, k.chunks, k.pending, k.done, k.convs, k.used, k.resv, k.inflight],
                     [chunk, sample, turn, int(reservation)], parse_turn_admission)
 
-    def end_conversation(self, name: str, sample: str, turns: int, header: dict[str, Any]) -> EndOutcome:
-        return run(self.end_conversation_call(name, sample, turns, header))
+    def end_conversation(self, name: str, sample: str, turns: int, header: dict[str, Any],
+                         planned: int = 0) -> EndOutcome:
+        return run(self.end_conversation_call(name, sample, turns, header, planned))
 
-    def end_conversation_call(self, name: str, sample: str, turns: int, header: dict[str, Any]) -> Call[EndOutcome]:
+    def end_conversation_call(self, name: str, sample: str, turns: int, header: dict[str, Any],
+                              planned: int = 0) -> Call[EndOutcome]:
         """End conversation ``sample`` with its ``turns`` committed turns: once, its record (``header``: every
         record field but the turns, which Redis adds verbatim) goes to the results stream and its tokens to
-        done. A resend or a racing copy is a DUPLICATE; a turn count that is not Redis' is a MISMATCH."""
+        done. A resend or a racing copy is a DUPLICATE; a turn count that is not Redis' is a MISMATCH.
+        ``planned``: the turns it planned, given when it ended for a reason of the data, so that predict learns
+        how far conversations go (``offered``/``reached`` in the stats); 0 says nothing."""
         if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
             raise ValueError(f"a conversation ends with an int >= 1 of turns, not {turns!r}")
         if "turns" in header:
@@ -278,7 +283,7 @@ class Ledger:
         k = self._keys(name)
         return Call(self._end_conversation,
                     [k.meta, k.done, k.turns, k.turnrec, k.convs, k.pending, k.results, k.stats],
-                    [sample, turns, orjson.dumps(header)], parse_end)
+                    [sample, turns, orjson.dumps(header), int(planned)], parse_end)
 
     def reconcile_turns(self, name: str, on_disk: Sequence[str], batch: int = 2000) -> tuple[int, int]:
         """Drop the committed turns Redis still holds of conversations written to disk (Redis restored from
@@ -342,7 +347,8 @@ class Ledger:
 
     def length_sample_call(self, name: str) -> Call[LengthSample]:
         k = self._keys(name)
-        return Call(self._length_sample, [k.lengths, k.progress, k.meta], [], parse_length_sample)
+        return Call(self._length_sample, [k.lengths, k.progress, k.meta, *k.turn_lengths, k.stats], [],
+                    parse_length_sample)
 
     # -- reading -------------------------------------------------------------------------------------
     def state(self, name: str) -> DatasetState:

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+# LengthSample.per_turn[j] holds turn bucket j's lengths (turns 0, 1, 2; 3: the fourth and later). Re-exported for
+# the worker, which names no key: budget/keys.py owns the lists they come from.
+from budget.keys import TURN_BUCKETS as TURN_BUCKETS, turn_bucket as turn_bucket
 
 
 class Admit(enum.IntEnum):
@@ -34,6 +38,10 @@ class LengthSample:
     prior_mean: float | None
     max_new_tokens: int
     mode: str
+    #: the recent lengths of conversations' turn j (``lengths:{j}``, j = 0..3): predict's per-turn model
+    per_turn: list[list[int]] = field(default_factory=list)
+    #: the stats hash's ``reached:{j}`` and ``offered:{j}``: how far ended conversations went
+    turn_counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -164,10 +172,13 @@ def parse_commit(reply: Any) -> CommitOutcome:
 
 
 def parse_length_sample(reply: Any) -> LengthSample:
-    lengths, progress, (prior, max_new, mode) = reply
+    lengths, progress, (prior, max_new, mode) = reply[:3]
     running = [int(x) for row in progress for x in json.loads(row)]
+    per_turn = [[int(x) for x in rows] for rows in reply[3:-1]] if len(reply) > 3 else []
+    flat = reply[-1] if len(reply) > 3 else []
+    counts = {text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
     return LengthSample([int(x) for x in lengths], running, float(prior) if prior else None,
-                        int(max_new or 0), text(mode) if mode else "drain")
+                        int(max_new or 0), text(mode) if mode else "drain", per_turn, counts)
 
 
 def text(value: Any) -> str:

@@ -140,11 +140,29 @@ return 1
 LENGTH_SAMPLE = """
 -- length_sample: what predict's length model learns from, read at one instant (a script, not a pipeline, so
 -- that it rides in the worker's batches like every other ledger call: worker/batch.py).
--- KEYS[1] lengths list, KEYS[2] progress hash, KEYS[3] meta hash
+-- KEYS[1] lengths list, KEYS[2] progress hash, KEYS[3] meta hash, KEYS[4..] optional: the per-turn lengths lists
+-- (lengths:0 .. lengths:3) then the stats hash
 -- returns {the recent completion lengths, the progress hash's values (JSON lists),
---          {prior_mean, max_new_tokens, mode} (nil where unset)}; reads only
-return {redis.call('LRANGE', KEYS[1], 0, -1), redis.call('HVALS', KEYS[2]),
-        redis.call('HMGET', KEYS[3], 'prior_mean', 'max_new_tokens', 'mode')}
+--          {prior_mean, max_new_tokens, mode} (nil where unset)[, each per-turn list, the stats hash's
+--          reached:{j} and offered:{j} fields for j = 1..3 as a flat field/value list]}; reads only
+local out = {redis.call('LRANGE', KEYS[1], 0, -1), redis.call('HVALS', KEYS[2]),
+             redis.call('HMGET', KEYS[3], 'prior_mean', 'max_new_tokens', 'mode')}
+if #KEYS > 3 then
+  for i = 4, #KEYS - 1 do out[#out + 1] = redis.call('LRANGE', KEYS[i], 0, -1) end
+  local names = {}
+  for j = 1, 3 do
+    names[#names + 1] = 'reached:' .. j
+    names[#names + 1] = 'offered:' .. j
+  end
+  local values = redis.call('HMGET', KEYS[#KEYS], unpack(names))
+  local counts = {}
+  for i = 1, #names do
+    counts[#counts + 1] = names[i]
+    counts[#counts + 1] = values[i] or '0'
+  end
+  out[#out + 1] = counts
+end
+return out
 """
 
 FINISH_CHUNK = """
@@ -309,7 +327,8 @@ COMMIT_TURN = _CLOSE_IF_SPENT + _SETTLE + _RECORD + """
 -- then the turn's record stays here, durable, and counts in used (used = sum of done + sum of turns).
 -- KEYS[1] meta hash, KEYS[2] used counter, KEYS[3] done hash, KEYS[4] turns hash, KEYS[5] turn records hash,
 -- KEYS[6] conversations hash, KEYS[7] reservations hash, KEYS[8] in-flight hash, KEYS[9] lengths list,
--- KEYS[10] stats hash
+-- KEYS[10] stats hash, KEYS[11..14] optional: the per-turn lengths lists lengths:0 .. lengths:3 (turn i's length
+-- goes to lengths:min(i, 3) too: predict's per-turn model, worker/estimate.py TurnModels)
 -- ARGV: one group of 7 per turn, committed in order, each as if alone: sample key, turn index (0-based),
 -- completion tokens, turn record JSON, chunk id, tokens the request reserved, finish reason
 -- returns per turn {verdict, used after, closed now (1/0), late (1/0)}, flattened. verdict 1: committed;
@@ -347,6 +366,11 @@ for g = 0, #ARGV / 7 - 1 do
     local used = redis.call('INCRBY', KEYS[2], tokens)
     redis.call('HINCRBY', KEYS[10], 'turns', 1)
     record(KEYS[9], KEYS[10], tokens, ARGV[g * 7 + 7], bucket, late)
+    if #KEYS >= 14 then
+      local per_turn = KEYS[11 + math.min(turn, 3)]
+      redis.call('LPUSH', per_turn, tokens)
+      redis.call('LTRIM', per_turn, 0, 4095)
+    end
     out[#out + 1] = 1
     out[#out + 1] = used
     out[#out + 1] = close_if_spent(KEYS[1], used)
@@ -405,7 +429,8 @@ END_CONVERSATION = """
 -- KEYS[1] meta hash, KEYS[2] done hash, KEYS[3] turns hash, KEYS[4] turn records hash, KEYS[5] conversations
 -- hash, KEYS[6] pending hash, KEYS[7] results stream, KEYS[8] stats hash
 -- ARGV[1] sample key, ARGV[2] turns it ends with (k >= 1: the turns committed), ARGV[3] the record's header JSON
--- (stopped_by, incomplete, ...: everything but the turns)
+-- (stopped_by, incomplete, ...: everything but the turns), ARGV[4] optional: the turns it planned, when it ended
+-- for a reason of the data (0 or missing: it says nothing of how far conversations go; a budget stop, a failure)
 -- returns {verdict, tokens}. 1: ended; done[sample] = tokens = the sum of its turns' tokens, one results entry
 -- XADDed with fields id, r (the header) and t0 .. t{k-1} (each turn's committed record, verbatim: no JSON in
 -- Lua), its turn fields and conversations entry deleted, the sample released from pending. 0: already ended
@@ -414,6 +439,9 @@ END_CONVERSATION = """
 -- used does not move: the turns were counted by commit_turn; their tokens move from turns to done, so
 -- used = sum of done + sum of turns holds before and after. A resend, an RQ retry or a racing zombie hits the
 -- done guard, so a conversation is written once.
+-- With ARGV[4] = P planned turns, the share of conversations that go on is counted for predict's per-turn model:
+-- for each later turn j = 1 .. P-1 (bucket min(j, 3)), offered:{b} += 1 when it reached turn j-1 (k >= j),
+-- reached:{b} += 1 when it reached turn j (k >= j + 1), in the stats hash.
 local sample, k = ARGV[1], tonumber(ARGV[2])
 local prior = redis.call('HGET', KEYS[2], sample)
 if prior then return {0, tonumber(prior)} end
@@ -438,6 +466,13 @@ redis.call('HDEL', KEYS[5], sample)
 redis.call('HDEL', KEYS[6], sample)
 redis.call('HINCRBY', KEYS[1], 'committed', 1)
 redis.call('HINCRBY', KEYS[8], 'conversations', 1)
+local planned = tonumber(ARGV[4] or '0') or 0
+for j = 1, planned - 1 do
+  if k < j then break end
+  local b = math.min(j, 3)
+  redis.call('HINCRBY', KEYS[8], 'offered:' .. b, 1)
+  if k >= j + 1 then redis.call('HINCRBY', KEYS[8], 'reached:' .. b, 1) end
+end
 return {1, tokens}
 """
 

@@ -1,13 +1,15 @@
-"""predict's per-turn length model (worker/turnmodel.py), offline: each turn priced by its own lengths, later turns
+"""predict's per-turn length model (worker/estimate.py TurnModels), offline: each turn priced by its own lengths, later turns
 weighed by the share of conversations that reach them."""
 from __future__ import annotations
 
 import random
 
 import pytest
+import redis
 
 from worker.estimate import LengthModel
-from worker.turnmodel import CONTINUATION_PRIOR, TurnModels, bucket
+from budget.outcomes import turn_bucket as bucket
+from worker.estimate import CONTINUATION_PRIOR, TurnModels
 
 MAX_NEW = 16384
 
@@ -71,3 +73,32 @@ def test_the_model_error_is_added_per_turn() -> None:
     pooled = LengthModel(per_turn[0] + per_turn[1], None, MAX_NEW)
     plain, careful = TurnModels.build(pooled, per_turn, {}), TurnModels.build(pooled, per_turn, {}, z=2.0)
     assert careful.conversation(2) > plain.conversation(2)
+
+
+# -- what Redis keeps for it (budget/scripts.py COMMIT_TURN, END_CONVERSATION, LENGTH_SAMPLE) ------------------------
+def test_turn_lengths_and_how_far_conversations_go_are_kept_and_read_back(r: "redis.Redis") -> None:
+    """commit_turn pushes each turn's length to its turn's list too (the fourth turn and later share one);
+    end_conversation counts, for each later turn it planned, whether the conversation could go on and whether it
+    did, only when told what it planned; length_sample reads both back in one script."""
+    from budget import keys
+    from budget.ledger import Ledger
+    ledger = Ledger(r)
+    ledger.set_budget("ds", None)
+    rec = {"response": "x", "finish_reason": "stop", "completion_tokens": 0}
+    for turn, tokens in enumerate((10, 20, 30, 40, 50)):  # a 5-turn conversation, planned 6 turns
+        assert ledger.commit_turn("ds", "a", turn, tokens, rec | {"completion_tokens": tokens}).committed
+    for turn, tokens in enumerate((11, 21)):  # a 2-turn one, planned 3, ended by the budget: says nothing
+        assert ledger.commit_turn("ds", "b", turn, tokens, rec | {"completion_tokens": tokens}).committed
+    k = keys.DatasetKeys("ds")
+    assert [[int(x) for x in r.lrange(key, 0, -1)] for key in k.turn_lengths] == [[11, 10], [21, 20], [30], [50, 40]]
+    header = {"stopped_by": None}
+    assert ledger.end_conversation("ds", "a", 5, header, planned=6).verdict.name == "ENDED"
+    assert ledger.end_conversation("ds", "b", 2, header | {"stopped_by": "budget"}).verdict.name == "ENDED"
+    sample = ledger.length_sample("ds")
+    assert sample.per_turn == [[11, 10], [21, 20], [30], [50, 40]]
+    # turns 1..5 planned after turn 0; it reached turns 1..4: offered 1, 2, 3 (x3: turns 3, 4, 5), reached 1, 2,
+    # 3 (x2: turns 3, 4)
+    assert sample.turn_counts == {"reached:1": 1, "offered:1": 1, "reached:2": 1, "offered:2": 1,
+                                  "reached:3": 2, "offered:3": 3}
+    models = TurnModels.build(LengthModel(sample.lengths, None, MAX_NEW), sample.per_turn, sample.turn_counts)
+    assert models.continuation[3] == pytest.approx((2 + CONTINUATION_PRIOR) / (3 + CONTINUATION_PRIOR))

@@ -38,7 +38,7 @@ from budget.payload import ChunkPayload, SamplePayload, sampling_params_of
 from budget.serverinfo import public_url
 from worker.batch import Batcher, in_thread_until_answered
 from worker.config import WorkerConfig
-from worker.estimate import LengthModels
+from worker.estimate import LengthModels, TurnModels
 from worker.running import ChunkReport, Flight, RunningChunk
 from worker.sglang import GenerateError, SGLangClient
 from worker.trip import CLOSE_REASON, generate_sample, result_record
@@ -184,11 +184,14 @@ class Dispatcher:
             else:
                 expected = await self.length_models.expected(rc.dataset)
                 sd = await self.length_models.sd(rc.dataset)
-                verdicts = await self._admit(rc, batch, expected, sd)
+                turn_models = await self._turn_models(rc)
+                verdicts = await self._admit(rc, batch, expected, sd, turn_models)
             refused: list[tuple[SamplePayload, Admit]] = []
             for sample, admission in zip(batch, verdicts):
                 if admission.verdict is Admit.START:
-                    self._launch(rc, sample, admission.reserved)
+                    turns = sample.get("turns", 1)
+                    future = turn_models.future(0, turns) if turn_models is not None and turns > 1 else 0
+                    self._launch(rc, sample, admission.reserved, future=future)
                 elif admission.verdict is Admit.SKIP:
                     rc.report.skipped += 1
                     self.slots.release()
@@ -215,20 +218,35 @@ class Dispatcher:
                 await in_thread_until_answered("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
             return
 
-    async def _admit(self, rc: RunningChunk, batch: list[SamplePayload], expected: int, sd: float) -> list[Admission]:
+    async def _turn_models(self, rc: RunningChunk) -> TurnModels | None:
+        """The per-turn models predict prices a chunk's conversations with; None when it has none or is not in
+        predict mode (strict reserves max_new_tokens a turn, drain nothing)."""
+        if not rc.chunk.get("conversation") or (await self.length_models.model(rc.dataset))[0] != "predict":
+            return None
+        return await self.length_models.turns(rc.dataset)
+
+    async def _admit(self, rc: RunningChunk, batch: list[SamplePayload], expected: int, sd: float,
+                     turn_models: TurnModels | None = None) -> list[Admission]:
         """One ADMIT for the batch; with conversations, one per number of turns, since predict reserves a
-        conversation's expected tokens for all its turns (``expected`` x turns), so that the conversations it
-        lets start fit the budget to the end (docs/multiturn.md). They go in one round trip all the same."""
+        conversation's expected tokens for all its turns (turn 0 and the later ones, each priced by its own
+        model: ``TurnModels.conversation``), so that the conversations it lets start fit the budget to the end
+        (docs/budget.md). They go in one round trip all the same."""
         margin, taper = self.config.predict_margin * sd, self.config.predict_taper * sd
         groups: dict[int, list[int]] = {}
         for i, sample in enumerate(batch):
             groups.setdefault(sample.get("turns", 1) if rc.chunk.get("conversation") else 1, []).append(i)
+
+        def price(turns: int) -> int:
+            if turns == 1:
+                return expected
+            return turn_models.conversation(turns) if turn_models is not None else expected * turns
+
         if len(groups) == 1:
             (turns,) = groups
             return await self.batcher.call_until_answered("admit", self.ledger.admit_call(
-                rc.dataset, [s["id"] for s in batch], rc.id, expected * turns, margin, taper))
+                rc.dataset, [s["id"] for s in batch], rc.id, price(turns), margin, taper))
         replies = await asyncio.gather(*(self.batcher.call_until_answered("admit", self.ledger.admit_call(
-            rc.dataset, [batch[i]["id"] for i in at], rc.id, expected * turns, margin, taper))
+            rc.dataset, [batch[i]["id"] for i in at], rc.id, price(turns), margin, taper))
             for turns, at in groups.items()))
         verdicts: list[Admission] = [Admission(Admit.REVOKED, 0)] * len(batch)
         for at, got in zip(groups.values(), replies):
@@ -236,13 +254,17 @@ class Dispatcher:
                 verdicts[i] = admission
         return verdicts
 
-    def _launch(self, rc: RunningChunk, sample: SamplePayload, reserved: int, resumed: bool = False) -> None:
+    def _launch(self, rc: RunningChunk, sample: SamplePayload, reserved: int, resumed: bool = False,
+                future: int = 0) -> None:
+        """Start a sample admitted with ``reserved`` tokens (a conversation: ``future`` of them for its later
+        turns, which its turn-0 reservation holds until turn 1 is admitted)."""
         flight = Flight(time.monotonic(), reserved)
         rc.flights[sample["id"]] = flight
         rc.started += 1
         turns = sample.get("turns", 1)
         if turns > 1 and rc.chunk.get("conversation"):
-            flight.future = reserved * (turns - 1) // turns  # _admit reserved all its turns
+            flight.conversation = True
+            flight.future = min(future, reserved)
             task = asyncio.create_task(self._run_conversation(rc, sample, flight, resumed))
         else:
             task = asyncio.create_task(self._run_one(rc, sample, flight))
@@ -385,9 +407,12 @@ class Dispatcher:
                 mode, model = await self.length_models.model(rc.dataset)
                 if mode == "predict" and rc.flights:
                     progress = []
+                    turn_models = await self._turn_models(rc)
                     for f in rc.flights.values():
                         done = self.length_models.rates.progress(now - f.started)
-                        f.reserved = model.reserve(done, self.length_models.model_error) + f.future
+                        current = (turn_models.current(f.turn, done) if f.conversation and turn_models is not None
+                                   else model.reserve(done, self.length_models.model_error))
+                        f.reserved = current + f.future
                         progress.append(int(done))
                     reserved = sum(f.reserved for f in rc.flights.values())
                 elif now - last_lease < LEASE_MS / 4000:

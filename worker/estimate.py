@@ -16,8 +16,26 @@ does. So a reservation adds z standard errors of the estimate (``LengthModel.res
 BUDGETQ_PREDICT_MODEL_ERROR): large while the model is young, nearly nothing once lengths accumulate
 (docs/budget.md, "The model's own error").
 
-The worker keeps one model per dataset (``LengthModels``), rebuilt from Redis every few seconds without ever
-making its event loop wait.
+Conversations (``TurnModels``, docs/budget.md "The per-turn length model"). A conversation's turns are not alike:
+in real multi-turn data a follow-up answer is often shorter than the first, an agent's later step longer. A reservation that prices every turn at the pooled mean of all completion lengths
+(what predict did before this model) is biased as soon as they differ, and the bias lands where it hurts: near the
+close the conversations still running are the ones in their later turns. So each turn index j (0, 1, 2, and 3 for
+every turn from the fourth on) has a length model of its own, built from the recent lengths of that turn
+(``bq:ds:{n}:lengths:{j}``), with the pooled model's mean as its prior: until a turn has answers of its own it is
+priced as the pooled model prices it, and its own lengths outweigh the prior after a few dozen.
+
+Not every planned turn happens: a conversation ends early when a turn is cut by max_new_tokens, no longer fits the
+context, or calls other tools than the dataset's. The share of conversations that go on from turn j-1 to turn j,
+among ended conversations that had a turn j planned (``bq:ds:{n}:stats`` ``reached:{j}`` / ``offered:{j}``, counted
+by ``end_conversation``), weighs turn j's expected length. Pseudo-counts keep it at 1 (reserve every planned turn,
+the upper bound) until conversations have ended.
+
+The running turn is priced as a single-turn request is, E[L_j | L_j > progress] (``LengthModel``); the turns after it at their expected length. The per-turn models do not count running requests as censored
+observations (the pooled model does): their lists fill from the turns that ended, which is an unbiased sample of
+turn j's lengths once a few hundred have, long before a budget of any size closes.
+
+The worker keeps one model per dataset (``LengthModels``: the pooled model and the per-turn ones), rebuilt from
+Redis every few seconds without ever making its event loop wait.
 """
 from __future__ import annotations
 
@@ -27,8 +45,10 @@ import math
 import time
 from bisect import bisect_right
 from collections import deque
-from typing import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Final, Mapping, Sequence
 
+from budget.outcomes import TURN_BUCKETS, turn_bucket
 from budget.ledger import default_prior_mean
 from budget.outcomes import LengthSample
 
@@ -169,6 +189,54 @@ class LengthModel:
         return min(self.max_new, base + math.ceil(z * self.error(progress)))
 
 
+#: Pseudo-observations of "went on" behind each turn's continuation share: 1 until that many conversations ended.
+CONTINUATION_PRIOR: Final = 8
+
+
+@dataclass(frozen=True)
+class TurnModels:
+    """The length model of each turn bucket and the share of conversations that reach each turn."""
+
+    models: tuple[LengthModel, ...]  # one per bucket
+    continuation: tuple[float, ...]  # continuation[j]: P(turn j happens | turn j-1 did, turn j planned); [0] = 1
+    z: float = 0.0  # reservations add z standard errors of each model (BUDGETQ_PREDICT_MODEL_ERROR)
+
+    @classmethod
+    def build(cls, pooled: LengthModel, per_turn: Sequence[Sequence[int]], counts: Mapping[str, int],
+              z: float = 0.0) -> "TurnModels":
+        """From the pooled model (the prior), each bucket's recent lengths (missing buckets: none yet) and the
+        stats hash's ``reached:{j}`` / ``offered:{j}`` counts."""
+        prior = pooled.mean()
+        models = tuple(LengthModel(list(per_turn[j]) if j < len(per_turn) else [], prior, pooled.max_new)
+                       for j in range(TURN_BUCKETS))
+        shares = [1.0]
+        for j in range(1, TURN_BUCKETS):
+            reached, offered = int(counts.get(f"reached:{j}", 0)), int(counts.get(f"offered:{j}", 0))
+            shares.append(min(1.0, (reached + CONTINUATION_PRIOR) / (offered + CONTINUATION_PRIOR)))
+        return cls(models, tuple(shares), z)
+
+    def model(self, turn: int) -> LengthModel:
+        return self.models[turn_bucket(turn)]
+
+    def current(self, turn: int, progress: float) -> int:
+        """What the running turn ``turn`` reserves, ``progress`` tokens into it."""
+        return self.model(turn).reserve(progress, self.z)
+
+    def future(self, turn: int, planned: int) -> int:
+        """The expected tokens of the turns after ``turn`` of a conversation planned for ``planned`` turns: each
+        later turn's expected length, weighed by the chance the conversation gets there."""
+        total = 0.0
+        reach = 1.0
+        for j in range(turn + 1, planned):
+            reach *= self.continuation[turn_bucket(j)]
+            total += reach * self.model(j).reserve(0.0, self.z)
+        return round(total)
+
+    def conversation(self, planned: int) -> int:
+        """What a new conversation of ``planned`` turns reserves when it is admitted: turn 0 and the rest."""
+        return self.current(0, 0.0) + self.future(0, planned)
+
+
 class RateTracker:
     """Per-request decode speed seen by this worker: Σ tokens / Σ seconds over its last ``window`` completions.
 
@@ -217,11 +285,19 @@ class LengthModels:
         self.model_error = model_error  # z: reservations add z standard errors of the model (LengthModel.reserve)
         self.REFRESH_S = refresh_s
         self.rates = RateTracker()
-        self._models: dict[str, tuple[float, str, LengthModel]] = {}
+        self._models: dict[str, tuple[float, str, LengthModel, TurnModels]] = {}
         self._refreshing: dict[str, asyncio.Task[None]] = {}
 
     async def model(self, dataset: str) -> tuple[str, LengthModel]:
         """The dataset's budget mode and length model; only the first ever waits for Redis."""
+        cached = await self._cached(dataset)
+        return cached[1], cached[2]
+
+    async def turns(self, dataset: str) -> TurnModels:
+        """The dataset's per-turn models, for its conversations (refreshed with the pooled one)."""
+        return (await self._cached(dataset))[3]
+
+    async def _cached(self, dataset: str) -> tuple[float, str, LengthModel, TurnModels]:
         cached = self._models.get(dataset)
         if cached is None or time.monotonic() - cached[0] > self.REFRESH_S:
             task = self._refreshing.get(dataset)
@@ -231,12 +307,13 @@ class LengthModels:
             if cached is None:
                 await asyncio.shield(task)
                 cached = self._models[dataset]
-        return cached[1], cached[2]
+        return cached
 
     async def _refresh(self, dataset: str) -> None:
         sample = await self.fetch(dataset)
-        self._models[dataset] = (time.monotonic(), sample.mode, LengthModel(
-            sample.lengths, sample.prior_mean, sample.max_new_tokens, running=sample.running))
+        pooled = LengthModel(sample.lengths, sample.prior_mean, sample.max_new_tokens, running=sample.running)
+        self._models[dataset] = (time.monotonic(), sample.mode, pooled,
+                                 TurnModels.build(pooled, sample.per_turn, sample.turn_counts, self.model_error))
 
     def _refreshed(self, dataset: str, done: "asyncio.Task[None]") -> None:
         self._refreshing.pop(dataset, None)

@@ -45,6 +45,9 @@ class Flight:
     reserved: int
     #: predict: what a conversation's later turns are expected to add, reserved with this turn (worker/turns.py)
     future: int = 0
+    #: a conversation's flight, and the turn it is on: predict prices it with that turn's model (TurnModels)
+    conversation: bool = False
+    turn: int = 0
 
 
 class RunningChunk:

@@ -167,8 +167,11 @@ async def run_conversation(d: "Dispatcher", rc: RunningChunk, sample: SamplePayl
     rec = header(sample_id=sid, dataset=dataset, sent=walk(steps, turns).messages, turns=turns, stopped_by=stopped_by,
                  reasoning_parser=chunk.get("reasoning_parser"), sampling_params=sampling_params,
                  failed_reason=failed_reason, chat_template_kwargs=sample.get("chat_template_kwargs"))
-    ended = await d.batcher.call_until_answered("end conversation",
-                                                d.ledger.end_conversation_call(dataset, sid, len(turns), rec))
+    # How far it went says something of the data (predict's continuation shares) unless the budget or a failure
+    # ended it.
+    planned = len(steps) if stopped_by not in (BUDGET, FAILED) else 0
+    ended = await d.batcher.call_until_answered("end conversation", d.ledger.end_conversation_call(
+        dataset, sid, len(turns), rec, planned=planned))
     if ended.verdict is EndVerdict.ENDED:
         report.committed += 1
     elif ended.verdict is EndVerdict.DUPLICATE:
@@ -182,22 +185,24 @@ async def _admit(d: "Dispatcher", rc: RunningChunk, sid: str, turn: int, flight:
                  later: int) -> TurnAdmit:
     """Ask ``admit_turn`` until it answers something other than FULL (strict: the budget is reserved by requests
     in flight; one of them ending may free room). A START books ``flight.reserved`` for the turn's commit: in
-    predict, the turn's expected length plus that of the ``later`` turns the dataset still plans after it (an
-    upper bound: a conversation may stop sooner, which frees its reservation then)."""
+    predict, the turn's expected length plus that of the ``later`` turns the dataset still plans after it, each
+    priced by its own turn's model and weighed by the share of conversations that get there (worker/estimate.py
+    TurnModels; a conversation that stops sooner frees the rest when it ends)."""
     while True:
         if rc.lost.is_set():
             return TurnAdmit.REVOKED
         reservation = 0
         mode, _model = await d.length_models.model(rc.dataset)
         if mode == "predict":
-            each = await d.length_models.expected(rc.dataset)
-            reservation = each * (1 + later)
-            flight.future = each * later
+            models = await d.length_models.turns(rc.dataset)
+            flight.future = models.future(turn, turn + 1 + later)
+            reservation = models.current(turn, 0.0) + flight.future
         admission = await d.batcher.call_until_answered("admit turn", d.ledger.admit_turn_call(
             rc.dataset, sid, turn, rc.id, reservation))
         if admission.verdict is TurnAdmit.START:
             flight.reserved = admission.reserved
             flight.started = time.monotonic()
+            flight.turn = turn
             return admission.verdict
         if admission.verdict is not TurnAdmit.FULL:
             return admission.verdict
