@@ -149,11 +149,16 @@ class Ledger:
         return run(self.refresh_chunk_call(name, chunk, lease_ms, reserved, progress))
 
     def refresh_chunk_call(self, name: str, chunk: str, lease_ms: int = LEASE_MS, reserved: int | None = None,
-                           progress: list[int] | None = None) -> Call[bool]:
+                           progress: list[int] | None = None,
+                           turn_progress: Sequence[Sequence[int]] | None = None) -> Call[bool]:
+        """Extend ``chunk``'s lease; in predict, restate what it reserves and how far its requests have got:
+        ``progress`` its one-turn requests', ``turn_progress`` its conversations' running turns by turn bucket
+        (predict's per-turn models count them as "at least this long")."""
         k = self._keys(name)
+        extra = [json.dumps(list(p)) for p in turn_progress] if progress is not None and turn_progress else []
         return Call(self._refresh, [k.chunks, k.resv, k.progress],
                     [chunk, lease_ms, "" if reserved is None else int(reserved),
-                     "" if progress is None else json.dumps(progress)], bool)
+                     "" if progress is None else json.dumps(progress), *extra], bool)
 
     def finish_chunk(self, name: str, chunk: str) -> None:
         run(self.finish_chunk_call(name, chunk))

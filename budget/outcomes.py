@@ -42,6 +42,8 @@ class LengthSample:
     per_turn: list[list[int]] = field(default_factory=list)
     #: the stats hash's ``reached:{j}`` and ``offered:{j}``: how far ended conversations went
     turn_counts: dict[str, int] = field(default_factory=dict)
+    #: the progress of conversations' running turns, by turn bucket (``running`` holds them too)
+    turn_running: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -174,11 +176,20 @@ def parse_commit(reply: Any) -> CommitOutcome:
 def parse_length_sample(reply: Any) -> LengthSample:
     lengths, progress, (prior, max_new, mode) = reply[:3]
     running = [int(x) for row in progress for x in json.loads(row)]
-    per_turn = [[int(x) for x in rows] for rows in reply[3:-1]] if len(reply) > 3 else []
-    flat = reply[-1] if len(reply) > 3 else []
-    counts = {text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+    per_turn: list[list[int]] = []
+    counts: dict[str, int] = {}
+    turn_running: list[list[int]] = [[] for _ in range(TURN_BUCKETS)]
+    if len(reply) > 3:  # called with the per-turn keys (Ledger.length_sample_call does)
+        per_turn = [[int(x) for x in rows] for rows in reply[3:3 + TURN_BUCKETS]]
+        flat = reply[3 + TURN_BUCKETS]
+        counts = {text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        fields = reply[4 + TURN_BUCKETS]
+        for i in range(0, len(fields), 2):
+            chunk, sep, b = text(fields[i]).rpartition("\x1f")
+            if sep and b.isdigit() and int(b) < TURN_BUCKETS:
+                turn_running[int(b)].extend(int(x) for x in json.loads(fields[i + 1]))
     return LengthSample([int(x) for x in lengths], running, float(prior) if prior else None,
-                        int(max_new or 0), text(mode) if mode else "drain", per_turn, counts)
+                        int(max_new or 0), text(mode) if mode else "drain", per_turn, counts, turn_running)
 
 
 def text(value: Any) -> str:

@@ -116,15 +116,34 @@ REFRESH_CHUNK = _NOW_MS + """
 -- they have got (predict's length model counts running requests as "at least this long").
 -- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] progress hash
 -- ARGV[1] chunk id, ARGV[2] lease length (ms), ARGV[3] tokens reserved by the chunk now, or '' to keep,
--- ARGV[4] JSON list of its running requests' progress in tokens, or '' to keep
+-- ARGV[4] JSON list of its running requests' progress in tokens, or '' to keep; ARGV[5..8] optional, with
+-- ARGV[4]: the progress of its conversations' running turns, by turn bucket 0..3 (JSON lists), kept in the
+-- fields '{chunk}\\31{bucket}' (ARGV[4] then holds its one-turn requests only: an older worker reading every
+-- field of the hash still sees each running request once)
 -- returns 1 if extended, 0 if the chunk is no longer ours (reclaimed after a missed lease, or discarded)
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
 redis.call('ZADD', KEYS[1], now_ms() + tonumber(ARGV[2]), ARGV[1])
 if ARGV[3] ~= '' and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
   redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
-  if ARGV[4] ~= '' then redis.call('HSET', KEYS[3], ARGV[1], ARGV[4]) end
+  if ARGV[4] ~= '' then
+    redis.call('HSET', KEYS[3], ARGV[1], ARGV[4])
+    for i = 5, #ARGV do redis.call('HSET', KEYS[3], ARGV[1] .. '\\31' .. (i - 5), ARGV[i]) end
+  end
 end
 return 1
+"""
+
+# The progress hash's fields of one chunk: its own (one-turn requests) and one per turn bucket of its conversations
+# (refresh_chunk); whoever drops a chunk's progress drops them all.
+_PROGRESS_FIELDS = """
+local function progress_fields(ids)
+  local out = {}
+  for _, id in ipairs(ids) do
+    out[#out + 1] = id
+    for b = 0, 3 do out[#out + 1] = id .. '\\31' .. b end
+  end
+  return out
+end
 """
 
 JOB_META = """
@@ -144,7 +163,9 @@ LENGTH_SAMPLE = """
 -- (lengths:0 .. lengths:3) then the stats hash
 -- returns {the recent completion lengths, the progress hash's values (JSON lists),
 --          {prior_mean, max_new_tokens, mode} (nil where unset)[, each per-turn list, the stats hash's
---          reached:{j} and offered:{j} fields for j = 1..3 as a flat field/value list]}; reads only
+--          reached:{j} and offered:{j} fields for j = 1..3 as a flat field/value list, the progress hash's
+--          fields and values as a flat list (a field '{chunk}\\31{b}' holds turn bucket b's running turns)]};
+-- reads only
 local out = {redis.call('LRANGE', KEYS[1], 0, -1), redis.call('HVALS', KEYS[2]),
              redis.call('HMGET', KEYS[3], 'prior_mean', 'max_new_tokens', 'mode')}
 if #KEYS > 3 then
@@ -161,11 +182,12 @@ if #KEYS > 3 then
     counts[#counts + 1] = values[i] or '0'
   end
   out[#out + 1] = counts
+  out[#out + 1] = redis.call('HGETALL', KEYS[2])
 end
 return out
 """
 
-FINISH_CHUNK = """
+FINISH_CHUNK = _PROGRESS_FIELDS + """
 -- finish_chunk: a chunk's job is over; it is no longer live and reserves nothing.
 -- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] in-flight hash, KEYS[4] progress hash
 -- ARGV[1] chunk id
@@ -173,7 +195,7 @@ FINISH_CHUNK = """
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('HDEL', KEYS[4], unpack(progress_fields({ARGV[1]})))
 return 1
 """
 
@@ -617,7 +639,7 @@ if #canceled > 0 then redis.call('ZADD', KEYS[2], unpack(canceled)) end
 return redis.call('LLEN', KEYS[1])
 """
 
-RECLAIM = _NOW_MS + """
+RECLAIM = _NOW_MS + _PROGRESS_FIELDS + """
 -- reclaim: take back running chunks whose lease expired (their worker died or lost Redis).
 -- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] in-flight hash, KEYS[4] progress hash
 -- returns the reclaimed chunk ids; their samples are then held by nobody and the producer enqueues them
@@ -629,7 +651,7 @@ for i = 1, #ids, 1000 do
   redis.call('ZREM', KEYS[1], unpack(part))
   redis.call('HDEL', KEYS[2], unpack(part))
   redis.call('HDEL', KEYS[3], unpack(part))
-  redis.call('HDEL', KEYS[4], unpack(part))
+  redis.call('HDEL', KEYS[4], unpack(progress_fields(part)))
 end
 return ids
 """

@@ -102,3 +102,27 @@ def test_turn_lengths_and_how_far_conversations_go_are_kept_and_read_back(r: "re
                                   "reached:3": 2, "offered:3": 3}
     models = TurnModels.build(LengthModel(sample.lengths, None, MAX_NEW), sample.per_turn, sample.turn_counts)
     assert models.continuation[3] == pytest.approx((2 + CONTINUATION_PRIOR) / (3 + CONTINUATION_PRIOR))
+
+
+def test_running_turns_progress_is_kept_by_turn_and_dropped_with_the_chunk(r: "redis.Redis") -> None:
+    """refresh_chunk keeps a chunk's one-turn progress in its own field and its conversations' running turns in a
+    field per turn bucket: the pooled model still sees every running request once (an older worker reads every
+    field), each per-turn model sees its own; finish_chunk and reclaim drop them all."""
+    from budget import keys
+    from budget.ledger import Ledger
+    ledger = Ledger(r)
+    ledger.set_budget("ds", None)
+    k = keys.DatasetKeys("ds")
+    for chunk in ("c1", "c2"):
+        r.zadd(k.chunks, {chunk: "+inf"})
+        r.hset(k.resv, chunk, 0)
+    assert ledger.start_chunk("ds", "c1") == "ok" and ledger.start_chunk("ds", "c2") == "ok"
+    from budget.pipeline import run
+    assert run(ledger.refresh_chunk_call("ds", "c1", reserved=10, progress=[5], turn_progress=[[1], [200], [], [9]]))
+    assert run(ledger.refresh_chunk_call("ds", "c2", reserved=10, progress=[7]))
+    sample = ledger.length_sample("ds")
+    assert sorted(sample.running) == [1, 5, 7, 9, 200]
+    assert sample.turn_running == [[1], [200], [], [9]]
+    ledger.finish_chunk("ds", "c1")
+    assert r.hkeys(k.progress) == [b"c2"]
+    assert ledger.length_sample("ds").turn_running == [[], [], [], []]

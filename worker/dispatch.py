@@ -33,7 +33,7 @@ from typing import Any, Callable
 from rq.serializers import JSONSerializer
 
 from budget.ledger import LEASE_MS, Ledger
-from budget.outcomes import Admission, Admit
+from budget.outcomes import TURN_BUCKETS, Admission, Admit, turn_bucket
 from budget.payload import ChunkPayload, SamplePayload, sampling_params_of
 from budget.serverinfo import public_url
 from worker.batch import Batcher, in_thread_until_answered
@@ -403,22 +403,27 @@ class Dispatcher:
             now = time.monotonic()
             reserved: int | None = None
             progress: list[int] | None = None
+            turn_progress: list[list[int]] | None = None
             try:
                 mode, model = await self.length_models.model(rc.dataset)
                 if mode == "predict" and rc.flights:
                     progress = []
                     turn_models = await self._turn_models(rc)
+                    if turn_models is not None:
+                        turn_progress = [[] for _ in range(TURN_BUCKETS)]
                     for f in rc.flights.values():
                         done = self.length_models.rates.progress(now - f.started)
-                        current = (turn_models.current(f.turn, done) if f.conversation and turn_models is not None
-                                   else model.reserve(done, self.length_models.model_error))
-                        f.reserved = current + f.future
-                        progress.append(int(done))
+                        if f.conversation and turn_models is not None and turn_progress is not None:
+                            f.reserved = turn_models.current(f.turn, done) + f.future
+                            turn_progress[turn_bucket(f.turn)].append(int(done))
+                        else:
+                            f.reserved = model.reserve(done, self.length_models.model_error) + f.future
+                            progress.append(int(done))
                     reserved = sum(f.reserved for f in rc.flights.values())
                 elif now - last_lease < LEASE_MS / 4000:
                     continue
-                ok = await self.batcher.call(self.ledger.refresh_chunk_call(rc.dataset, rc.id, reserved=reserved,
-                                                                            progress=progress))
+                ok = await self.batcher.call(self.ledger.refresh_chunk_call(
+                    rc.dataset, rc.id, reserved=reserved, progress=progress, turn_progress=turn_progress))
                 last_lease = now
             except Exception as exc:  # Redis hiccup: keep trying; the lease has slack for three misses
                 log.warning("lease refresh for %s failed: %s", rc.id, exc)

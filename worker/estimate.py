@@ -30,9 +30,11 @@ among ended conversations that had a turn j planned (``bq:ds:{n}:stats`` ``reach
 by ``end_conversation``), weighs turn j's expected length. Pseudo-counts keep it at 1 (reserve every planned turn,
 the upper bound) until conversations have ended.
 
-The running turn is priced as a single-turn request is, E[L_j | L_j > progress] (``LengthModel``); the turns after it at their expected length. The per-turn models do not count running requests as censored
-observations (the pooled model does): their lists fill from the turns that ended, which is an unbiased sample of
-turn j's lengths once a few hundred have, long before a budget of any size closes.
+The running turn is priced as a single-turn request is, E[L_j | L_j > progress] (``LengthModel``); the turns after it
+at their expected length. Each per-turn model counts that turn's running requests as censored observations, as
+the pooled model counts every running request: the worker restates their progress by turn bucket (the progress
+hash's fields ``{chunk}\x1f{j}``), so a model is not biased short while the long turns it will see are still
+running, which near a close is most of them.
 
 The worker keeps one model per dataset (``LengthModels``: the pooled model and the per-turn ones), rebuilt from
 Redis every few seconds without ever making its event loop wait.
@@ -203,11 +205,13 @@ class TurnModels:
 
     @classmethod
     def build(cls, pooled: LengthModel, per_turn: Sequence[Sequence[int]], counts: Mapping[str, int],
-              z: float = 0.0) -> "TurnModels":
-        """From the pooled model (the prior), each bucket's recent lengths (missing buckets: none yet) and the
-        stats hash's ``reached:{j}`` / ``offered:{j}`` counts."""
+              z: float = 0.0, running: Sequence[Sequence[int]] = ()) -> "TurnModels":
+        """From the pooled model (the prior), each bucket's recent lengths (missing buckets: none yet), the
+        stats hash's ``reached:{j}`` / ``offered:{j}`` counts, and each bucket's running turns' progress (censored
+        observations: "at least this long")."""
         prior = pooled.mean()
-        models = tuple(LengthModel(list(per_turn[j]) if j < len(per_turn) else [], prior, pooled.max_new)
+        models = tuple(LengthModel(list(per_turn[j]) if j < len(per_turn) else [], prior, pooled.max_new,
+                                   running=list(running[j]) if j < len(running) else [])
                        for j in range(TURN_BUCKETS))
         shares = [1.0]
         for j in range(1, TURN_BUCKETS):
@@ -313,7 +317,8 @@ class LengthModels:
         sample = await self.fetch(dataset)
         pooled = LengthModel(sample.lengths, sample.prior_mean, sample.max_new_tokens, running=sample.running)
         self._models[dataset] = (time.monotonic(), sample.mode, pooled,
-                                 TurnModels.build(pooled, sample.per_turn, sample.turn_counts, self.model_error))
+                                 TurnModels.build(pooled, sample.per_turn, sample.turn_counts, self.model_error,
+                                                  sample.turn_running))
 
     def _refreshed(self, dataset: str, done: "asyncio.Task[None]") -> None:
         self._refreshing.pop(dataset, None)
