@@ -126,3 +126,19 @@ def test_running_turns_progress_is_kept_by_turn_and_dropped_with_the_chunk(r: "r
     ledger.finish_chunk("ds", "c1")
     assert r.hkeys(k.progress) == [b"c2"]
     assert ledger.length_sample("ds").turn_running == [[], [], [], []]
+
+
+def test_a_conversations_spread_adds_its_turns_spreads_in_quadrature() -> None:
+    """predict's margin and taper for a new conversation are multiples of its whole spread: with turns alike,
+    sqrt(turns) x one turn's; with later turns longer (and wider), more; weighed by the share that gets there."""
+    import math
+    same = [lognormal(3800, 3000, 7)] * 3
+    models = TurnModels.build(LengthModel(same[0], None, MAX_NEW), same, {})
+    one = models.model(0).sd()
+    assert models.sd(1) == pytest.approx(one)
+    assert models.sd(3) == pytest.approx(math.sqrt(3) * one, rel=0.01)
+    wider = [lognormal(3800, 3000, 8), lognormal(7600, 3000, 9), lognormal(11400, 3000, 10)]
+    assert TurnModels.build(LengthModel(wider[0], None, MAX_NEW), wider, {}).sd(3) > 2 * models.sd(3) / math.sqrt(3)
+    half = TurnModels.build(LengthModel(same[0], None, MAX_NEW), same,
+                            {"offered:1": 1000, "reached:1": 0, "offered:2": 1000, "reached:2": 0})
+    assert half.sd(3) < models.sd(2)  # almost none go on: little more than turn 0's spread

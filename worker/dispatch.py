@@ -231,23 +231,24 @@ class Dispatcher:
         conversation's expected tokens for all its turns (turn 0 and the later ones, each priced by its own
         model: ``TurnModels.conversation``), so that the conversations it lets start fit the budget to the end
         (docs/budget.md). They go in one round trip all the same."""
-        margin, taper = self.config.predict_margin * sd, self.config.predict_taper * sd
         groups: dict[int, list[int]] = {}
         for i, sample in enumerate(batch):
             groups.setdefault(sample.get("turns", 1) if rc.chunk.get("conversation") else 1, []).append(i)
 
-        def price(turns: int) -> int:
-            if turns == 1:
-                return expected
-            return turn_models.conversation(turns) if turn_models is not None else expected * turns
+        def call(turns: int, ids: list[str]) -> Any:
+            """A conversation is priced whole, and its margin and taper are multiples of its whole spread."""
+            price, spread = expected, sd
+            if turns > 1:
+                price = turn_models.conversation(turns) if turn_models is not None else expected * turns
+                spread = turn_models.sd(turns) if turn_models is not None else sd
+            return self.batcher.call_until_answered("admit", self.ledger.admit_call(
+                rc.dataset, ids, rc.id, price, self.config.predict_margin * spread,
+                self.config.predict_taper * spread))
 
         if len(groups) == 1:
             (turns,) = groups
-            return await self.batcher.call_until_answered("admit", self.ledger.admit_call(
-                rc.dataset, [s["id"] for s in batch], rc.id, price(turns), margin, taper))
-        replies = await asyncio.gather(*(self.batcher.call_until_answered("admit", self.ledger.admit_call(
-            rc.dataset, [batch[i]["id"] for i in at], rc.id, price(turns), margin, taper))
-            for turns, at in groups.items()))
+            return await call(turns, [s["id"] for s in batch])
+        replies = await asyncio.gather(*(call(turns, [batch[i]["id"] for i in at]) for turns, at in groups.items()))
         verdicts: list[Admission] = [Admission(Admit.REVOKED, 0)] * len(batch)
         for at, got in zip(groups.values(), replies):
             for i, admission in zip(at, got):

@@ -236,6 +236,19 @@ class TurnModels:
             total += reach * self.model(j).reserve(0.0, self.z)
         return round(total)
 
+    def sd(self, planned: int) -> float:
+        """The spread of a new conversation's whole cost: its turns' spreads added in quadrature, each weighed by
+        the chance the conversation gets there (predict's margin and taper for conversations are multiples of it,
+        as a single-turn request's are of sd(L): a conversation in flight is a sum of turns, and near a close
+        what it may still add is that wide)."""
+        variance = 0.0
+        reach = 1.0
+        for j in range(planned):
+            if j:
+                reach *= self.continuation[turn_bucket(j)]
+            variance += reach * self.model(j).sd() ** 2
+        return math.sqrt(variance)
+
     def conversation(self, planned: int) -> int:
         """What a new conversation of ``planned`` turns reserves when it is admitted: turn 0 and the rest."""
         return self.current(0, 0.0) + self.future(0, planned)
