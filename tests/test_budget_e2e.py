@@ -12,8 +12,9 @@ import pytest
 import redis
 
 from budget import keys
-from tests.procs import produce_cmd, read_jsonl, sim_stats, wait_for
-from tests.test_e2e import CODE, GLAIVE, TRACES, check_exact, produce
+from tests.demo_data import CODE, GLAIVE, TRACES
+from tests.exactly_once import check_exact
+from tests.procs import produce, produce_cmd, read_jsonl, sim_stats, wait_for
 
 
 @pytest.mark.parametrize("mode", ["drain", "predict", "strict"])

@@ -54,7 +54,7 @@ import redis
 
 from tests.procs import read_jsonl  # only newline-terminated lines: the stack may still be writing
 from tests.redis_server import free_port
-from tests.test_compose import (
+from tests.compose_file import (
     COMPOSE,
     DEPLOYMENT_DOC,
     MissingVariable,

@@ -12,28 +12,9 @@ import pytest
 import redis
 
 from budget import keys
-from tests.procs import produce_cmd, read_jsonl, sim_stats, wait_for
-
-DATA = Path(__file__).resolve().parent.parent / "demo" / "data"
-GLAIVE = DATA / "glaive_fc.jsonl"  # 120 samples
-CODE = DATA / "code_instruct.jsonl"  # 150 samples
-TRACES = DATA / "agent_traces.jsonl"  # 80 samples
-
-
-def produce(args: list[str], redis_url: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*produce_cmd(), *args, "--redis-url", redis_url], capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def check_exact(r: "redis.Redis", out: Path, name: str) -> list[dict[str, Any]]:
-    """The promise: no id twice, and the counter equals Sum(completion_tokens) in the file."""
-    recs = read_jsonl(out / name / "raw_responses.jsonl")
-    ids = [x["id"] for x in recs]
-    assert len(ids) == len(set(ids)), f"{name}: duplicate ids in the output"
-    used = int(r.get(keys.DatasetKeys(name).used) or 0)
-    assert used == sum(x["completion_tokens"] for x in recs), f"{name}: counter drift"
-    assert r.hlen(keys.DatasetKeys(name).done) == len(recs)
-    return recs
+from tests.demo_data import CODE, GLAIVE, TRACES
+from tests.exactly_once import check_exact
+from tests.procs import produce, produce_cmd, read_jsonl, sim_stats, wait_for
 
 
 def test_budget_hit_and_unbudgeted_complete(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,

@@ -12,9 +12,9 @@ import redis
 from budget import keys
 from producer.generations import derived_seed, sample_key
 from tests import sim_log
-from tests.procs import read_jsonl
-from tests.test_e2e import CODE, produce
-from tests.test_turns_producer import DS as CHATS, SIM_ARGS, write_dataset
+from tests.chats import DS as CHATS, SIM_ARGS, write_dataset
+from tests.demo_data import CODE
+from tests.procs import produce, read_jsonl
 
 CODE_DS = "code_instruct"
 

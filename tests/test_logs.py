@@ -18,7 +18,8 @@ from click.testing import CliRunner
 from budget import logs
 from producer.cli import main
 from sglang_sim.responses import VERSION
-from tests.test_e2e import GLAIVE, produce
+from tests.demo_data import GLAIVE
+from tests.procs import produce
 
 TS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 

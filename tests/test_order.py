@@ -16,9 +16,9 @@ import redis
 from budget import keys
 from producer.enqueue import ASSUMED_WORKERS, MIN_CHUNK, TAIL_SPREAD, chunk_size_for
 from producer.order import FILE, RANDOM, Order, choose, permute, rank
-from tests.procs import produce_cmd, read_jsonl, wait_for
-from tests.test_e2e import check_exact, produce
-from tests.test_enqueue import job_payloads
+from tests.exactly_once import check_exact
+from tests.procs import produce, produce_cmd, read_jsonl, wait_for
+from tests.rq_jobs import job_payloads
 
 HALF = 100  # topic A: ids a-0..a-99 (the file's first half), topic B: b-0..b-99
 

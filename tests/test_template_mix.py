@@ -21,10 +21,9 @@ from budget.payload import CONVERSATION_VERSION, TEMPLATE_KWARGS_VERSION, VERSIO
 from producer.generations import sample_key, split_key
 from producer.templatemix import MixError, TemplateMix, labels, variant
 from tests import sim_log
-from tests.procs import read_jsonl
-from tests.test_e2e import produce
-from tests.test_enqueue import job_payloads
-from tests.test_turns_producer import DS, SIM_ARGS, write_dataset
+from tests.chats import DS, MESSAGES, SIM_ARGS, write_dataset
+from tests.procs import produce, read_jsonl
+from tests.rq_jobs import job_payloads
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
@@ -112,7 +111,6 @@ def test_chunks_carry_each_samples_kwargs_and_its_rendering(tmp_path: Path, hybr
     such chunks are version 3; run.json stores the mix."""
     from producer.prepare import first_turn
     from producer.render import Renderer, load_tokenizer
-    from tests.test_turns_producer import MESSAGES
     out = tmp_path / "out"
     res = produce([str(write_dataset(tmp_path)), "--tokenizer", str(hybrid_dir), "--max-tokens", "16",
                    "--out", str(out), "--generations", "3", "--template-kwargs-mix", "enable_thinking=true,false",

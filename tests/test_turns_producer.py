@@ -24,25 +24,8 @@ from producer.prepare import ALL, LAST, Inputs, choose_turns, load_inputs
 from producer.render import Renderer, load_tokenizer
 from producer.run import Producer, RunOptions
 from producer.status import all_status, status_table
-from tests.test_enqueue import job_payloads
-
-DS = "chats"
-SYSTEM = {"role": "system", "content": "Be brief."}
-MESSAGES: dict[str, list[dict[str, Any]]] = {
-    "one": [{"role": "user", "content": "Only one question here."}],
-    "two": [{"role": "user", "content": "Hello there."}, {"role": "assistant", "content": "Hi, how can I help?"},
-            {"role": "user", "content": "Tell me a story about a cat."}],
-    "three": [{"role": "user", "content": "First question."}, {"role": "assistant", "content": "First answer."},
-              {"role": "user", "content": "Second question."}, {"role": "assistant", "content": "Second answer."},
-              {"role": "user", "content": "Third question."},
-              {"role": "assistant", "content": "The old answer, dropped."}],
-}
-
-
-def write_dataset(directory: Path) -> Path:
-    path = directory / f"{DS}.jsonl"
-    path.write_text("".join(json.dumps({"id": sid, "messages": m}) + "\n" for sid, m in MESSAGES.items()))
-    return path
+from tests.chats import DS, MESSAGES, SIM_ARGS, SYSTEM, write_dataset
+from tests.rq_jobs import job_payloads
 
 
 def inputs_for(tmp_path: Path, tokenizer: Path, turns: str, max_context: int | None = None,
@@ -325,8 +308,6 @@ def test_the_manifest_counts_conversations_by_why_they_stopped() -> None:
     assert (stats.incomplete, stats.multi_turn, stats.turns) == (2, 1, 4)
 
 
-SIM_ARGS = ("--tokens-per-second-per-request", "2000", "--prefix-cache-pages", "0", "--prefill-tokens-per-second", "0",
-            "--length-dist", "fixed", "--mean-tokens", "12", "--reasoning-fraction", "0")
 DATASET_ANSWERS = ("Hi, how can I help?", "First answer.", "Second answer.", "The old answer, dropped.")
 
 
