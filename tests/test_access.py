@@ -102,6 +102,7 @@ def whole_run(url: str, admin: "redis.Redis", tmp_path: Path, tokenizer_dir: Pat
     return res
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("rules", [RECOMMENDED, LEAST], ids=["recommended", "command-list"])
 def test_whole_run_as_a_least_privilege_acl_user(rules: list[str], tmp_path: Path, tokenizer_dir: Path,
                                                   sim_factory: Any) -> None:
@@ -210,6 +211,7 @@ def certs(tmp_path: Path) -> Iterator[Path]:
     yield d
 
 
+@pytest.mark.e2e
 def test_whole_run_over_tls(certs: Path, tmp_path: Path, tokenizer_dir: Path, sim_factory: Any) -> None:
     port = free_port()
     url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={certs / 'ca.crt'}"

@@ -615,6 +615,7 @@ def stack_holder() -> Iterator[list[Stack]]:
 
 # ------------------------------------------------------------------------------------ the test
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_sim_profile_runs_the_documented_sample_job(tmp_path: Path, tokenizer_dir: Path,
                                                     stack_holder: list[Stack],

@@ -200,6 +200,7 @@ def busy_workers(r: "redis.Redis", names: list[str]) -> dict[str, str]:
     return out
 
 
+@pytest.mark.e2e
 def test_every_page_works_in_a_browser_while_workers_are_busy(
         dashboard: Dashboard, r: "redis.Redis", sim_factory: Callable[..., Any],
         workers: Callable[..., Any]) -> None:

@@ -16,6 +16,8 @@ from tests.demo_data import CODE, GLAIVE, TRACES
 from tests.exactly_once import check_exact
 from tests.procs import produce, produce_cmd, read_jsonl, sim_stats, wait_for
 
+pytestmark = pytest.mark.e2e
+
 
 def test_budget_hit_and_unbudgeted_complete(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                             tmp_path: Path, sim_factory: Any, workers: Any) -> None:

@@ -155,6 +155,7 @@ def batch_shape(tx: list[str], dataset: str) -> tuple[list[str], list[str]]:
     return pushed, holders[0::2]
 
 
+@pytest.mark.e2e
 def test_detach_sends_a_dataset_in_atomic_batches(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                   tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     """150 one-sample chunks: 3 MULTI/EXEC of 64, 64 and 22 chunks, each with its bookkeeping; then real workers

@@ -11,6 +11,7 @@ import random as stdlib_random
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from budget import keys
@@ -114,6 +115,7 @@ def assert_prefix(ids: list[str], order: list[str]) -> None:
     assert set(ids) == set(order[:len(ids)]), "not the first prompts of the order"
 
 
+@pytest.mark.e2e
 def test_budget_keeps_an_unbiased_prefix_stable_across_reattach_and_rerun(
         redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
         workers: Any) -> None:
@@ -173,6 +175,7 @@ def test_budget_keeps_an_unbiased_prefix_stable_across_reattach_and_rerun(
     assert_prefix(kept, ALL_IDS)
 
 
+@pytest.mark.e2e
 def test_max_samples_takes_the_first_n_of_the_order(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                     tmp_path: Path) -> None:
     data = topic_file(tmp_path / "topics.jsonl")
@@ -198,6 +201,7 @@ def test_max_samples_takes_the_first_n_of_the_order(redis_url: str, r: "redis.Re
     assert changed.returncode == 2 and "order: stored" in changed.stderr, changed.stderr
 
 
+@pytest.mark.e2e
 def test_a_run_stored_before_order_resumes_in_file_order(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                          tmp_path: Path) -> None:
     data = topic_file(tmp_path / "topics.jsonl")

@@ -407,6 +407,7 @@ def test_huge_integer_is_a_bad_line_not_a_crash(tmp_path: Path) -> None:
     assert reason.startswith("not valid JSON (Exceeds the limit")
 
 
+@pytest.mark.serial
 def test_hundred_thousand_lines_read_fast(tmp_path: Path) -> None:
     path = tmp_path / "big.jsonl"
     with path.open("w") as f:

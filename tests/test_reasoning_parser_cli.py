@@ -75,6 +75,7 @@ def _queued_payloads(r: "redis.Redis") -> list[dict[str, Any]]:
     return out
 
 
+@pytest.mark.e2e
 def test_stored_in_run_json_chunks_and_records_and_an_old_run_resumes_as_it_began(
         redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
         workers: Any) -> None:

@@ -18,6 +18,8 @@ from tests.exactly_once import check_exact
 from tests.procs import Workers, produce, produce_cmd, read_jsonl, sim_stats, wait_for
 from tests.redis_server import RedisServer
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[RedisServer]:

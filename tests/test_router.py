@@ -22,7 +22,7 @@ from tests.demo_data import CODE, GLAIVE
 from tests.exactly_once import check_exact
 from tests.procs import produce, produce_cmd, read_jsonl, sim_stats, wait_for
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 ROUTER_WARNING = "is SGLang's router; it does not report its --request-timeout-secs"
 

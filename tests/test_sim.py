@@ -25,7 +25,7 @@ from sglang_sim.server import STATE, make_app
 from sglang_sim.textgen import Lexicon, OutputPlan, render
 from tests.sim_inprocess import FAST, SLOW, gen_body, post, run, sim_and_client, until
 
-pytestmark = pytest.mark.timeout(20)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(20)]
 
 
 # -- the response contract --------------------------------------------------------------------

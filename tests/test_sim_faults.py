@@ -25,7 +25,7 @@ from tests.sim_inprocess import FAST, SLOW, gen_body, post, run, sim_and_client,
 from worker.config import WorkerConfig
 from worker.sglang import GenerateError, SGLangClient
 
-pytestmark = pytest.mark.timeout(20)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(20)]
 
 INSTANT = SimConfig(zero_latency=True)
 MAX_NEW = 300

@@ -162,6 +162,7 @@ def test_another_mix_on_a_rerun_is_a_settings_change(tmp_path: Path, hybrid_dir:
 
 
 # -- end to end ------------------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_every_turn_is_rendered_with_the_kwargs_its_sample_drew(redis_url: str, r: "redis.Redis", hybrid_dir: Path,
                                                                 tmp_path: Path, sim_factory: Any,
                                                                 workers: Any) -> None:

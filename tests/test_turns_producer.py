@@ -311,6 +311,7 @@ def test_the_manifest_counts_conversations_by_why_they_stopped() -> None:
 DATASET_ANSWERS = ("Hi, how can I help?", "First answer.", "Second answer.", "The old answer, dropped.")
 
 
+@pytest.mark.e2e
 def test_produce_regenerates_every_turn_on_real_workers(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                         tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     """`produce` (the default --turns all) with a real `rq worker` and the simulator: one record per
