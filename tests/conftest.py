@@ -13,6 +13,22 @@ if TYPE_CHECKING:
     from sglang_sim.launch import SimProcess
     from tests.procs import Workers
 
+#: The timeout of a test marked ``e2e`` that sets none of its own: it runs real processes end to end (rq workers,
+#: produce, the simulator), waits out leases and kills, and may share the machine with the other xdist workers. Every
+#: other test has setup.cfg's ``timeout``, sized for a unit test.
+E2E_TIMEOUT_S = 300
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give e2e tests their timeout; under pytest-xdist (``make test``), also hand them out first: they are most of
+    the suite's time, and one started last would run alone while the other workers idle. Each xdist worker collects
+    and orders alike (xdist checks that), and the order within each group is the collection order."""
+    for item in items:
+        if item.get_closest_marker("e2e") and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
+    if hasattr(config, "workerinput"):  # an xdist worker: this order is the one the scheduler hands out
+        items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+
 
 @pytest.fixture(autouse=True)
 def _budgetq_logging_restored() -> Iterator[None]:

@@ -18,6 +18,12 @@ def produce_cmd() -> list[str]:
     return [sys.executable, "-m", "producer.cli"]
 
 
+def produce(args: list[str], redis_url: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """`produce ARGS --redis-url REDIS_URL` as a user runs it, to its end; its output captured as text."""
+    return subprocess.run([*produce_cmd(), *args, "--redis-url", redis_url], capture_output=True, text=True,
+                          timeout=timeout)
+
+
 class Workers:
     """`rq worker -w worker.Worker -c worker.settings` subprocesses, exactly as users start them."""
 

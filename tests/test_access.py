@@ -20,9 +20,10 @@ from typing import Any, Iterator, Sequence
 import pytest
 import redis
 
-from tests.procs import Workers, produce_cmd, read_jsonl, wait_for
+from tests.demo_data import CODE, GLAIVE
+from tests.exactly_once import check_exact
+from tests.procs import Workers, produce, produce_cmd, read_jsonl, wait_for
 from tests.redis_server import free_port
-from tests.test_e2e import CODE, GLAIVE, check_exact, produce
 
 PASSWORD = "budgetq-acl-test-pw"
 #: What docs/reliability.md recommends: budgetq's and RQ's keys and channels, every command but the dangerous
@@ -101,6 +102,7 @@ def whole_run(url: str, admin: "redis.Redis", tmp_path: Path, tokenizer_dir: Pat
     return res
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("rules", [RECOMMENDED, LEAST], ids=["recommended", "command-list"])
 def test_whole_run_as_a_least_privilege_acl_user(rules: list[str], tmp_path: Path, tokenizer_dir: Path,
                                                   sim_factory: Any) -> None:
@@ -168,7 +170,8 @@ def operate(url: str, tmp_path: Path) -> str:
         metrics.terminate()
         metrics.wait(10)
 
-    from tests.test_dashboard import GOOD, Dashboard
+    pytest.importorskip("rq_dashboard")  # without it this test is skipped, as tests/test_dashboard.py is
+    from tests.dashboard_proc import GOOD, Dashboard
     dash = Dashboard(url, tmp_path)
     try:
         for path in ("/0/data/queues.json", "/0/data/jobs/budgetq/canceled/8/asc/1.json",
@@ -208,6 +211,7 @@ def certs(tmp_path: Path) -> Iterator[Path]:
     yield d
 
 
+@pytest.mark.e2e
 def test_whole_run_over_tls(certs: Path, tmp_path: Path, tokenizer_dir: Path, sim_factory: Any) -> None:
     port = free_port()
     url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={certs / 'ca.crt'}"

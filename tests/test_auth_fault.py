@@ -11,11 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from budget import keys
+from tests.demo_data import GLAIVE
+from tests.exactly_once import check_exact
 from tests.procs import produce_cmd, read_jsonl, sim_stats
-from tests.test_e2e import GLAIVE, check_exact
+
+pytestmark = pytest.mark.e2e
 
 SECRET = "sk-right-key-5b1e"
 WRONG = "sk-wrong-key-9c2d"

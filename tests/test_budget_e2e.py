@@ -12,10 +12,12 @@ import pytest
 import redis
 
 from budget import keys
-from tests.procs import produce_cmd, read_jsonl, sim_stats, wait_for
-from tests.test_e2e import CODE, GLAIVE, TRACES, check_exact, produce
+from tests.demo_data import CODE, GLAIVE, TRACES
+from tests.exactly_once import check_exact
+from tests.procs import produce, produce_cmd, read_jsonl, sim_stats, wait_for
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["drain", "predict", "strict"])
 def test_every_mode_counts_exactly(mode: str, redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                    tmp_path: Path, sim_factory: Any, workers: Any) -> None:
@@ -40,6 +42,7 @@ def test_every_mode_counts_exactly(mode: str, redis_url: str, r: "redis.Redis", 
     assert sim_stats(sim.url)["completed"] == len(recs)
 
 
+@pytest.mark.e2e
 def test_reservations_expire_after_kill9_of_a_worker(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                      tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     sim = sim_factory("--tokens-per-second-per-request", "100", "--mean-tokens", "300", "--seed", "8")
@@ -67,6 +70,7 @@ def test_reservations_expire_after_kill9_of_a_worker(redis_url: str, r: "redis.R
     assert sum(x["completion_tokens"] for x in recs) >= 15_000
 
 
+@pytest.mark.e2e
 def test_lowering_then_raising_a_budget_mid_run(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                 tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     sim = sim_factory("--tokens-per-second-per-request", "200", "--mean-tokens", "200", "--seed", "9")
@@ -140,6 +144,7 @@ def test_dry_run_pilot_sends_only_pilot_requests(redis_url: str, r: "redis.Redis
     assert r.dbsize() == 0
 
 
+@pytest.mark.e2e
 def test_status_shows_progress_as_json_and_table(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                  tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     sim = sim_factory("--time-scale", "50", "--mean-tokens", "100")
@@ -162,6 +167,7 @@ def test_status_shows_progress_as_json_and_table(redis_url: str, r: "redis.Redis
     assert "agent_traces" in table.stdout and "strict" in table.stdout
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("taper", ["2", "0"])
 def test_predict_taper_lands_within_one_request(taper: str, redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                 tmp_path: Path, sim_factory: Any, workers: Any) -> None:

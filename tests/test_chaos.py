@@ -14,6 +14,8 @@ import pytest
 from bench.chaos import make_ctx, run_scenario
 from bench.chaos_run import SCALES
 
+pytestmark = pytest.mark.e2e
+
 
 def run_ci(name: str, tmp_path: Path, tokenizer_dir: Path) -> None:
     res = run_scenario(name, make_ctx(SCALES["ci"], tmp_path, tokenizer_dir))

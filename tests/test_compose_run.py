@@ -5,7 +5,7 @@ processes, driven only by what docker-compose.yml and docs/deployment.md say:
 
 - the docs' `.env` block (a fenced block of KEY=VALUE lines holding RQ_DASHBOARD_PASSWORD) and the variables
   prefixed to the documented `docker compose --profile sim up` command are the environment; the whole compose
-  file is interpolated with it (tests/test_compose.py's `interpolate`), so a `${VAR:?}` the docs do not set fails;
+  file is interpolated with it (tests/compose_file.py's `interpolate`), so a `${VAR:?}` the docs do not set fails;
 - every service the `up` command starts (no profile, or a profile it names) is started in `depends_on` order as
   its compose `command`/`entrypoint` with its `environment` (over the Dockerfile's ENV for our image), in a
   working directory of its own with its volumes linked in (named volumes are temp dirs, bind mounts resolve
@@ -54,7 +54,7 @@ import redis
 
 from tests.procs import read_jsonl  # only newline-terminated lines: the stack may still be writing
 from tests.redis_server import free_port
-from tests.test_compose import (
+from tests.compose_file import (
     COMPOSE,
     DEPLOYMENT_DOC,
     MissingVariable,
@@ -615,6 +615,7 @@ def stack_holder() -> Iterator[list[Stack]]:
 
 # ------------------------------------------------------------------------------------ the test
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_sim_profile_runs_the_documented_sample_job(tmp_path: Path, tokenizer_dir: Path,
                                                     stack_holder: list[Stack],

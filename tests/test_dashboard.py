@@ -11,18 +11,14 @@ Queues, Jobs and Workers pages, through basic auth, and each must show its conte
 """
 from __future__ import annotations
 
-import base64
 import html
 import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -31,66 +27,14 @@ import redis
 
 from budget.ledger import Ledger
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from tests.dashboard_proc import AUTH, BAD, GOOD, Dashboard
 from tests.procs import wait_for
 from tests.redis_server import RedisServer, free_port
 from worker.trip import CLOSE_REASON
 
 pytest.importorskip("rq_dashboard")
 
-ROOT = Path(__file__).resolve().parents[1]
-AUTH = {"RQ_DASHBOARD_USERNAME": "dash-test-user", "RQ_DASHBOARD_PASSWORD": "dash-test-password"}
-GOOD = {"Authorization": "Basic " + base64.b64encode(
-    f"{AUTH['RQ_DASHBOARD_USERNAME']}:{AUTH['RQ_DASHBOARD_PASSWORD']}".encode()).decode()}
-BAD = {"Authorization": "Basic " + base64.b64encode(f"{AUTH['RQ_DASHBOARD_USERNAME']}:wrong".encode()).decode()}
 OPEN, CLOSED = "glaive_fc", "code_instruct"
-
-
-def compose_dashboard_argv(redis_url: str, port: int) -> list[str]:
-    """The compose service's command, pointed at this session's Redis and bound on loopback."""
-    yaml = pytest.importorskip("yaml")
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    args = [str(a) for a in compose["services"]["dashboard"]["command"]]
-    assert args[:2] == ["produce", "dashboard"]
-    for flag, value in (("--redis-url", redis_url), ("--host", "127.0.0.1"), ("--port", str(port))):
-        args[args.index(flag) + 1] = value
-    assert not any("$" in a for a in args), args
-    return args
-
-
-class Dashboard:
-    """A `produce dashboard` process on a free loopback port; `request` talks to it over HTTP."""
-
-    def __init__(self, redis_url: str, logdir: Path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "producer.cli", *compose_dashboard_argv(redis_url, self.port)[1:]]
-        with open(logdir / "rq-dashboard.log", "wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                         env={**os.environ, **AUTH, "PYTHONPATH": str(ROOT)})
-        deadline = time.monotonic() + 20
-        while self.request("GET", "/")[0] != 401:  # up, and refusing the unauthenticated
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"rq-dashboard did not start: {(logdir / 'rq-dashboard.log').read_text()}")
-            time.sleep(0.05)  # polling a port that is coming up: there is no event to await
-
-    def request(self, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-        req = urllib.request.Request(self.base + path, method=method, headers=headers or {},
-                                     data=b"" if method == "POST" else None)
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                return resp.status, resp.read()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read()
-        except OSError:
-            return 0, b""
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +200,7 @@ def busy_workers(r: "redis.Redis", names: list[str]) -> dict[str, str]:
     return out
 
 
+@pytest.mark.e2e
 def test_every_page_works_in_a_browser_while_workers_are_busy(
         dashboard: Dashboard, r: "redis.Redis", sim_factory: Callable[..., Any],
         workers: Callable[..., Any]) -> None:

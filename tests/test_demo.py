@@ -11,6 +11,8 @@ import pytest
 
 from demo.run import find_redis_server
 
+pytestmark = pytest.mark.e2e
+
 DATA = Path(__file__).parent.parent / "demo" / "data"
 
 

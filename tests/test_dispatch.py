@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest
@@ -21,12 +21,15 @@ from budget import keys
 from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from tests.dispatcher import dispatcher, until
 from tests.procs import sim_stats
 from tests.redis_server import RedisServer
 from worker.config import WorkerConfig
 from worker.dispatch import Dispatcher
 from worker.running import ChunkReport
 from worker.sglang import SGLangClient
+
+pytestmark = pytest.mark.serial
 
 DS = "ds"
 #: 100 tokens/s per request: a SLOW request (400 tokens) takes ~4 s, a FAST one (2 tokens) ~20 ms.
@@ -51,35 +54,6 @@ def enqueue(r: "redis.Redis", ids: list[str], max_new: int) -> ChunkPayload:
 def in_flight(d: Dispatcher) -> int:
     """Requests ``d`` has started and not yet seen end, over all its running chunks."""
     return sum(len(rc.flights) for rc in d.running.values())
-
-
-@contextlib.asynccontextmanager
-async def dispatcher(redis_url: str, sim_url: str, concurrency: int, **config: Any) -> AsyncIterator[Dispatcher]:
-    """A Dispatcher as worker/runtime.py builds one, on this event loop; drained and closed on exit."""
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-    cfg = WorkerConfig(servers=(sim_url,), concurrency=concurrency, retry_for=120.0, **config)
-    d = Dispatcher(Ledger(redis.Redis.from_url(redis_url)), SGLangClient(session, cfg), cfg)
-    try:
-        yield d
-    finally:
-        await asyncio.wait_for(d.drain(), 120)
-        # The job-meta writes are sent without being awaited (Dispatcher._write_meta): let them go out first.
-        await until(lambda: not d.batcher._calls and not d.batcher._busy, "the last job-meta writes")
-        await session.close()
-        d.batcher.close()
-
-
-async def until(pred: Callable[[], bool | Awaitable[bool]], what: str, timeout: float = 60.0) -> None:
-    """Await a state of this loop's own objects (or of another process when ``pred`` is a coroutine function)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        got = pred()
-        if not isinstance(got, bool):
-            got = await got
-        if got:
-            return
-        assert asyncio.get_running_loop().time() < deadline, f"timed out after {timeout} s waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 # -- FULL admission ----------------------------------------------------------------------------------------

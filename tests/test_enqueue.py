@@ -26,34 +26,17 @@ from typing import Any
 
 import pytest
 import redis
-from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from budget import keys
 from producer.enqueue import (BATCH_CHUNKS, ZLIB_LEVEL, ChunkJob, ChunkSerializer, Item, JobSettings,
                               enqueue_chunks, make_queue)
-from tests.procs import produce_cmd, read_jsonl
+from tests.demo_data import CODE
+from tests.procs import produce, produce_cmd, read_jsonl
+from tests.rq_jobs import job_payloads, rq_reader
 
-DATA = Path(__file__).resolve().parent.parent / "demo" / "data"
-CODE = DATA / "code_instruct.jsonl"  # 150 samples
 SETTINGS = JobSettings()
-
-
-def rq_reader(r: "redis.Redis") -> Queue:
-    """The queue as a worker sees it: RQ's own Job class and JSON serializer."""
-    return Queue(keys.QUEUE_NAME, connection=r, serializer=JSONSerializer)
-
-
-def job_payloads(r: "redis.Redis") -> list[dict[str, Any]]:
-    """The payload of every queued chunk job, in queue order, read as a worker reads it."""
-    queue = rq_reader(r)
-    out = []
-    for raw in r.lrange(keys.RQ_QUEUE, 0, -1):
-        job = queue.fetch_job(raw.decode())
-        assert job is not None
-        out.append(job.args[0])
-    return out
 
 
 def test_job_data_is_standard_json_that_rq_reads(r: "redis.Redis") -> None:
@@ -172,11 +155,7 @@ def batch_shape(tx: list[str], dataset: str) -> tuple[list[str], list[str]]:
     return pushed, holders[0::2]
 
 
-def produce(args: list[str], redis_url: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*produce_cmd(), *args, "--redis-url", redis_url], capture_output=True, text=True,
-                          timeout=timeout)
-
-
+@pytest.mark.e2e
 def test_detach_sends_a_dataset_in_atomic_batches(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                   tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     """150 one-sample chunks: 3 MULTI/EXEC of 64, 64 and 22 chunks, each with its bookkeeping; then real workers

@@ -553,6 +553,7 @@ def demo_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield workdir / "out"
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("fmt", CONVERSATION_FORMATS)
 def test_demo_output_round_trips_with_token_ids(demo_out: Path, tmp_path: Path, fmt: str) -> None:

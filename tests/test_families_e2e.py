@@ -26,6 +26,8 @@ from render.chat import _checked
 from tests.families import build_family_tokenizer
 from tests.procs import produce_cmd, read_jsonl
 
+pytestmark = pytest.mark.e2e
+
 GLAIVE = Path(__file__).resolve().parent.parent / "demo" / "data" / "glaive_fc.jsonl"  # function definitions
 #: family -> the export's reasoning mode its template reads back (Kimi-VL's template renders only content).
 FAMILIES = {"qwen3": "field", "qwen3-thinking": "field", "glm45": "field", "kimi": "inline", "kimi_k2": "field",

@@ -26,7 +26,7 @@ from producer.reader import (
     read_all,
     read_dataset,
 )
-from tests.test_reader import json_values, plausible, records
+from tests.record_strategies import json_values, plausible, records
 
 FIXTURES = Path(__file__).parent / "fixtures"
 INSTALL_HINT = "pip install 'budgetq[formats]'"

@@ -23,7 +23,7 @@ from producer.plan import plan_dataset
 from producer.prepare import LAST, Inputs, load_inputs
 from producer.records import FieldMapping
 from producer.run import Producer
-from tests.test_enqueue import job_payloads
+from tests.rq_jobs import job_payloads
 
 DS = "prompts"
 IDS = [f"p{i}" for i in range(6)]

@@ -7,14 +7,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from budget import keys
 from producer.generations import derived_seed, sample_key
 from tests import sim_log
-from tests.procs import read_jsonl
-from tests.test_e2e import CODE, produce
-from tests.test_turns_producer import DS as CHATS, SIM_ARGS, write_dataset
+from tests.chats import DS as CHATS, SIM_ARGS, write_dataset
+from tests.demo_data import CODE
+from tests.procs import produce, read_jsonl
 
 CODE_DS = "code_instruct"
 
@@ -29,6 +30,7 @@ def check_samples(r: "redis.Redis", out: Path, name: str) -> list[dict[str, Any]
     return recs
 
 
+@pytest.mark.e2e
 def test_generations_with_a_temperature_list_and_seeds_on_every_turn(redis_url: str, r: "redis.Redis",
                                                                      tokenizer_dir: Path, tmp_path: Path,
                                                                      sim_factory: Any, workers: Any) -> None:
@@ -65,6 +67,7 @@ def test_generations_with_a_temperature_list_and_seeds_on_every_turn(redis_url: 
     assert sorted((x["id"], x["generation"]) for x in rows) == sorted((x["id"], x["generation"]) for x in recs)
 
 
+@pytest.mark.e2e
 def test_raising_generations_extends_the_run_and_lowering_is_refused(redis_url: str, r: "redis.Redis",
                                                                      tokenizer_dir: Path, tmp_path: Path,
                                                                      sim_factory: Any, workers: Any) -> None:
@@ -91,6 +94,7 @@ def test_raising_generations_extends_the_run_and_lowering_is_refused(redis_url: 
     assert r.dbsize() == before
 
 
+@pytest.mark.e2e
 def test_rounds_under_a_budget_keep_the_most_distinct_prompts(redis_url: str, r: "redis.Redis",
                                                               tokenizer_dir: Path, tmp_path: Path,
                                                               sim_factory: Any, workers: Any) -> None:

@@ -118,6 +118,7 @@ def senders() -> Iterator[dict[str, int]]:
     undo()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_run_sends_every_command_on_a_bq_key_from_budget(redis_url: str, tokenizer_dir: Path, tmp_path: Path,
                                                            sim_factory: Any, workers: Any,

@@ -1,7 +1,8 @@
 """The one-way flow of docs/architecture.md, checked on the source: producer/ and worker/ import budget/ and
 render/, never each other; budget/ and render/ import neither; no module of render/ or worker/ imports
 transformers at module level (a worker that never renders must never load it: tests/test_render_shared.py runs
-one and looks)."""
+one and looks). In tests/, no module imports a test module: what tests share lives in support modules (procs.py,
+demo_data.py, chats.py...) or conftest.py fixtures, so a test module can be read, run and changed alone."""
 from __future__ import annotations
 
 import ast
@@ -43,4 +44,24 @@ def test_transformers_is_imported_only_inside_functions() -> None:
             tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
             found += [f"{path.relative_to(ROOT)}:{line}: imports {name} at module level"
                       for line, name in _imports(tree, top_level_only=True) if name.split(".")[0] == "transformers"]
+    assert not found, "\n".join(found)
+
+
+def test_no_module_of_tests_imports_a_test_module() -> None:
+    found = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module == "tests":
+                names = [f"tests.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.ImportFrom):  # relative: from .test_x import y, from . import test_x
+                names = [f"tests.{node.module}"] if node.module else [f"tests.{a.name}" for a in node.names]
+            else:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: imports {name}" for name in names
+                      if name.startswith("tests.test_")]
     assert not found, "\n".join(found)

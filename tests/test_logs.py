@@ -13,12 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
 
 from budget import logs
 from producer.cli import main
 from sglang_sim.responses import VERSION
-from tests.test_e2e import GLAIVE, produce
+from tests.demo_data import GLAIVE
+from tests.procs import produce
 
 TS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 
@@ -94,6 +96,7 @@ def parse_lines(text: str, where: str) -> list[dict[str, Any]]:
     return events
 
 
+@pytest.mark.e2e
 def test_worker_and_produce_log_json_lines(redis_url: str, tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
                                            workers: Any) -> None:
     sim = sim_factory("--time-scale", "20", "--mean-tokens", "100", "--seed", "41")
@@ -137,6 +140,7 @@ def test_worker_and_produce_log_json_lines(redis_url: str, tokenizer_dir: Path, 
     assert plain.returncode == 0 and "samples ready" in plain.stderr and "debug:" not in plain.stderr
 
 
+@pytest.mark.e2e
 def test_a_worker_refuses_an_unknown_log_format(redis_url: str, workers: Any, sim_factory: Any) -> None:
     pool = workers("http://127.0.0.1:9", BUDGETQ_LOG_FORMAT="xml")
     proc = pool.start("w0")

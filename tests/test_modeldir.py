@@ -149,6 +149,7 @@ def test_hub_id_resolves_to_its_cached_snapshot(tmp_path: Path, unset_tokenizer:
 
 # ------------------------------------------------------------------------------- produce --dry-run
 
+@pytest.mark.e2e
 def test_dry_run_takes_the_context_from_config_json_and_says_so(tmp_path: Path, unset_tokenizer: Path) -> None:
     data = write_input(tmp_path / "ds.jsonl")
     base = ["run", str(data), "--max-tokens", "50", "--dry-run", "--out", str(tmp_path / "out")]
@@ -206,6 +207,7 @@ def test_dry_run_with_a_hub_id_reads_the_local_cache_offline(tmp_path: Path, uns
 
 # ----------------------------------------------------------------------------- the servers' limit wins
 
+@pytest.mark.e2e
 def test_a_real_run_skips_what_the_servers_context_cannot_hold(redis_url: str, r: "redis.Redis", tmp_path: Path,
                                                                unset_tokenizer: Path, sim_factory: Any,
                                                                workers: Any) -> None:

@@ -11,14 +11,15 @@ import random as stdlib_random
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from budget import keys
 from producer.enqueue import ASSUMED_WORKERS, MIN_CHUNK, TAIL_SPREAD, chunk_size_for
 from producer.order import FILE, RANDOM, Order, choose, permute, rank
-from tests.procs import produce_cmd, read_jsonl, wait_for
-from tests.test_e2e import check_exact, produce
-from tests.test_enqueue import job_payloads
+from tests.exactly_once import check_exact
+from tests.procs import produce, produce_cmd, read_jsonl, wait_for
+from tests.rq_jobs import job_payloads
 
 HALF = 100  # topic A: ids a-0..a-99 (the file's first half), topic B: b-0..b-99
 
@@ -114,6 +115,7 @@ def assert_prefix(ids: list[str], order: list[str]) -> None:
     assert set(ids) == set(order[:len(ids)]), "not the first prompts of the order"
 
 
+@pytest.mark.e2e
 def test_budget_keeps_an_unbiased_prefix_stable_across_reattach_and_rerun(
         redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
         workers: Any) -> None:
@@ -173,6 +175,7 @@ def test_budget_keeps_an_unbiased_prefix_stable_across_reattach_and_rerun(
     assert_prefix(kept, ALL_IDS)
 
 
+@pytest.mark.e2e
 def test_max_samples_takes_the_first_n_of_the_order(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                     tmp_path: Path) -> None:
     data = topic_file(tmp_path / "topics.jsonl")
@@ -198,6 +201,7 @@ def test_max_samples_takes_the_first_n_of_the_order(redis_url: str, r: "redis.Re
     assert changed.returncode == 2 and "order: stored" in changed.stderr, changed.stderr
 
 
+@pytest.mark.e2e
 def test_a_run_stored_before_order_resumes_in_file_order(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                          tmp_path: Path) -> None:
     data = topic_file(tmp_path / "topics.jsonl")

@@ -17,9 +17,10 @@ from producer.cli import main
 from producer.parsers import AmbiguousParser, Evidence, detect, mismatches
 from producer.prepare import resolve_parser
 from producer.render import Renderer, load_tokenizer
+from tests.demo_data import TRACES
+from tests.exactly_once import check_exact
 from tests.families import FAMILIES, build_family_tokenizer
-from tests.procs import read_jsonl
-from tests.test_e2e import TRACES, check_exact, produce
+from tests.procs import produce, read_jsonl
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -74,6 +75,7 @@ def _queued_payloads(r: "redis.Redis") -> list[dict[str, Any]]:
     return out
 
 
+@pytest.mark.e2e
 def test_stored_in_run_json_chunks_and_records_and_an_old_run_resumes_as_it_began(
         redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
         workers: Any) -> None:

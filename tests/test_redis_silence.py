@@ -28,6 +28,8 @@ from worker import dispatch
 from worker.config import WorkerConfig
 from worker.runtime import Runtime
 
+pytestmark = pytest.mark.serial
+
 N = 48
 #: How long Redis stays frozen at least: past the ledger's socket timeout, so that a Redis call made on the
 #: loop would show as a stall of that length.

@@ -13,9 +13,12 @@ import pytest
 import redis
 
 from budget import keys
-from tests.procs import Workers, produce_cmd, read_jsonl, sim_stats, wait_for
+from tests.demo_data import CODE, GLAIVE, TRACES
+from tests.exactly_once import check_exact
+from tests.procs import Workers, produce, produce_cmd, read_jsonl, sim_stats, wait_for
 from tests.redis_server import RedisServer
-from tests.test_e2e import CODE, GLAIVE, TRACES, check_exact, produce
+
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture

@@ -217,6 +217,7 @@ def test_fingerprint_does_not_change_after_rendering(tokenizers: dict[str, Any])
     assert Renderer(tokenizers["open"]).fingerprint() == before
 
 
+@pytest.mark.serial
 def test_load_missing_directory(no_network: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     started = time.monotonic()
@@ -257,6 +258,7 @@ def test_eos_token_ids(tokenizer_dirs: dict[str, Path], tmp_path: Path) -> None:
     assert Renderer(load_tokenizer(tmp_path / "model")).eos_token_ids() == [im_end, pad]
 
 
+@pytest.mark.serial
 def test_sample_datasets_render(tokenizers: dict[str, Any]) -> None:
     """Every demo record renders, in the message shapes the producer will build from it."""
     renderer = Renderer(tokenizers["open"])

@@ -189,6 +189,7 @@ if os.environ.get("BUDGETQ_TEST_MODULES"):
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_single_turn_run_never_imports_transformers_in_the_worker(
         redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,

@@ -18,10 +18,11 @@ import redis
 
 from bench.smg import Router
 from budget import keys
-from tests.procs import produce_cmd, read_jsonl, sim_stats, wait_for
-from tests.test_e2e import CODE, GLAIVE, check_exact, produce
+from tests.demo_data import CODE, GLAIVE
+from tests.exactly_once import check_exact
+from tests.procs import produce, produce_cmd, read_jsonl, sim_stats, wait_for
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 ROUTER_WARNING = "is SGLang's router; it does not report its --request-timeout-secs"
 

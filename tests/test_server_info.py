@@ -23,9 +23,9 @@ from budget import keys, serverinfo
 from budget.serverinfo import MAX_AGE_S
 from sglang_sim.launch import SimProcess
 from sglang_sim.responses import MODEL_PATH, VERSION
-from tests.procs import produce_cmd, wait_for
+from tests.demo_data import GLAIVE
+from tests.procs import produce, produce_cmd, wait_for
 from tests.redis_server import free_port
-from tests.test_e2e import GLAIVE, produce
 from worker.config import WorkerConfig
 from worker.serverinfo import ServerInfoReporter
 
@@ -157,6 +157,7 @@ def silent() -> Iterator[SilentServer]:
     server.close()
 
 
+@pytest.mark.e2e
 def test_a_server_that_never_answers_delays_and_fails_nothing(r: "redis.Redis", workers: Any,
                                                              silent: SilentServer) -> None:
     pool = workers(silent.url, BUDGETQ_CONNECT_TIMEOUT="300")
@@ -179,6 +180,7 @@ def export(args: list[str], env: dict[str, str] | None = None) -> subprocess.Com
                           env={**base, **(env or {})})
 
 
+@pytest.mark.e2e
 def test_workers_record_their_servers_and_the_manifests_carry_them(redis_url: str, r: "redis.Redis",
                                                                    tokenizer_dir: Path, tmp_path: Path,
                                                                    sim_factory: Any, workers: Any) -> None:

@@ -81,6 +81,7 @@ class CapturingSim:
         self._thread.join(30)
 
 
+@pytest.mark.e2e
 def test_worker_bodies_and_simulator_answers_follow_sglang_schema(
         contract: Contract, redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path,
         workers: Any) -> None:

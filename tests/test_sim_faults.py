@@ -21,11 +21,11 @@ from sglang_sim import SimConfig, SimProcess, make_app
 from sglang_sim.config import from_argv
 from sglang_sim.fault_http import FAULTS
 from sglang_sim.faults import MALFORMED_KINDS, FaultSettings, draw
-from tests.test_sim import FAST, SLOW, gen_body, post, run, sim_and_client, until
+from tests.sim_inprocess import FAST, SLOW, gen_body, post, run, sim_and_client, until
 from worker.config import WorkerConfig
 from worker.sglang import GenerateError, SGLangClient
 
-pytestmark = pytest.mark.timeout(20)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(20)]
 
 INSTANT = SimConfig(zero_latency=True)
 MAX_NEW = 300

@@ -21,10 +21,9 @@ from budget.payload import CONVERSATION_VERSION, TEMPLATE_KWARGS_VERSION, VERSIO
 from producer.generations import sample_key, split_key
 from producer.templatemix import MixError, TemplateMix, labels, variant
 from tests import sim_log
-from tests.procs import read_jsonl
-from tests.test_e2e import produce
-from tests.test_enqueue import job_payloads
-from tests.test_turns_producer import DS, SIM_ARGS, write_dataset
+from tests.chats import DS, MESSAGES, SIM_ARGS, write_dataset
+from tests.procs import produce, read_jsonl
+from tests.rq_jobs import job_payloads
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
@@ -112,7 +111,6 @@ def test_chunks_carry_each_samples_kwargs_and_its_rendering(tmp_path: Path, hybr
     such chunks are version 3; run.json stores the mix."""
     from producer.prepare import first_turn
     from producer.render import Renderer, load_tokenizer
-    from tests.test_turns_producer import MESSAGES
     out = tmp_path / "out"
     res = produce([str(write_dataset(tmp_path)), "--tokenizer", str(hybrid_dir), "--max-tokens", "16",
                    "--out", str(out), "--generations", "3", "--template-kwargs-mix", "enable_thinking=true,false",
@@ -164,6 +162,8 @@ def test_another_mix_on_a_rerun_is_a_settings_change(tmp_path: Path, hybrid_dir:
 
 
 # -- end to end ------------------------------------------------------------------------------------------------------
+@pytest.mark.e2e
+@pytest.mark.e2e
 def test_every_turn_is_rendered_with_the_kwargs_its_sample_drew(redis_url: str, r: "redis.Redis", hybrid_dir: Path,
                                                                 tmp_path: Path, sim_factory: Any,
                                                                 workers: Any) -> None:
@@ -227,7 +227,7 @@ def test_a_record_produce_writes_in_a_workers_stead_says_what_its_sample_was_sen
     from producer.prepare import ALL, load_inputs
     from producer.records import FieldMapping
     from producer.run import Producer
-    from tests.test_turns_producer import options, turn
+    from tests.chats import options, turn
     mix = TemplateMix.parse("enable_thinking=true,false", seed=0)
     inputs = load_inputs([str(write_dataset(tmp_path))], tokenizer=str(hybrid_dir), max_tokens=16, max_context=None,
                          max_samples=None, sampling_params={"max_new_tokens": 16, "temperature": [0.2, 0.9]},

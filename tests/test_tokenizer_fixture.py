@@ -16,6 +16,7 @@ from demo.sample_data import DATA_DIR, write_sample_data
 from demo.tokenizer import THINK_TOKENS, build_tokenizer
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("thinking", ["open", "hybrid", "none"])
 def test_build_is_deterministic_and_fast(tmp_path: Path, thinking: str) -> None:
     started = time.perf_counter()

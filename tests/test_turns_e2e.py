@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from budget import keys
@@ -15,6 +16,8 @@ from budget.ledger import Ledger
 from producer.render import load_tokenizer
 from tests import sim_log
 from tests.procs import produce_cmd, read_jsonl, wait_for
+
+pytestmark = pytest.mark.e2e
 
 TRACES = Path(__file__).resolve().parent.parent / "demo" / "data" / "agent_traces.jsonl"  # 80, 2-4 user turns
 DS = "agent_traces"

@@ -25,25 +25,8 @@ from producer.prepare import ALL, LAST, Inputs, choose_turns, load_inputs
 from producer.render import Renderer, load_tokenizer
 from producer.run import Producer
 from producer.status import all_status, status_table
-from tests.test_enqueue import job_payloads
-
-DS = "chats"
-SYSTEM = {"role": "system", "content": "Be brief."}
-MESSAGES: dict[str, list[dict[str, Any]]] = {
-    "one": [{"role": "user", "content": "Only one question here."}],
-    "two": [{"role": "user", "content": "Hello there."}, {"role": "assistant", "content": "Hi, how can I help?"},
-            {"role": "user", "content": "Tell me a story about a cat."}],
-    "three": [{"role": "user", "content": "First question."}, {"role": "assistant", "content": "First answer."},
-              {"role": "user", "content": "Second question."}, {"role": "assistant", "content": "Second answer."},
-              {"role": "user", "content": "Third question."},
-              {"role": "assistant", "content": "The old answer, dropped."}],
-}
-
-
-def write_dataset(directory: Path) -> Path:
-    path = directory / f"{DS}.jsonl"
-    path.write_text("".join(json.dumps({"id": sid, "messages": m}) + "\n" for sid, m in MESSAGES.items()))
-    return path
+from tests.chats import DS, MESSAGES, SIM_ARGS, SYSTEM, options, turn, write_dataset
+from tests.rq_jobs import job_payloads
 
 
 def inputs_for(tmp_path: Path, tokenizer: Path, turns: str, max_context: int | None = None,
@@ -53,13 +36,6 @@ def inputs_for(tmp_path: Path, tokenizer: Path, turns: str, max_context: int | N
                        max_context=max_context, max_samples=None, sampling_params={"max_new_tokens": 16},
                        chat_template_kwargs={}, skip_invalid=False, echo=lambda m: None, warn=lambda m: None,
                        mapping=FieldMapping(system_prompt=system_prompt), reasoning_parser="qwen3", turns=turns)
-
-
-def options(tmp_path: Path, inputs: Inputs, tokenizer: Path | None, **kw: Any) -> RunOptions:
-    return RunOptions(out_dir=tmp_path / "out", sampling_params=inputs.sampling_params,
-                      settings=inputs.settings, think=None, reasoning_parser=inputs.reasoning_parser,
-                      conversation=inputs.conversation(), tokenizer=str(tokenizer) if tokenizer else None,
-                      **{"chunk_size": 2, "budgets": {DS: None}, **kw})
 
 
 def attach(r: "redis.Redis", inputs: Inputs, opts: RunOptions, echoed: list[str] | None = None) -> Producer:
@@ -202,11 +178,6 @@ def test_a_run_stored_before_turns_resumes_as_last_and_all_is_a_settings_change(
     assert err.value.exit_code == 2 and "give --turns last" in str(err.value)
 
 
-def turn(sid: str, i: int, tokens: int) -> dict[str, Any]:
-    return {"response": f"answer {i} of {sid}", "completion_tokens": tokens, "finish_reason": "stop",
-            "output_ids": list(range(tokens)), "prompt_tokens": 5}
-
-
 def record(sid: str, turns: list[dict[str, Any]], stopped_by: str | None) -> dict[str, Any]:
     return {"record_version": 2, "id": sid, "dataset": DS, "messages": None, "turns": turns,
             "completion_tokens": sum(t["completion_tokens"] for t in turns), "incomplete": stopped_by is not None,
@@ -326,11 +297,10 @@ def test_the_manifest_counts_conversations_by_why_they_stopped() -> None:
     assert (stats.incomplete, stats.multi_turn, stats.turns) == (2, 1, 4)
 
 
-SIM_ARGS = ("--tokens-per-second-per-request", "2000", "--prefix-cache-pages", "0", "--prefill-tokens-per-second", "0",
-            "--length-dist", "fixed", "--mean-tokens", "12", "--reasoning-fraction", "0")
 DATASET_ANSWERS = ("Hi, how can I help?", "First answer.", "Second answer.", "The old answer, dropped.")
 
 
+@pytest.mark.e2e
 def test_produce_regenerates_every_turn_on_real_workers(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                         tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     """`produce` (the default --turns all) with a real `rq worker` and the simulator: one record per

@@ -21,8 +21,8 @@ from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from producer.output import entry_record
 from producer.render import Renderer, load_tokenizer
 from producer.tokenizer_files import share_tokenizer
+from tests.dispatcher import dispatcher, until
 from tests.procs import sim_stats
-from tests.test_dispatch import dispatcher, until
 from worker import tokenizer_cache
 from budget.conversation import LENGTH, TOOL_MISMATCH, header, walk
 
