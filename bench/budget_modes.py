@@ -6,7 +6,7 @@
     # the model's own error in the reservations (BUDGETQ_PREDICT_MODEL_ERROR) on and off, back to back
     python -m bench.budget_modes --modes predict --budget-factors 2 --seeds 1,2,3 --tapers 2 --model-errors 1,0
 
-The workload is the issue's: lognormal completion lengths (mean 3.8K, sigma 0.8, capped at max_new_tokens
+The workload is the reference one (docs/performance.md, "The reference workload"): lognormal completion lengths (mean 3.8K, sigma 0.8, capped at max_new_tokens
 16K), 256 requests in flight over 4 workers, a budget worth minutes of simulated GPU time (the simulator runs
 time-scaled). For each mode it reports final tokens / budget, samples discarded, and the wall (and simulated)
 time from 90% of the budget to the dataset's close and to the last commit. drain is the baseline.
@@ -15,7 +15,7 @@ With ``--budget-factors`` the budget is each factor x in-flight x mean; ``--seed
 simulator's lengths drawn from another seed; ``--tapers`` runs predict once per BUDGETQ_PREDICT_TAPER value
 (0 = the margin rule alone); ``--model-errors`` once per BUDGETQ_PREDICT_MODEL_ERROR value (0 = the plain
 estimate, as before it). The taper table then gives, per budget size and taper, the median and largest
-overshoot, how many runs land in the issue's bound [0, max(0.5% of the budget, max_new_tokens)], and the median
+overshoot, how many runs land in the bound [0, max(0.5% of the budget, max_new_tokens)], and the median
 simulated time from 90% of the budget to the close.
 
 Multi-turn (issue 14, bench 3): ``--turns 3`` runs the modes on 3-turn conversations (bench/multiturn.py's
@@ -190,7 +190,7 @@ def turns_table(rows: list[dict[str, Any]], max_new: int) -> str:
 
 
 def taper_table(rows: list[dict[str, Any]], in_flight: int, mean: float, max_new: int) -> str:
-    """Per budget size and taper: the issue's bound, how many runs land in it, median and largest overshoot,
+    """Per budget size and taper: the bound [0, max(0.5% of the budget, max_new_tokens)], how many runs land in it, median and largest overshoot,
     median simulated 90% -> close."""
     lines = ["| budget (x in flight x mean) | taper | model error | runs | in [0, bound] | median over | max over | bound | "
              "median 90% -> close (simulated) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

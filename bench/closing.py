@@ -2,7 +2,7 @@
 
     python -m bench.closing               # ~3 minutes; results in bench/results/closing.json
 
-1. Close to last start. One stack (redis-server, sglang-sim at the issue's workload time-scaled, 4 workers x 64
+1. Close to last start. One stack (redis-server, sglang-sim at the reference workload (docs/performance.md) time-scaled, 4 workers x 64
    in flight), one dataset per run (``close0``, ``close1``, ...) with a budget of ``--budget`` tokens and an
    attached ``produce``; each run ends before the next starts. Times, on Redis' clock (the closing commit
    writes ``closed_at`` from Redis ``TIME``):

@@ -382,7 +382,7 @@ def start_sim(workdir: Path, name: str, args: Sequence[str]) -> tuple[subprocess
 
 def sim_args(*, mean: float = 3800, sigma: float = 0.8, per_request_tps: float = 30.0, saturation: int = 256,
              time_scale: float = 20.0, seed: int = 1, extra: Sequence[str] = ()) -> list[str]:
-    """The issue's workload: lognormal lengths (mean 3.8K), ~30 tok/s per request, a 256-request batch."""
+    """The reference workload (docs/performance.md): lognormal lengths (mean 3.8K), ~30 tok/s per request, a 256-request batch."""
     return ["--length-dist", "lognormal", "--mean-tokens", str(mean), "--sigma", str(sigma),
             "--tokens-per-second-per-request", str(per_request_tps), "--saturation-batch", str(saturation),
             "--max-running", str(saturation), "--time-scale", str(time_scale), "--seed", str(seed), *extra]

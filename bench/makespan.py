@@ -10,7 +10,7 @@ a time, while the other workers idle: server slots may stay empty at the end tha
 requests in flight would fill. This measures what that costs on N prompts of one unbudgeted dataset.
 
 Every side gets a fresh sglang-sim with the same seed (the n-th request gets the n-th length, so each side
-generates the same N lengths) and the issue's workload (lognormal lengths, mean 3.8K, sigma 0.8, 16K cap,
+generates the same N lengths) and the reference workload (docs/performance.md: lognormal lengths, mean 3.8K, sigma 0.8, 16K cap,
 30 tok/s per request, a 256-request batch), time-scaled (``--time-scale 50``: a side takes ~30-40 s):
 - baseline: bench/client.py, one process holding 256 requests in flight over the N bodies produce would send,
   until every one is answered;

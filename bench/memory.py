@@ -3,7 +3,7 @@
     python -m bench.memory                # ~1-2 minutes; results in bench/results/memory.json
 
 One ``rq worker -w worker.Worker`` (default 64 in flight) against a zero-latency simulator that still answers
-the issue's lengths (lognormal, mean 3.8K tokens, max_new_tokens 16K: ~40 KB answers), fed by an attached
+the reference workload's lengths (docs/performance.md: lognormal, mean 3.8K tokens, max_new_tokens 16K: ~40 KB answers), fed by an attached
 ``produce`` (which collects the results, as in production). The worker's RSS (VmRSS) is sampled every 0.25 s
 together with the committed count; reported: RSS at every 1,000 samples, the peak (VmHWM), and the growth
 from the 2,000th to the last sample (after start-up allocations settle).

@@ -2,7 +2,7 @@
 
     python -m bench.servers               # ~3 minutes; results in bench/results/servers.json
 
-Workload: the issue's (lognormal, mean 3.8K, sigma 0.8, max_new_tokens 16K), every prompt of the dataset
+Workload: the reference one (docs/performance.md: lognormal, mean 3.8K, sigma 0.8, max_new_tokens 16K), every prompt of the dataset
 sharing one long system prompt. Servers: sim0 at 1x (30 tok/s per request), sim1 at 0.5x (15 tok/s per
 request), each with a 256-request saturation batch, so the sum of their ceilings is 256 x (30 + 15) simulated
 tok/s. budgetq: 4 workers with BUDGETQ_CONCURRENCY=128 (512 in flight = both batches: fewer could not fill

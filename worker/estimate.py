@@ -2,7 +2,7 @@
 
 Requests still running are not average ones: long requests stay in flight longer (the inspection paradox),
 and each request's tokens land all at once when it completes. Reserving the plain mean per running request
-therefore under-reserves (the issue's simulation: about +7% over budget). Instead each running request
+therefore under-reserves (simulated on the reference workload of docs/performance.md: about +7% over budget). Instead each running request
 reserves E[L | L > progress]: its expected final length given how far it has already got, taken from the
 dataset's recent completion lengths. A request that has run long is expected to run longer, so its
 reservation grows while it runs.
