@@ -32,7 +32,8 @@ from producer.errors import ProduceError
 from producer.generations import SETTING as GENERATIONS, chunk_params
 from producer.order import FILE, SETTING as ORDER
 from producer.output import RESULTS, RUN, ResultsFile
-from producer.prepare import ALL, LAST, TURNS_SETTING, Prepared, resume_settings, settings_diff
+from producer.prepare import Prepared
+from producer.runjson import ALL, LAST, TURNS_SETTING, resume_settings, settings_diff
 
 #: The collector lock's time to live: the loop refreshes it every step, so another ``produce`` may take a dataset
 #: over this long after its collector died or stalled (at once when it died on the same host: ``pid_alive``).

@@ -15,7 +15,8 @@ from budget.payload import ConversationPayload, ThinkPayload
 from producer.enqueue import JobSettings
 from producer.generations import Generations
 from producer.output import ResultsFile
-from producer.prepare import Prepared, Variants
+from producer.prepare import Prepared
+from producer.templatemix import Variants
 
 
 @dataclass
@@ -23,7 +24,7 @@ class RunOptions:
     out_dir: Path
     budgets: dict[str, int | None]  # explicit --budget per dataset; None: keep the stored one (or unlimited)
     sampling_params: dict[str, Any]
-    settings: dict[str, Any]  # the run's fingerprinted settings (producer.prepare.run_settings)
+    settings: dict[str, Any]  # the run's fingerprinted settings (producer.runjson.run_settings)
     think: ThinkPayload | None
     reasoning_parser: str | None = None  # what settings["reasoning_parser"] says; None: the think-marker split
     parser_explicit: bool = False  # --reasoning-parser named it (not auto)
@@ -45,7 +46,7 @@ class RunOptions:
     show_progress: bool = False  # a bar on stderr while --detach enqueues (produce: a terminal and not --quiet)
     #: --generations and what generation k sends differently (producer/generations.py); one generation: as ever.
     generations: Generations = field(default_factory=Generations)
-    #: --template-kwargs-mix: the renderer of each drawn combination (producer/prepare.py Variants); None: no mix.
+    #: --template-kwargs-mix: the renderer of each drawn combination (producer/templatemix.py Variants); None: no mix.
     variants: Variants | None = None
 
 

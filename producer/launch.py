@@ -41,7 +41,8 @@ def prepare(settings: RunSettings, *, warn: Callable[[str], None]) -> tuple[Inpu
     from producer.order import choose as choose_order
     from producer.output import RUN
     from producer.parsers import skip_special_tokens_default
-    from producer.prepare import ALL, choose_turns, load_inputs
+    from producer.prepare import load_inputs
+    from producer.runjson import ALL, choose_turns
     s = settings
     started = time.monotonic()
     inputs = load_inputs(s.files, tokenizer=s.tokenizer, max_tokens=s.max_tokens, max_context=s.max_context,

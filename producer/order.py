@@ -26,7 +26,7 @@ RANDOM: Final = "random"
 FILE: Final = "file"
 ORDERS: Final = (RANDOM, FILE)
 DEFAULT_SEED: Final = 0
-#: The run.json key (producer/prepare.py run_settings); missing in a stored run means file order.
+#: The run.json key (producer/runjson.py run_settings); missing in a stored run means file order.
 SETTING: Final = "order"
 
 

@@ -5,12 +5,11 @@ found while the database is still untouched (exit 2, DBSIZE unchanged).
 """
 from __future__ import annotations
 
-import json
 from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Final, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 from budget.history import plan
 from budget.payload import ConversationPayload
@@ -22,17 +21,8 @@ from producer.progress import progress_bar
 from producer.reader import Problem, ReadResult, Sample
 from producer.records import FieldMapping
 from producer.render import Rendered, RenderError, Renderer
-from producer.templatemix import SETTING as MIX_SETTING, TemplateMix, variant
-
-#: ``--turns``: regenerate every assistant turn of a conversation (``all``, budget/history.py ``plan``), or only
-#: the answer to its last user turn on the dataset's own history (``last``: what every run did before it).
-ALL: Final = "all"
-LAST: Final = "last"
-TURNS_MODES: Final = (ALL, LAST)
-Turns = Literal["all", "last"]
-#: The run.json key; missing in a stored run means ``last`` (producer/attach.py ``_settings_for``).
-TURNS_SETTING: Final = "turns"
-
+from producer.runjson import ALL, LAST, run_settings
+from producer.templatemix import TemplateMix, Variants
 
 @dataclass
 class Prepared:
@@ -111,39 +101,6 @@ class Prepared:
             ids.pop(prompt_id, None)
         for opens in self.variant_opens.values():
             opens.pop(prompt_id, None)
-
-
-class Variants:
-    """The renderers of a ``--template-kwargs-mix``: one per combination of drawn values (a *variant*), each the
-    run's chat_template_kwargs with the drawn values merged over them, built when first needed."""
-
-    def __init__(self, tokenizer: Any, base: dict[str, Any], mix: TemplateMix, generations: int,
-                 opens_markers: Any = None) -> None:
-        self.tokenizer, self.base, self.mix, self.generations = tokenizer, dict(base), mix, generations
-        self.opens_markers = opens_markers
-        self._renderers: dict[str, Renderer] = {}
-
-    def name(self, prompt_id: str, generation: int) -> str:
-        """The variant sample (prompt_id, generation) is rendered with."""
-        return variant(self.mix.draw(prompt_id, generation))
-
-    def of(self, prompt_id: str) -> list[str]:
-        """The distinct variants a prompt's generations 0..N-1 drew, generation 0's first."""
-        return list(dict.fromkeys(self.name(prompt_id, k) for k in range(self.generations)))
-
-    def kwargs(self, name: str) -> dict[str, Any]:
-        """The chat_template_kwargs of a variant: the run's, with its drawn values merged over them."""
-        return {**self.base, **json.loads(name)}
-
-    def renderer(self, name: str) -> Renderer:
-        if name not in self._renderers:
-            self._renderers[name] = Renderer(self.tokenizer, chat_template_kwargs=self.kwargs(name),
-                                             opens_markers=self.opens_markers)
-        return self._renderers[name]
-
-    def fingerprint(self, name: str) -> str:
-        """What a worker checks the renderer it builds for this variant's later turns against."""
-        return self.renderer(name).fingerprint()
 
 
 def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_invalid: bool,
@@ -285,37 +242,6 @@ def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_contex
     return prepared
 
 
-def run_settings(renderer: Renderer, sampling_params: dict[str, Any],
-                 chat_template_kwargs: dict[str, Any], system_prompt: str | None = None,
-                 reasoning_parser: str | None = None, order: dict[str, Any] | None = None,
-                 turns: str | None = None, mix: TemplateMix | None = None) -> dict[str, Any]:
-    """What must not change between a run and its resume: a response made under other settings would mix
-    two distributions in one training set (and two parsers, two splits of the same text, in one file).
-
-    ``reasoning_parser`` None leaves the key out: a run stored before parsers existed has none, and such a run
-    resumes with the think-marker split it started with (producer/attach.py ``_settings_for``). ``order`` None
-    likewise (producer/order.py): a run stored before --order resumes in file order; and ``turns`` None: a run
-    stored before --turns resumes as ``last``; and ``mix`` None: no ``template_kwargs_mix`` key, as every run
-    stored before it (one set of chat_template_kwargs for all)."""
-    think = renderer.think
-    settings = {
-        "tokenizer": renderer.fingerprint(),
-        "chat_template_kwargs": chat_template_kwargs,
-        "sampling_params": sampling_params,
-        "think": [think.start, think.end] if think else None,
-        "system_prompt": system_prompt,
-    }
-    if reasoning_parser is not None:
-        settings["reasoning_parser"] = reasoning_parser
-    if order is not None:
-        settings["order"] = order
-    if turns is not None:
-        settings[TURNS_SETTING] = turns
-    if mix is not None:
-        settings[MIX_SETTING] = mix.setting()
-    return settings
-
-
 def resolve_parser(choice: str, tokenizer: Any, renderer: Renderer) -> str:
     """``--reasoning-parser``: the name given, or for ``auto`` the one the tokenizer and template point to.
     Raises UsageError (exit 2) naming the candidates when detection is ambiguous."""
@@ -330,69 +256,6 @@ def resolve_parser(choice: str, tokenizer: Any, renderer: Renderer) -> str:
         return detect(evidence(tokenizer, opens))
     except AmbiguousParser as exc:
         raise UsageError(str(exc)) from None
-
-
-def choose_turns(requested: str, explicit: bool, run_file: Path, new_run: bool) -> str:
-    """The ``--turns`` mode a dataset is prepared in: ``requested``, except that a stored run.json without the key
-    (a run that predates --turns, which regenerated the last turn only) resumes as ``last`` unless --turns was
-    given (then attach reports the settings change). ``--new-run`` starts over, so it takes the request."""
-    if new_run or explicit:
-        return requested
-    try:
-        stored = json.loads(run_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return requested
-    if isinstance(stored, dict) and TURNS_SETTING not in stored:
-        return LAST
-    return requested
-
-
-def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    out = []
-    for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            if key == "tokenizer":
-                out.append("tokenizer or chat template differs")
-            elif key == "sampling_params":
-                a, b = old.get(key) or {}, new.get(key) or {}
-                for p in sorted(set(a) | set(b)):
-                    if a.get(p) != b.get(p):
-                        out.append(f"{p}: stored {a.get(p)!r}, now {b.get(p)!r}")
-            else:
-                out.append(f"{key}: stored {old.get(key)!r}, now {new.get(key)!r}")
-    return out
-
-
-#: Sampling parameters runs send since a later version, with the value that means what a stored run without them
-#: did: before them nothing was sent, which is SGLang's default. A resumed run that lacks one goes on as it ran (a
-#: missing setting is never a change of settings; mixing two behaviours in one dataset is what the settings check
-#: exists to prevent). ``reasoning_parser``, the other setting added since, is handled the same way by
-#: ``Attacher._settings_for`` (producer/attach.py; there an explicit --reasoning-parser on an old run is a change).
-ADDED_SAMPLING_PARAMS: Final[dict[str, Any]] = {"skip_special_tokens": True}
-
-
-def resume_settings(stored: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The settings a dataset resumed from ``stored`` goes on with, and notes on what it kept from before.
-
-    ``new`` less every added sampling parameter (ADDED_SAMPLING_PARAMS) that ``stored`` lacks: the run keeps its
-    old behaviour for them. A note names each one whose new value differs from that old behaviour, so the user
-    knows an option was not applied. What remains is compared with ``stored`` as before."""
-    effective = dict(new)
-    notes: list[str] = []
-    params = dict(new.get("sampling_params") or {})
-    stored_params = stored.get("sampling_params") or {}
-    for key, old in ADDED_SAMPLING_PARAMS.items():
-        if key in params and key not in stored_params:
-            if params.pop(key) != old:
-                notes.append(f"{key}: {new['sampling_params'][key]!r} not applied, the run predates it "
-                             f"(kept: not sent, SGLang's default {old!r})")
-    if "sampling_params" in new:
-        effective["sampling_params"] = params
-    return effective, notes
-
-
-def chunked(ids: Sequence[str], size: int) -> list[list[str]]:
-    return [list(ids[i:i + size]) for i in range(0, len(ids), size)]
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Mapping, Sequence
 
 from producer.generations import SEP
+from producer.render import Renderer
 
 #: The run.json key; missing in a stored run means no mix (every sample rendered with --chat-template-kwargs).
 SETTING: Final = "template_kwargs_mix"
@@ -129,3 +130,36 @@ def labels(kwargs: Mapping[str, Any], keys: Sequence[str]) -> list[str]:
     """``key=value`` of each mixed key a record's ``chat_template_kwargs`` holds (the manifest's counts)."""
     return [f"{key}={kwargs[key] if isinstance(kwargs[key], str) else json.dumps(kwargs[key])}"
             for key in keys if key in kwargs]
+
+
+class Variants:
+    """The renderers of a ``--template-kwargs-mix``: one per combination of drawn values (a *variant*), each the
+    run's chat_template_kwargs with the drawn values merged over them, built when first needed."""
+
+    def __init__(self, tokenizer: Any, base: dict[str, Any], mix: TemplateMix, generations: int,
+                 opens_markers: Any = None) -> None:
+        self.tokenizer, self.base, self.mix, self.generations = tokenizer, dict(base), mix, generations
+        self.opens_markers = opens_markers
+        self._renderers: dict[str, Renderer] = {}
+
+    def name(self, prompt_id: str, generation: int) -> str:
+        """The variant sample (prompt_id, generation) is rendered with."""
+        return variant(self.mix.draw(prompt_id, generation))
+
+    def of(self, prompt_id: str) -> list[str]:
+        """The distinct variants a prompt's generations 0..N-1 drew, generation 0's first."""
+        return list(dict.fromkeys(self.name(prompt_id, k) for k in range(self.generations)))
+
+    def kwargs(self, name: str) -> dict[str, Any]:
+        """The chat_template_kwargs of a variant: the run's, with its drawn values merged over them."""
+        return {**self.base, **json.loads(name)}
+
+    def renderer(self, name: str) -> Renderer:
+        if name not in self._renderers:
+            self._renderers[name] = Renderer(self.tokenizer, chat_template_kwargs=self.kwargs(name),
+                                             opens_markers=self.opens_markers)
+        return self._renderers[name]
+
+    def fingerprint(self, name: str) -> str:
+        """What a worker checks the renderer it builds for this variant's later turns against."""
+        return self.renderer(name).fingerprint()

@@ -20,7 +20,8 @@ from producer.generations import (Generations, derived_seed, parse_temperatures,
 from producer.manifest import Stats
 from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, write_failed
 from producer.plan import plan_dataset
-from producer.prepare import LAST, Inputs, load_inputs
+from producer.prepare import Inputs, load_inputs
+from producer.runjson import LAST
 from producer.records import FieldMapping
 from producer.run import Producer
 from tests.rq_jobs import job_payloads

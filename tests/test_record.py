@@ -13,7 +13,7 @@ from budget.payload import ChunkPayload, SamplePayload
 from producer.output import FIELD_ORDER
 from producer.parsers import skip_special_tokens_default
 from producer.preflight import seed_warning
-from producer.prepare import resume_settings
+from producer.runjson import resume_settings
 from worker.trip import result_record
 from worker.sglang import GenerateError, parse_generation
 

@@ -83,6 +83,7 @@ def _produce_cli(args: list[str], redis_url: str) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.e2e  # runs produce as a process (several for some): seconds each on a loaded machine
 def test_a_bad_mix_is_exit_2_before_redis_is_touched(tmp_path: Path, hybrid_dir: Path, redis_url: str,
                                                      r: "redis.Redis") -> None:
     data = write_dataset(tmp_path)
@@ -97,6 +98,7 @@ def test_a_bad_mix_is_exit_2_before_redis_is_touched(tmp_path: Path, hybrid_dir:
     assert r.dbsize() == before
 
 
+@pytest.mark.e2e  # runs produce as a process (several for some): seconds each on a loaded machine
 def test_dry_run_says_the_mix(tmp_path: Path, hybrid_dir: Path, redis_url: str) -> None:
     res = _produce_cli([str(write_dataset(tmp_path)), "--tokenizer", str(hybrid_dir), "--max-tokens", "16",
                         "--out", str(tmp_path / "out"), "--template-kwargs-mix", "enable_thinking=true:3,false:1",
@@ -105,6 +107,7 @@ def test_dry_run_says_the_mix(tmp_path: Path, hybrid_dir: Path, redis_url: str) 
     assert "enable_thinking true 75%, false 25%" in res.stdout + res.stderr
 
 
+@pytest.mark.e2e  # runs produce as a process (several for some): seconds each on a loaded machine
 def test_chunks_carry_each_samples_kwargs_and_its_rendering(tmp_path: Path, hybrid_dir: Path, redis_url: str,
                                                             r: "redis.Redis") -> None:
     """Turn 0 is rendered with the drawn kwargs; a conversation carries their fingerprint for its later turns;
@@ -137,6 +140,7 @@ def test_chunks_carry_each_samples_kwargs_and_its_rendering(tmp_path: Path, hybr
     assert seen == 9
 
 
+@pytest.mark.e2e  # runs produce as a process (several for some): seconds each on a loaded machine
 def test_without_a_mix_chunks_are_as_before(tmp_path: Path, hybrid_dir: Path, redis_url: str,
                                             r: "redis.Redis") -> None:
     out = tmp_path / "out"
@@ -149,6 +153,7 @@ def test_without_a_mix_chunks_are_as_before(tmp_path: Path, hybrid_dir: Path, re
         assert all("chat_template_kwargs" not in s and "tokenizer" not in s for s in payload["samples"])
 
 
+@pytest.mark.e2e  # runs produce as a process (several for some): seconds each on a loaded machine
 def test_another_mix_on_a_rerun_is_a_settings_change(tmp_path: Path, hybrid_dir: Path, redis_url: str,
                                                      r: "redis.Redis") -> None:
     out = tmp_path / "out"
@@ -224,7 +229,8 @@ def test_a_record_produce_writes_in_a_workers_stead_says_what_its_sample_was_sen
     it with its one turn (producer/run.py ``_end_stranded``), and the record says the temperature of generation 1
     and the kwargs it drew, not the chunks' (what a worker's record of it would say)."""
     from budget.ledger import Ledger
-    from producer.prepare import ALL, load_inputs
+    from producer.prepare import load_inputs
+    from producer.runjson import ALL
     from producer.records import FieldMapping
     from producer.run import Producer
     from tests.chats import options, turn

@@ -21,7 +21,8 @@ from producer.errors import ProduceError
 from producer.manifest import Stats
 from producer.output import RESULTS, RUN
 from producer.plan import plan_dataset, sequential_eta
-from producer.prepare import ALL, LAST, Inputs, choose_turns, load_inputs
+from producer.prepare import Inputs, load_inputs
+from producer.runjson import ALL, LAST, choose_turns
 from producer.render import Renderer, load_tokenizer
 from producer.run import Producer
 from producer.status import all_status, status_table
