@@ -215,15 +215,21 @@ def test_final_400_is_recorded_failed_and_retried_on_rerun(redis_url: str, r: "r
     assert sim_stats(big.url)["completed"] == len(failed)
 
 
-# Serial: in both parallel runs of the whole suite on a loaded 2-core machine (4 xdist workers beside a benchmark),
-# the Ctrl-C'd produce had not exited 30 s later; alone, under xdist or under CPU hogs, it exits in under 4 s.
-@pytest.mark.serial
+def _sigint_as_a_terminal_sends_it() -> None:
+    """Ctrl-C's disposition in the child: the default (KeyboardInterrupt). A suite started in the background of a
+    shell without job control (`make test &`, nohup, a script's `cmd &`) inherits SIGINT ignored, and so would the
+    produce under test: it would then rightly ignore the SIGINT (Python keeps an inherited SIG_IGN), which is what
+    two whole-suite runs launched that way saw, not a lost Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_one_collector_per_dataset_and_ctrl_c_detaches(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
                                                        tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = [*produce_cmd(), str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "100", "--out",
             str(out), "--redis-url", redis_url]
-    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # no workers
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,  # no workers
+                             preexec_fn=_sigint_as_a_terminal_sends_it)
     try:
         wait_for(lambda: r.exists(keys.DatasetKeys("agent_traces").collector) == 1, 60, "first produce attached")
         second = subprocess.run(args, capture_output=True, text=True, timeout=60)
