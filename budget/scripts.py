@@ -292,6 +292,16 @@ local function record(lengths, stats, tokens, finish, bucket, late)
 end
 """
 
+# Shared by commit and commit_turn: one response's (or turn's) four reply values, appended to the flat reply.
+_REPLY = """
+local function reply(out, verdict, used, closed, late)
+  out[#out + 1] = verdict
+  out[#out + 1] = used
+  out[#out + 1] = closed
+  out[#out + 1] = late
+end
+"""
+
 _SETTLE = """
 local function settle(resv, inflight, chunk, reservation)
   if redis.call('HEXISTS', inflight, chunk) == 1 then
@@ -303,7 +313,7 @@ local function settle(resv, inflight, chunk, reservation)
 end
 """
 
-COMMIT = _CLOSE_IF_SPENT + _SETTLE + _RECORD + """
+COMMIT = _CLOSE_IF_SPENT + _SETTLE + _RECORD + _REPLY + """
 -- commit: record responses exactly once each, count their tokens, settle their reservations.
 -- KEYS[1] meta hash, KEYS[2] used counter, KEYS[3] done hash, KEYS[4] pending hash, KEYS[5] results stream,
 -- KEYS[6] failed hash, KEYS[7] reservations hash, KEYS[8] in-flight hash, KEYS[9] lengths list,
@@ -321,10 +331,7 @@ for g = 0, #ARGV / 6 - 1 do
   local sample, tokens, chunk = ARGV[g * 6 + 1], tonumber(ARGV[g * 6 + 2]), ARGV[g * 6 + 4]
   local late = settle(KEYS[7], KEYS[8], chunk, ARGV[g * 6 + 5])
   if redis.call('HEXISTS', KEYS[3], sample) == 1 then
-    out[#out + 1] = 0
-    out[#out + 1] = tonumber(redis.call('GET', KEYS[2]) or '0')
-    out[#out + 1] = 0
-    out[#out + 1] = late
+    reply(out, 0, tonumber(redis.call('GET', KEYS[2]) or '0'), 0, late)
   else
     redis.call('HSET', KEYS[3], sample, tokens)
     local used = redis.call('INCRBY', KEYS[2], tokens)
@@ -333,17 +340,14 @@ for g = 0, #ARGV / 6 - 1 do
     redis.call('XADD', KEYS[5], '*', 'id', sample, 'r', ARGV[g * 6 + 3])
     redis.call('HINCRBY', KEYS[1], 'committed', 1)
     record(KEYS[9], KEYS[10], tokens, ARGV[g * 6 + 6], bucket, late)
-    out[#out + 1] = 1
-    out[#out + 1] = used
-    out[#out + 1] = close_if_spent(KEYS[1], used)
-    out[#out + 1] = late
+    reply(out, 1, used, close_if_spent(KEYS[1], used), late)
   end
 end
 redis.call('LTRIM', KEYS[9], 0, 4095)
 return out
 """
 
-COMMIT_TURN = _CLOSE_IF_SPENT + _SETTLE + _RECORD + """
+COMMIT_TURN = _CLOSE_IF_SPENT + _SETTLE + _RECORD + _REPLY + """
 -- commit_turn: record one turn of a multi-turn conversation exactly once, keyed by (sample, turn); count its
 -- tokens; settle its reservation (docs/multiturn.md). The conversation's record is written when it ends: until
 -- then the turn's record stays here, durable, and counts in used (used = sum of done + sum of turns).
@@ -377,10 +381,7 @@ for g = 0, #ARGV / 7 - 1 do
     verdict = -1
   end
   if verdict ~= 1 then
-    out[#out + 1] = verdict
-    out[#out + 1] = tonumber(redis.call('GET', KEYS[2]) or '0')
-    out[#out + 1] = 0
-    out[#out + 1] = late
+    reply(out, verdict, tonumber(redis.call('GET', KEYS[2]) or '0'), 0, late)
   else
     redis.call('HSET', KEYS[4], field, tokens)
     redis.call('HSET', KEYS[5], field, ARGV[g * 7 + 4])
@@ -393,10 +394,7 @@ for g = 0, #ARGV / 7 - 1 do
       redis.call('LPUSH', per_turn, tokens)
       redis.call('LTRIM', per_turn, 0, 4095)
     end
-    out[#out + 1] = 1
-    out[#out + 1] = used
-    out[#out + 1] = close_if_spent(KEYS[1], used)
-    out[#out + 1] = late
+    reply(out, 1, used, close_if_spent(KEYS[1], used), late)
   end
 end
 redis.call('LTRIM', KEYS[9], 0, 4095)
