@@ -98,6 +98,16 @@ def _warn(message: str) -> None:
     log.warning(message.removeprefix("warning: ") if _LOG["json"] else message)
 
 
+def listen_options(service: str, port: int, other_host: str) -> Callable[[F], F]:
+    """--host and --port of a served page (BUDGETQ_<SERVICE>_HOST/_PORT): loopback unless asked otherwise."""
+    def decorate(f: F) -> F:
+        f = opt("--port", type=click.IntRange(0, 65535), envvar=f"BUDGETQ_{service}_PORT", default=port,
+                show_default=True, help="TCP port to listen on (0: any free one, printed at start).")(f)
+        return opt("--host", envvar=f"BUDGETQ_{service}_HOST", default="127.0.0.1", show_default=True,
+                   help=f"Address to listen on; another than loopback {other_host}.")(f)
+    return decorate
+
+
 redis_url_option = click.option(
     "--redis-url", envvar="REDIS_URL", show_envvar=True, default="redis://127.0.0.1:6379/0", show_default=True,
     help="Redis holding the queue and the budget state.")
@@ -267,10 +277,7 @@ def budget_cmd(name: str, amount: str, redis_url: str) -> None:
               "--host says otherwise.\n\n"
               "\b\nExample:\n  produce metrics --port 9464 --redis-url redis://redis-host:6379/0")
 @redis_url_option
-@opt("--host", envvar="BUDGETQ_METRICS_HOST", default="127.0.0.1", show_default=True,
-     help="Address to listen on; another than loopback exposes the dataset names and progress to that network.")
-@opt("--port", type=click.IntRange(0, 65535), envvar="BUDGETQ_METRICS_PORT", default=9464, show_default=True,
-     help="TCP port to listen on (0: any free one, printed at start).")
+@listen_options("METRICS", 9464, "exposes the dataset names and progress to that network")
 @log_options
 def metrics_cmd(redis_url: str, host: str, port: int, verbose: bool, log_format: str) -> None:
     from producer.metrics import MetricsServer, serve_metrics
@@ -293,10 +300,7 @@ def metrics_cmd(redis_url: str, host: str, port: int, verbose: bool, log_format:
               "disabled. Binds 127.0.0.1 unless --host says otherwise; another address needs basic auth.\n\n"
               "\b\nExample:\n  RQ_DASHBOARD_USERNAME=ops RQ_DASHBOARD_PASSWORD=... produce dashboard --port 9181")
 @redis_url_option
-@opt("--host", envvar="BUDGETQ_DASHBOARD_HOST", default="127.0.0.1", show_default=True,
-     help="Address to listen on; another than loopback requires --username and --password.")
-@opt("--port", type=click.IntRange(0, 65535), envvar="BUDGETQ_DASHBOARD_PORT", default=9181, show_default=True,
-     help="TCP port to listen on (0: any free one, printed at start).")
+@listen_options("DASHBOARD", 9181, "requires --username and --password")
 @opt("--username", envvar="RQ_DASHBOARD_USERNAME", default=None,
      help="Basic auth user name (with --password; rq-dashboard's own variable).")
 @opt("--password", envvar="RQ_DASHBOARD_PASSWORD", default=None,

@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,16 +161,22 @@ def _check_id(value: object, name: str) -> str | None:
     return text
 
 
-def _from_messages(value: object, field: str, columnar: bool) -> list[dict[str, Any]]:
+def _objects(value: object, field: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A conversation's turns, each with where it is (`messages[2]`) for the errors; both formats start so."""
     if type(value) is not list:
         raise RecordError(f"{field}: expected a list, got {kind(value)}")
     if not value:
         raise RecordError(f"{field}: empty list")
-    out = []
-    for i, m in enumerate(value):
+    for i, item in enumerate(value):
         where = f"{field}[{i}]"
-        if type(m) is not dict:
-            raise RecordError(f"{where}: expected an object, got {kind(m)}")
+        if type(item) is not dict:
+            raise RecordError(f"{where}: expected an object, got {kind(item)}")
+        yield where, item
+
+
+def _from_messages(value: object, field: str, columnar: bool) -> list[dict[str, Any]]:
+    out = []
+    for where, m in _objects(value, field):
         if columnar:
             m = {k: _without_nulls(v) if type(v) in _CONTAINERS else v
                  for k, v in m.items() if v is not None or k in _KEPT_WHEN_NULL}
@@ -215,15 +222,8 @@ def _join_text_parts(parts: list[Any], where: str) -> str:
 
 
 def _from_sharegpt(value: object, field: str) -> list[dict[str, Any]]:
-    if type(value) is not list:
-        raise RecordError(f"{field}: expected a list, got {kind(value)}")
-    if not value:
-        raise RecordError(f"{field}: empty list")
     out = []
-    for i, turn in enumerate(value):
-        where = f"{field}[{i}]"
-        if type(turn) is not dict:
-            raise RecordError(f"{where}: expected an object, got {kind(turn)}")
+    for where, turn in _objects(value, field):
         source = turn.get("from")
         role = SHAREGPT_ROLES.get(source) if type(source) is str else None
         if role is None:
