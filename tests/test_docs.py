@@ -241,3 +241,17 @@ def test_documented_examples_parse(clean_env: None, monkeypatch: pytest.MonkeyPa
             failures.append(f"{where}: produce {shlex.join(args)}\n    -> exit {result.exit_code}: "
                             f"{result.output.strip()[-300:]}")
     assert not failures, "documented examples that do not parse:\n  " + "\n  ".join(failures)
+
+
+MAPPED_PACKAGES = ("budget", "render", "producer", "worker", "sglang_sim")
+
+
+def test_the_module_map_lists_every_module_and_only_those() -> None:
+    """docs/architecture.md's module map is a newcomer's way in: it must match the tree, both ways."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1].replace("\\_", "_") for line in table.splitlines() if line.startswith("| ")]
+    mapped = {name.strip() for row in rows for name in row.split(",") if name.strip().endswith(".py")}
+    modules = {f"{p}/{f.name}" for p in MAPPED_PACKAGES for f in (ROOT / p).glob("*.py") if f.name != "__init__.py"}
+    assert sorted(modules - mapped) == [], "modules missing from docs/architecture.md's module map"
+    assert sorted(mapped - modules) == [], "the module map names modules that do not exist"
