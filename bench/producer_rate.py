@@ -11,12 +11,17 @@ In one command:
 1. rendering alone: a child process loads the tokenizer and calls ``Renderer.render_many`` on the same
    conversations in batches of 256, exactly as producer/prepare.py does; only the render calls are timed
    (wall and CPU); it runs before and after produce, and the baseline is the mean of the two;
-2. produce: ``produce prompts=FILE --tokenizer DIR --max-tokens 4096 --detach`` against a private
+2. produce: ``produce prompts=FILE --tokenizer DIR --max-tokens 4096 --turns last --detach`` against a private
    redis-server, timed from process start to exit (interpreter start, imports, reading, validation,
    rendering, Redis checks, enqueue); its peak RSS and CPU come from wait4; Redis ``used_memory`` before and
    after gives the bytes per queued prompt.
 Ratio = produce's prompts/s / rendering's prompts/s; also rendering's CPU seconds / produce's CPU seconds (the
 same comparison, less sensitive to other work on the shared machine).
+
+``--turns last`` by default, because that is the work the baseline does: each conversation rendered once, whole.
+``--turns all`` (produce's default since issue 14) renders each multi-turn conversation twice, whole (to check
+the template on every turn's shape) and as turn 0's prompt, and puts its messages in the payload for the workers:
+more work than the baseline's, reported as such (docs/performance.md, figure 4).
 """
 from __future__ import annotations
 
@@ -158,13 +163,13 @@ PRODUCE_CATEGORIES = [
     ("enqueue: Items, batches", ("Producer._refill (producer/run.py", "Producer._batches (producer/run.py")),
     ("render: chat template (jinja)", ("render_jinja_template (transformers",)),
     ("render: tokenize (tokenizers + transformers glue)", ("TokenizersBackend", "PreTrainedTokenizerBase.__call__")),
-    ("render: think-tail decode", ("_opens_think (producer/render.py",)),
-    ("render: other", ("Renderer.render_many (producer/render.py",)),
-    ("tokenizer load", ("load_tokenizer (producer/render.py",)),
-    ("settings fingerprint", ("fingerprint (producer/render.py",)),
+    ("render: think-tail decode", ("_opens_think (render/chat.py",)),
+    ("render: other", ("Renderer.render_many (render/chat.py", "Renderer._apply (render/chat.py")),
+    ("tokenizer load", ("load_tokenizer (render/chat.py",)),
+    ("settings fingerprint", ("fingerprint (render/chat.py",)),
     ("read + validate", ("(producer/reader.py", "(producer/records.py", "(producer/jsonfiles.py")),
     ("prepare: select, to arrays", ("prepare (producer/prepare.py",)),
-    ("attach (Redis checks, reconcile)", ("attach (producer/run.py", "check_redis (producer/preflight.py")),
+    ("attach (Redis checks, reconcile)", ("(producer/attach.py", "check_redis (producer/preflight.py")),
 ]
 
 
@@ -187,7 +192,7 @@ def categorize(text: str) -> dict[str, float]:
     return {k: round(v / total, 4) for k, v in counts.most_common()}
 
 
-def profile_produce(data: Path, tok: Path, work: Path, n: int) -> dict[str, Any] | None:
+def profile_produce(data: Path, tok: Path, work: Path, n: int, turns: str) -> dict[str, Any] | None:
     """produce --detach on the first n prompts under py-spy (when installed)."""
     import shutil
     if shutil.which("py-spy") is None:
@@ -202,7 +207,8 @@ def profile_produce(data: Path, tok: Path, work: Path, n: int) -> dict[str, Any]
     with Stack(work / "profile-stack", workers=0, sim_count=0) as stack:
         subprocess.run(["py-spy", "record", "--rate", "200", "--format", "raw", "-o", str(raw), "--",
                         *produce_cmd(), f"prompts={subset}", "--tokenizer", str(tok), "--max-tokens", "4096",
-                        "--out", str(work / "out-profile"), "--redis-url", stack.redis_url, "--detach", "--quiet"],
+                        "--turns", turns, "--out", str(work / "out-profile"), "--redis-url", stack.redis_url,
+                        "--detach", "--quiet"],
                        check=True, capture_output=True)
     shutil.copy(raw, Path(__file__).resolve().parent / "results" / "producer-profile.txt")
     return {"prompts": n, "shares": categorize(raw.read_text())}
@@ -274,6 +280,8 @@ def main() -> None:
     ap.add_argument("--corpus-bytes", type=int, default=12_000_000)
     ap.add_argument("--profile-prompts", type=int, default=20_000,
                     help="profile produce with py-spy on this many prompts (0: skip)")
+    ap.add_argument("--turns", choices=["last", "all"], default="last",
+                    help="produce --turns: last is the baseline's work; all adds turn 0's render (see above)")
     ap.add_argument("--render-only", nargs=2, metavar=("DATA", "TOKENIZER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.render_only:
@@ -293,7 +301,7 @@ def main() -> None:
             mem0 = int(r.info("memory")["used_memory"])
             rc, wall_p, ru_p, lines_p, redis_cpu = run_child(
                 [*produce_cmd(), f"prompts={data}", "--tokenizer", str(tok), "--max-tokens", "4096",
-                 "--out", str(work / "out"), "--redis-url", stack.redis_url, "--detach"],
+                 "--turns", args.turns, "--out", str(work / "out"), "--redis-url", stack.redis_url, "--detach"],
                 watch=[stack.pids()["redis"]])
             if rc != 0:
                 raise RuntimeError("produce failed: " + "\n".join(x for _, x in lines_p[-20:]))
@@ -306,7 +314,7 @@ def main() -> None:
             stack.stop()
         renders.append(render_child(data, tok))  # again after produce: the machine is shared
         print("render", json.dumps(renders[-1]), flush=True)
-        prof = profile_produce(data, tok, work, args.profile_prompts) if args.profile_prompts else None
+        prof = profile_produce(data, tok, work, args.profile_prompts, args.turns) if args.profile_prompts else None
         print("profile", json.dumps(prof), flush=True)
         ser = serialization_options(data, tok)
         print("serialization", json.dumps(ser), flush=True)
@@ -331,7 +339,7 @@ def main() -> None:
            "serialization": ser}
     save_results("producer_rate", res)
     print("produce", json.dumps(produce), flush=True)
-    print("| figure | rendering alone | produce --detach | ratio |\n| --- | --- | --- | --- |")
+    print(f"| figure | rendering alone | produce --turns {args.turns} --detach | ratio |\n| --- | --- | --- | --- |")
     each = " and ".join(f"{r['render_s']:.1f} s" for r in renders)
     print(f"| prompts/s ({args.prompts:,} prompts, {render['prompt_tokens'] / args.prompts:.0f} tokens mean) | "
           f"{render['prompts_per_s']:,.0f} (before and after produce: {each}) | {produce['prompts_per_s']:,.0f} "
