@@ -197,6 +197,9 @@ class Producer:
             d.todo.extendleft(reversed(back))
         state = self.ledger.state(d.name)
         if state.used < d.out.total_tokens:
+            # Redis restarted empty since the step began (the epoch check at its start saw the old Redis): say that,
+            # not "an older state", whichever moment in the step the restart fell on.
+            self._check_epoch()
             raise ProduceError(f"dataset {d.name}: Redis counts {state.used} tokens but {d.out.path} already holds "
                                f"{d.out.total_tokens}: Redis went back to an older state. Nothing on disk is lost: "
                                "run the same produce command again to recount from the output files.", 1)
