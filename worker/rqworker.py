@@ -29,7 +29,7 @@ from typing import Any
 from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
-from rq.worker import SimpleWorker
+from rq.worker import BaseWorker, SimpleWorker
 
 from budget import logs
 from budget.ledger import REDIS_DOWN
@@ -206,7 +206,7 @@ class Worker(SimpleWorker):
         """rq's blocking dequeue, in slices of FAULT_POLL_S: a worker whose server refused its key stops
         waiting for work (None ends rq's loop) instead of sitting registered and idle until a job comes."""
         if timeout is None:  # burst: one non-blocking pop
-            result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            result = self._guard(super().dequeue_job_and_maintain_ttl, timeout, max_idle_time)
         else:
             since = time.monotonic()
             while True:
@@ -216,11 +216,22 @@ class Worker(SimpleWorker):
                 if idle_left is not None and idle_left <= 0:
                     return None
                 wait = FAULT_POLL_S if idle_left is None else max(1, min(FAULT_POLL_S, math.ceil(idle_left)))
-                result = super().dequeue_job_and_maintain_ttl(min(timeout, wait), max_idle_time=wait)
+                # Guarded too: rq retries a lost connection inside its pop, but its set_state before the pop is
+                # outside that retry, and a TimeoutError there ends rq's loop ("Redis connection timeout, quitting").
+                result = self._guard(super().dequeue_job_and_maintain_ttl, min(timeout, wait), max_idle_time=wait)
                 if result is not None:
                     break
         self._redis_lost = False  # rq's dequeue waits out connection errors by itself
         return result
+
+    def _pubsub_exception_handler(self, exc: Exception, pubsub: Any, pubsub_thread: Any) -> None:
+        """rq's teardown stops its pubsub thread, waits 1 s for it, then closes the thread's connection. On a
+        silent connection the thread is still polling then, and meets the closed socket (a TypeError inside
+        redis-py): that is the stop it was asked for, not a fault, so it ends without a traceback. While the
+        thread is meant to run, rq's handler decides (retry a lost connection, end on anything else)."""
+        if not pubsub_thread._running.is_set():  # redis-py's PubSubWorkerThread: cleared by stop()
+            return
+        BaseWorker._pubsub_exception_handler(self, exc, pubsub, pubsub_thread)
 
     def heartbeat(self, *args: Any, **kwargs: Any) -> None:
         self._guard(super().heartbeat, *args, **kwargs)
