@@ -13,20 +13,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.datasetrun import RunOptions
 from producer.errors import ProduceError
-from producer.prepare import load_inputs
 from producer.run import Producer
-from tests.demo_data import CODE
+from tests.producers import code_inputs
 
 
 def attached(r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path) -> Producer:
-    params = {"max_new_tokens": 64}
-    inputs = load_inputs([str(CODE)], tokenizer=str(tokenizer_dir), max_tokens=64, max_context=None,
-                         max_samples=None, sampling_params=params, chat_template_kwargs={}, skip_invalid=False,
-                         echo=lambda msg: None, warn=lambda msg: None, show_progress=False)
-    options = RunOptions(out_dir=tmp_path / "out", budgets={"code_instruct": None}, sampling_params=params,
-                         settings=inputs.settings, think=None, chunk_size=8)
+    inputs, options = code_inputs(tokenizer_dir, tmp_path / "out")
     producer = Producer(r, inputs.prepared, options, echo=lambda msg: None)
     producer.attach()
     return producer

@@ -11,23 +11,16 @@ import pytest
 import redis
 
 from budget import keys
-from producer.datasetrun import RunOptions
-from producer.prepare import load_inputs
 from producer.run import Producer
+from tests.producers import code_inputs
 
-CODE = Path(__file__).resolve().parent.parent / "demo" / "data" / "code_instruct.jsonl"  # 150 samples
 PHASES = ("validating", "rendering", "enqueueing")
 
 
 @pytest.mark.parametrize("show", [True, False])
 def test_each_long_phase_has_a_bar_on_stderr(show: bool, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    params = {"max_new_tokens": 64}
-    inputs = load_inputs([str(CODE)], tokenizer=str(tokenizer_dir), max_tokens=64, max_context=None,
-                         max_samples=None, sampling_params=params, chat_template_kwargs={}, skip_invalid=False,
-                         echo=lambda msg: None, warn=lambda msg: None, show_progress=show)
-    options = RunOptions(out_dir=tmp_path / "out", budgets={"code_instruct": None}, sampling_params=params,
-                         settings=inputs.settings, think=None, chunk_size=1, show_progress=show)
+    inputs, options = code_inputs(tokenizer_dir, tmp_path / "out", chunk_size=1, show_progress=show)
     producer = Producer(r, inputs.prepared, options, echo=lambda msg: None)
     producer.attach()
     producer.run(detach=True)
@@ -43,12 +36,7 @@ def test_a_batch_redis_refuses_goes_back_to_the_todo_list(r: "redis.Redis", redi
     """An enqueue that fails must not drop its samples: they go back to the front of the to-do list, so an
     attached run enqueues them later instead of finishing without them. Here Redis refuses the batch's queue
     push (an ACL user without RPUSH/LPUSH, on our own session server), so MULTI/EXEC aborts as a whole."""
-    params = {"max_new_tokens": 64}
-    inputs = load_inputs([str(CODE)], tokenizer=str(tokenizer_dir), max_tokens=64, max_context=None,
-                         max_samples=None, sampling_params=params, chat_template_kwargs={}, skip_invalid=False,
-                         echo=lambda msg: None, warn=lambda msg: None, show_progress=False)
-    options = RunOptions(out_dir=tmp_path / "out", budgets={"code_instruct": None}, sampling_params=params,
-                         settings=inputs.settings, think=None, chunk_size=8)
+    inputs, options = code_inputs(tokenizer_dir, tmp_path / "out")
     r.acl_setuser("nopush", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
                   categories=["+@all"], commands=["-rpush", "-lpush"])
     try:

@@ -8,23 +8,16 @@ from pathlib import Path
 import redis
 
 from budget import keys
-from producer.datasetrun import RunOptions
-from producer.prepare import load_inputs
 from producer.run import Producer
 from producer.status import all_status
+from tests.producers import code_inputs
 
-CODE = Path(__file__).resolve().parent.parent / "demo" / "data" / "code_instruct.jsonl"  # 150 samples
 DS = "code_instruct"
 
 
 def test_the_progress_line_shows_the_tok_s_and_eta_of_produce_status(r: "redis.Redis", tokenizer_dir: Path,
                                                                       tmp_path: Path) -> None:
-    params = {"max_new_tokens": 64}
-    inputs = load_inputs([str(CODE)], tokenizer=str(tokenizer_dir), max_tokens=64, max_context=None,
-                         max_samples=None, sampling_params=params, chat_template_kwargs={}, skip_invalid=False,
-                         echo=lambda msg: None, warn=lambda msg: None, show_progress=False)
-    options = RunOptions(out_dir=tmp_path / "out", budgets={DS: 30_000}, sampling_params=params,
-                         settings=inputs.settings, think=None, chunk_size=8)
+    inputs, options = code_inputs(tokenizer_dir, tmp_path / "out", budget=30_000)
     producer = Producer(r, inputs.prepared, options, echo=lambda msg: None)
     producer.attach()
     try:
