@@ -302,7 +302,9 @@ class LengthModels:
         self.model_error = model_error  # z: reservations add z standard errors of the model (LengthModel.reserve)
         self.REFRESH_S = refresh_s
         self.rates = RateTracker()
-        self._models: dict[str, tuple[float, str, LengthModel, TurnModels]] = {}
+        #: dataset -> (refreshed at, mode, pooled model, the sample it came from, its per-turn models once asked)
+        self._models: dict[str, tuple[float, str, LengthModel, LengthSample]] = {}
+        self._turns: dict[str, tuple[LengthSample, TurnModels]] = {}
         self._refreshing: dict[str, asyncio.Task[None]] = {}
 
     async def model(self, dataset: str) -> tuple[str, LengthModel]:
@@ -311,10 +313,16 @@ class LengthModels:
         return cached[1], cached[2]
 
     async def turns(self, dataset: str) -> TurnModels:
-        """The dataset's per-turn models, for its conversations (refreshed with the pooled one)."""
-        return (await self._cached(dataset))[3]
+        """The dataset's per-turn models, for its conversations in predict mode: built from the same refresh as
+        the pooled model, once, when first asked (a single-turn run never pays for them)."""
+        _at, _mode, pooled, sample = await self._cached(dataset)
+        built = self._turns.get(dataset)
+        if built is None or built[0] is not sample:
+            built = self._turns[dataset] = (sample, TurnModels.build(
+                pooled, sample.per_turn, sample.turn_counts, self.model_error, sample.turn_running))
+        return built[1]
 
-    async def _cached(self, dataset: str) -> tuple[float, str, LengthModel, TurnModels]:
+    async def _cached(self, dataset: str) -> tuple[float, str, LengthModel, LengthSample]:
         cached = self._models.get(dataset)
         if cached is None or time.monotonic() - cached[0] > self.REFRESH_S:
             task = self._refreshing.get(dataset)
@@ -329,9 +337,7 @@ class LengthModels:
     async def _refresh(self, dataset: str) -> None:
         sample = await self.fetch(dataset)
         pooled = LengthModel(sample.lengths, sample.prior_mean, sample.max_new_tokens, running=sample.running)
-        self._models[dataset] = (time.monotonic(), sample.mode, pooled,
-                                 TurnModels.build(pooled, sample.per_turn, sample.turn_counts, self.model_error,
-                                                  sample.turn_running))
+        self._models[dataset] = (time.monotonic(), sample.mode, pooled, sample)
 
     def _refreshed(self, dataset: str, done: "asyncio.Task[None]") -> None:
         self._refreshing.pop(dataset, None)
