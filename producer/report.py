@@ -58,10 +58,9 @@ def summaries(runs: list[DatasetRun], out_dir: Path) -> list[DatasetSummary]:
         p = d.prepared
         closed = d.status == "closed"
         keys = p.keys()
-        complete = all(k in d.done or k in d.failed for k in keys)
-        status = "complete" if complete else ("budget reached" if closed else
-                                              ("running (detached)" if d.chunk_samples else "incomplete"))
         not_run = sum(1 for k in keys if k not in d.done and k not in d.failed)
+        status = "complete" if not_run == 0 else ("budget reached" if closed else
+                                                  ("running (detached)" if d.chunk_samples else "incomplete"))
         out.append(DatasetSummary(
             name=d.name, status=status, done=len(d.done), selected=p.selected, tokens=d.used,
             budget=d.budget, failed=d.failed, not_run=not_run, invalid=len(p.invalid),

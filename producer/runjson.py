@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from producer.render import Renderer
 from producer.templatemix import SETTING as MIX_SETTING, TemplateMix
@@ -18,8 +18,6 @@ from producer.templatemix import SETTING as MIX_SETTING, TemplateMix
 #: the answer to its last user turn on the dataset's own history (``last``: what every run did before it).
 ALL: Final = "all"
 LAST: Final = "last"
-TURNS_MODES: Final = (ALL, LAST)
-Turns = Literal["all", "last"]
 #: The run.json key; missing in a stored run means ``last`` (producer/attach.py ``_settings_for``).
 TURNS_SETTING: Final = "turns"
 
