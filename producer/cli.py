@@ -108,9 +108,20 @@ def listen_options(service: str, port: int, other_host: str) -> Callable[[F], F]
     return decorate
 
 
+def _redis_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A Redis URL redis-py can parse, or a usage error naming it (redacted) and what is wrong, not a traceback."""
+    import redis
+    if value is not None:
+        try:
+            redis.ConnectionPool.from_url(value)
+        except ValueError as exc:
+            raise click.BadParameter(f"{logs.redact(value)}: {exc}", ctx=ctx, param=param) from None
+    return value
+
+
 redis_url_option = click.option(
     "--redis-url", envvar="REDIS_URL", show_envvar=True, default="redis://127.0.0.1:6379/0", show_default=True,
-    help="Redis holding the queue and the budget state.")
+    callback=_redis_url, help="Redis holding the queue and the budget state.")
 
 
 @click.group(cls=ProduceGroup, context_settings={"help_option_names": ["-h", "--help"]},
@@ -239,11 +250,20 @@ def run_cmd(**options: Any) -> None:
 @opt("--interval", type=click.FloatRange(0.2), default=2.0, show_default=True, help="Seconds between refreshes.")
 @opt("--json", "as_json", is_flag=True, envvar="BUDGETQ_STATUS_JSON", help="Print JSON for scripts.")
 def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: float, as_json: bool) -> None:
+    import redis
     from producer.status import all_status, status_table
     client = connect(redis_url)
     try:
         while True:
-            rows = all_status(client, list(names))
+            try:
+                rows = all_status(client, list(names))
+            except redis.RedisError as exc:  # --watch outlives a Redis restart; a single look reports it
+                if not watch:
+                    raise ProduceError(f"Redis at {logs.redact(redis_url)}: {exc}") from None
+                click.echo("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + logs.redact(redis_url)
+                           + f"\nRedis unreachable ({exc}); retrying every {interval:g} s", err=as_json)
+                time.sleep(interval)
+                continue
             if as_json:
                 text = json.dumps([r.as_dict() for r in rows], indent=2)
             else:
@@ -356,7 +376,7 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
 @opt("--token-ids", is_flag=True,
      help="Add input_ids (the prompt, checked id by id) and the server's output_ids (needs --tokenizer).")
 @opt("--tokenizer", default=None, help="The run's tokenizer directory (for --token-ids and --format tokens).")
-@opt("--redis-url", envvar="BUDGETQ_EXPORT_REDIS_URL", show_envvar=True, default=None,
+@opt("--redis-url", envvar="BUDGETQ_EXPORT_REDIS_URL", show_envvar=True, default=None, callback=_redis_url,
      help="Optional: record the dataset's budget, mode and usage from this Redis in the manifest, and the SGLang "
           "servers' version and model the workers recorded there if the manifest has none yet.")
 @opt("--server-url", metavar="URL[,URL...]", default=None,

@@ -52,8 +52,8 @@ PER_DATASET: tuple[Gauge, ...] = (
           lambda s: s.selected),
     Gauge("budgetq_failed_samples", "Samples whose every attempt failed (they go to failed.jsonl).",
           lambda s: s.failed),
-    Gauge("budgetq_discarded_samples", "Samples of a closed dataset that will not run (budget reached).",
-          lambda s: s.discarded),
+    Gauge("budgetq_not_run_samples", "Samples of a closed dataset that will not run (budget reached).",
+          lambda s: s.not_run),
     Gauge("budgetq_discarded_chunks", "Chunk jobs canceled because the dataset closed.", lambda s: s.discarded_chunks),
     Gauge("budgetq_queued_chunks", "Chunk jobs of the dataset waiting in the RQ queue.", lambda s: s.queued_chunks),
     Gauge("budgetq_unwritten_results", "Committed results in Redis not yet written to disk by produce.",
@@ -62,8 +62,10 @@ PER_DATASET: tuple[Gauge, ...] = (
           lambda s: s.late),
     Gauge("budgetq_completion_tokens_per_second", "Completion tokens committed per second over the last full "
           "minute (10-second buckets; the running bucket is left out).", lambda s: s.tokens_per_s),
-    Gauge("budgetq_open", "1 while the dataset admits requests, 0 once it is closed.",
+    Gauge("budgetq_open", "1 while the dataset admits requests, 0 once it is closed or complete.",
           lambda s: 1 if s.status == "open" else 0),
+    Gauge("budgetq_complete", "1 once every selected sample ran and nothing is left queued, running or unwritten.",
+          lambda s: 1 if s.status == "complete" else 0),
 )
 
 

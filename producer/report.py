@@ -37,7 +37,8 @@ def progress_line(runs: list[DatasetRun]) -> str:
     for d in runs:
         tps = tokens_per_second(d.stats, now)
         budget = f"{d.used}/{d.budget}" if d.budget is not None else f"{d.used}/unlimited"
-        eta_s = eta_seconds(d.budget, d.used, d.status, tps)
+        left = d.prepared.selected - len(d.done) - len(d.failed)
+        eta_s = eta_seconds(d.budget, d.used, d.status, tps, left * d.used / len(d.done) if d.done else None)
         eta = f" eta {int(eta_s)}s" if eta_s is not None else ""
         state = "done" if d.finished else d.status
         turns = ""

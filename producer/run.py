@@ -203,7 +203,7 @@ class Producer:
             raise ProduceError(f"dataset {d.name}: Redis counts {state.used} tokens but {d.out.path} already holds "
                                f"{d.out.total_tokens}: Redis went back to an older state. Nothing on disk is lost: "
                                "run the same produce command again to recount from the output files.", 1)
-        d.status, d.used, d.stats = state.status, state.used, state.stats
+        d.status, d.used, d.stats, d.budget = state.status, state.used, state.stats, state.budget
         d.turns_committed = int(state.stats.get("turns", 0) or 0)
         self.store.set_progress(d.name, selected=d.prepared.selected, todo=len(d.todo))
         if state.status != "open":

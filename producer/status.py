@@ -29,11 +29,11 @@ class DatasetStatus:
     done: int
     failed: int
     selected: int | None
-    discarded: int
+    not_run: int  # samples a closed dataset will not run (its budget was reached): the summary's "not run"
     discarded_chunks: int
     queued_chunks: int
     tokens_per_s: float
-    eta_s: float | None  # to the budget, not to the end of the dataset
+    eta_s: float | None  # to the budget or to the dataset's last sample, whichever comes first
     finish_stop: int
     finish_length: int
     truncation_rate: float | None
@@ -61,36 +61,60 @@ def tokens_per_second(stats: dict[str, str], now: float | None = None) -> float:
     return total / RATE_WINDOW_S
 
 
-def eta_seconds(budget: int | None, used: int, status: str, tps: float) -> float | None:
-    """Seconds until ``used`` reaches the budget at ``tps``; None when unlimited, closed or the rate is 0."""
-    if budget is None or status != "open" or tps <= 0:
+def eta_seconds(budget: int | None, used: int, status: str, tps: float,
+                left_tokens: float | None = None) -> float | None:
+    """Seconds until the dataset ends at ``tps``: until ``used`` reaches the budget, or until its samples left
+    (``left_tokens``, their expected tokens) are done, whichever comes first. None when it is not open, the
+    rate is 0, or neither end is known (unlimited, and no sample has finished to price the rest)."""
+    if status != "open" or tps <= 0:
         return None
-    return max(0.0, (budget - used) / tps)
+    ends = [max(0.0, budget - used)] if budget is not None else []
+    if left_tokens is not None:
+        ends.append(max(0.0, left_tokens))
+    return min(ends) / tps if ends else None
+
+
+def display_status(state: DatasetState) -> str:
+    """``open`` / ``closed`` (its budget reached) as the ledger keeps it, or ``complete``: every selected sample
+    handed out and nothing left running, queued or unwritten, so nothing more will happen to it."""
+    idle = not (state.live_chunks or state.queued_chunks or state.in_flight or state.unwritten)
+    todo = state.fields.get("todo")
+    if state.status and todo is not None and int(todo or 0) == 0 and idle:
+        return "complete"
+    return state.status
 
 
 def dataset_status(state: DatasetState, now: float | None = None, conversations_open: int = 0) -> DatasetStatus:
     stats = state.stats
     stop, length = int(stats.get("finish_stop", 0)), int(stats.get("finish_length", 0))
     tps = tokens_per_second(stats, now)
-    eta = eta_seconds(state.budget, state.used, state.status, tps)
-    selected = state.fields.get("selected")
+    selected = int(state.fields.get("selected") or 0) or None
     todo = int(state.fields.get("todo", 0) or 0)
+    status = display_status(state)
+    mean = state.used / state.done if state.done else None
+    left = (selected - state.done - state.failed) * mean if selected is not None and mean is not None else None
     return DatasetStatus(
-        name=state.name, mode=state.mode, status=state.status, budget=state.budget, used=state.used,
+        name=state.name, mode=state.mode, status=status, budget=state.budget, used=state.used,
         reserved=state.reserved, in_flight=state.in_flight, done=state.done, failed=state.failed,
-        selected=int(selected) if selected else None, discarded=todo if state.status == "closed" else 0,
-        discarded_chunks=state.discarded_chunks, queued_chunks=state.queued_chunks, tokens_per_s=tps, eta_s=eta,
+        selected=selected, not_run=todo if state.status == "closed" else 0,
+        discarded_chunks=state.discarded_chunks, queued_chunks=state.queued_chunks, tokens_per_s=tps,
+        eta_s=eta_seconds(state.budget, state.used, status, tps, left),
         finish_stop=stop, finish_length=length,
         truncation_rate=length / (stop + length) if stop + length else None,
-        mean_completion=state.used / state.done if state.done else None,
+        mean_completion=mean,
         late=int(stats.get("late", 0)), unwritten=state.unwritten, turns=int(stats.get("turns", 0) or 0),
         conversations=int(stats.get("conversations", 0) or 0), conversations_open=conversations_open)
 
 
 def all_status(client: "redis.Redis", names: list[str] | None = None) -> list[DatasetStatus]:
     ledger = Ledger(client)
+    store = RunState(client)
     if not names:
-        names = RunState(client).datasets()
+        names = store.datasets()
+    unknown = [n for n in names if not store.exists(n)]
+    if unknown:
+        raise UsageError(f"no dataset {', '.join(map(repr, unknown))} in this Redis "
+                         f"(it has: {', '.join(store.datasets()) or 'none'})")
     return [dataset_status(ledger.state(n), conversations_open=ledger.open_conversations(n)) for n in names]
 
 
@@ -134,11 +158,11 @@ def _eta(seconds: float | None) -> str:
 
 
 def status_table(rows: list[DatasetStatus]) -> str:
-    head: tuple[str, ...] = ("dataset", "mode", "status", "used", "budget", "reserved", "in flight", "done", "failed", "discarded",
+    head: tuple[str, ...] = ("dataset", "mode", "status", "used", "budget", "reserved", "in flight", "done", "failed", "not run",
             "tok/s", "eta", "stop/length", "trunc", "mean len")
     body: list[tuple[str, ...]] = [(r.name, r.mode, r.status, _n(r.used), "unlimited" if r.budget is None else _n(r.budget), _n(r.reserved),
              _n(r.in_flight), _n(r.done) + (f"/{r.selected:,}" if r.selected else ""), _n(r.failed),
-             _n(r.discarded), f"{r.tokens_per_s:,.0f}", _eta(r.eta_s), f"{r.finish_stop}/{r.finish_length}",
+             _n(r.not_run), f"{r.tokens_per_s:,.0f}", _eta(r.eta_s), f"{r.finish_stop}/{r.finish_length}",
              "-" if r.truncation_rate is None else f"{r.truncation_rate:.1%}",
              "-" if r.mean_completion is None else f"{r.mean_completion:,.0f}") for r in rows]
     if not body:

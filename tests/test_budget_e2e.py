@@ -161,7 +161,7 @@ def test_status_shows_progress_as_json_and_table(redis_url: str, r: "redis.Redis
     assert row["used"] == sum(x["completion_tokens"] for x in read_jsonl(tmp_path / "out" / "agent_traces" /
                                                                           "raw_responses.jsonl"))
     assert row["finish_stop"] + row["finish_length"] == row["done"] and row["reserved"] == 0
-    assert row["mean_completion"] and row["discarded"] > 0
+    assert row["mean_completion"] and row["not_run"] > 0
     table = subprocess.run([*produce_cmd(), "status", "--redis-url", redis_url], capture_output=True, text=True,
                            timeout=60)
     assert "agent_traces" in table.stdout and "strict" in table.stdout

@@ -55,3 +55,18 @@ def test_a_batch_redis_refuses_goes_back_to_the_todo_list(r: "redis.Redis", redi
     producer.attach()
     producer.run(detach=True)
     assert r.llen(keys.RQ_QUEUE) == -(-150 // 8)
+
+
+def test_the_progress_line_follows_a_budget_changed_while_attached(r: "redis.Redis", tokenizer_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """``produce budget NAME AMOUNT`` from another shell: the attached produce's next step shows the new budget
+    (it showed the one it attached with)."""
+    from producer.status import change_budget
+    inputs, options = code_inputs(tokenizer_dir, tmp_path / "out")
+    producer = Producer(r, inputs.prepared, options, echo=lambda msg: None)
+    producer.attach()
+    [d] = producer.runs
+    change_budget(r, d.name, 123_456)
+    producer.step()
+    assert d.budget == 123_456 and "tokens 0/123456 " in producer.progress_line()
+    producer.release()
