@@ -7,6 +7,7 @@ Each test collects every problem before failing, so one run lists everything tha
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import shlex
@@ -341,3 +342,34 @@ def test_links_to_a_heading_of_a_doc_resolve() -> None:
                     broken.append(f"{doc_path.relative_to(ROOT)}:{number}: {target}#{anchor}")
     assert checked > 20, "found too few links to headings: is the pattern still right?"
     assert not broken, "links to headings that do not exist:\n  " + "\n  ".join(broken)
+
+
+def documented_keys() -> set[str]:
+    """The keys in the first column of budget/keys.py's key table (its docstring), the one key table of budgetq."""
+    from budget import keys
+    return set(re.findall(r"^\| ``(bq:[^`]+)``", keys.__doc__ or "", re.M))
+
+
+def built_keys() -> set[str]:
+    """Every key budget/keys.py builds, written as the table writes it: ``{n}`` for the dataset, ``{j}`` for a turn
+    bucket, ``{fp}`` for a tokenizer fingerprint."""
+    from budget import keys
+    ds = keys.DatasetKeys("n")
+    props = [name for name, v in vars(keys.DatasetKeys).items() if isinstance(v, functools.cached_property)]
+    built: set[str] = set()
+    for name in props:
+        value = getattr(ds, name)
+        for key in value if isinstance(value, list) else [value]:
+            built.add(re.sub(r":lengths:\d+$", ":lengths:{j}", key))
+    fp = "0" * 64
+    built |= {keys.DATASETS, keys.EPOCH, keys.SERVER_INFO, keys.tokenizer_files(fp).replace(fp, "{fp}")}
+    return built
+
+
+def test_the_key_table_of_budget_keys_matches_the_keys_it_builds() -> None:
+    """budget/keys.py's docstring holds the key table (docs/architecture.md, "Redis keys" points there): every key
+    the module builds is a row, and every row is a key it builds."""
+    table, built = documented_keys(), built_keys()
+    assert len(built) > 20, "found too few keys: is built_keys still right?"
+    assert sorted(built - table) == [], "keys missing from budget/keys.py's key table"
+    assert sorted(table - built) == [], "budget/keys.py's key table names keys the module does not build"
