@@ -7,6 +7,7 @@ Each test collects every problem before failing, so one run lists everything tha
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import shlex
@@ -255,3 +256,121 @@ def test_the_module_map_lists_every_module_and_only_those() -> None:
     modules = {f"{p}/{f.name}" for p in MAPPED_PACKAGES for f in (ROOT / p).glob("*.py") if f.name != "__init__.py"}
     assert sorted(modules - mapped) == [], "modules missing from docs/architecture.md's module map"
     assert sorted(mapped - modules) == [], "the module map names modules that do not exist"
+
+
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+#: A test file named in the docs: ``tests/test_x.py`` (a path from the root) or ``test_x.py`` (found anywhere under
+#: tests/), optionally with ``::name`` (a test function or class) and ``::name`` (a method of that class).
+TEST_REF = re.compile(r"(?<![\w/.-])(tests/(?:[\w-]+/)*)?(test_\w+)\.py(?:::(\w+))?(?:::(\w+))?")
+
+
+def files_named(ref: str, name: str) -> list[Path]:
+    """The test files a reference can mean: its path when written from the root, else every file of that name."""
+    if ref:
+        return [p for p in [ROOT / ref / f"{name}.py"] if p.is_file()]
+    return sorted((ROOT / "tests").rglob(f"{name}.py"))
+
+
+def defined_names(path: Path) -> set[str]:
+    """Functions and classes of a test module, and ``Class::method`` for methods."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            out |= {f"{node.name}::{m.name}" for m in node.body
+                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return out
+
+
+def test_tests_named_in_the_docs_exist() -> None:
+    """Every ``tests/test_*.py`` a doc names is a file, and every ``tests/test_x.py::test_name`` a test in it: a
+    doc that sends a reader to a test that was renamed or moved is stale."""
+    stale, checked = [], 0
+    for doc_path in DOCS:
+        for number, line in enumerate(doc_path.read_text(encoding="utf-8").splitlines(), 1):
+            for m in TEST_REF.finditer(line):
+                checked += 1
+                where = f"{doc_path.relative_to(ROOT)}:{number}: {m.group(0)}"
+                files = files_named(m.group(1) or "", m.group(2))
+                if not files:
+                    stale.append(f"{where}: no such test file")
+                    continue
+                name = "::".join(g for g in (m.group(3), m.group(4)) if g)
+                if name and not any(name in defined_names(f) for f in files):
+                    stale.append(f"{where}: no test {name} in {', '.join(str(f.relative_to(ROOT)) for f in files)}")
+    assert checked > 20, "found too few test references: is TEST_REF still right?"
+    assert not stale, "the docs name tests that do not exist:\n  " + "\n  ".join(stale)
+
+
+def test_the_test_reference_check_catches_what_it_is_for() -> None:
+    found = [(m.group(1), m.group(2), m.group(3)) for m in TEST_REF.finditer(
+        "tests/test_ledger.py::test_x, `test_e2e.py`, tests/e2e/test_y.py, not bench/test_z.py or mytest_q.py")]
+    assert found == [("tests/", "test_ledger", "test_x"), (None, "test_e2e", None), ("tests/e2e/", "test_y", None)]
+    assert "test_commit_counts_once_under_racing_threads" in defined_names(ROOT / "tests" / "test_ledger.py")
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown file (lowercased, punctuation dropped, spaces to hyphens,
+    ``-1``, ``-2``... for repeats); fenced code is skipped."""
+    out: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.+)$", line)):
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_links_to_a_heading_of_a_doc_resolve() -> None:
+    """A link ``[..](other.md#anchor)`` or ``[..](#anchor)`` in the docs or the README lands on a heading: moving a
+    section (to docs/decisions.md, say) must take its links along."""
+    broken, checked = [], 0
+    for doc_path in DOCS:
+        for number, line in enumerate(doc_path.read_text(encoding="utf-8").splitlines(), 1):
+            for target, anchor in re.findall(r"\]\(([^)\s#]*)#([^)\s]+)\)", line):
+                path = (doc_path.parent / target).resolve() if target else doc_path
+                if path.suffix != ".md":
+                    continue
+                checked += 1
+                if not path.is_file() or anchor not in heading_anchors(path):
+                    broken.append(f"{doc_path.relative_to(ROOT)}:{number}: {target}#{anchor}")
+    assert checked > 20, "found too few links to headings: is the pattern still right?"
+    assert not broken, "links to headings that do not exist:\n  " + "\n  ".join(broken)
+
+
+def documented_keys() -> set[str]:
+    """The keys in the first column of budget/keys.py's key table (its docstring), the one key table of budgetq."""
+    from budget import keys
+    return set(re.findall(r"^\| ``(bq:[^`]+)``", keys.__doc__ or "", re.M))
+
+
+def built_keys() -> set[str]:
+    """Every key budget/keys.py builds, written as the table writes it: ``{n}`` for the dataset, ``{j}`` for a turn
+    bucket, ``{fp}`` for a tokenizer fingerprint."""
+    from budget import keys
+    ds = keys.DatasetKeys("n")
+    props = [name for name, v in vars(keys.DatasetKeys).items() if isinstance(v, functools.cached_property)]
+    built: set[str] = set()
+    for name in props:
+        value = getattr(ds, name)
+        for key in value if isinstance(value, list) else [value]:
+            built.add(re.sub(r":lengths:\d+$", ":lengths:{j}", key))
+    fp = "0" * 64
+    built |= {keys.DATASETS, keys.EPOCH, keys.SERVER_INFO, keys.tokenizer_files(fp).replace(fp, "{fp}")}
+    return built
+
+
+def test_the_key_table_of_budget_keys_matches_the_keys_it_builds() -> None:
+    """budget/keys.py's docstring holds the key table (docs/architecture.md, "Redis keys" points there): every key
+    the module builds is a row, and every row is a key it builds."""
+    table, built = documented_keys(), built_keys()
+    assert len(built) > 20, "found too few keys: is built_keys still right?"
+    assert sorted(built - table) == [], "keys missing from budget/keys.py's key table"
+    assert sorted(table - built) == [], "budget/keys.py's key table names keys the module does not build"

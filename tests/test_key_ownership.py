@@ -95,11 +95,10 @@ def test_the_source_check_catches_what_it_is_for(tmp_path: Path) -> None:
 
 
 def test_every_field_of_the_dataset_hash_is_documented() -> None:
+    """In budget/keys.py's field table, the one place the fields are described (docs/architecture.md points there)."""
     keys_doc = keys.__doc__ or ""
-    arch = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     for name in keys.META_FIELDS:
         assert f"``{name}``" in keys_doc, f"budget/keys.py does not document field {name}"
-        assert f"| `{name}` |" in arch, f"docs/architecture.md does not document field {name}"
 
 
 DATA = ROOT / "demo" / "data"
