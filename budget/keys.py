@@ -105,8 +105,8 @@ def tokenizer_files(fingerprint: str) -> str:
         raise ValueError(f"a tokenizer fingerprint is 64 lowercase hex digits, not {fingerprint!r}")
     return f"{PREFIX}tok:{fingerprint}"
 
-#: Every field of a dataset's hash (``DatasetKeys.meta``), documented in the table above and in
-#: docs/architecture.md; tests check that a run writes no other.
+#: Every field of a dataset's hash (``DatasetKeys.meta``), documented in the table above (the one table of
+#: them); tests check that a run writes no other.
 META_FIELDS = ("name", "settings", "queue", "created_at", "budget", "status", "closed_at", "mode", "max_new_tokens",
                "prior_mean", "committed", "discarded_chunks", "selected", "todo", "cut")
 
