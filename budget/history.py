@@ -134,8 +134,3 @@ def plan(messages: Sequence[Mapping[str, Any]]) -> list[Step]:
         steps[-1].context.extend(context)
     return steps
 
-
-def turn_count(messages: Sequence[Mapping[str, Any]]) -> int:
-    """How many turns ``--turns all`` regenerates at most for these dataset messages (fewer when a turn stops
-    the conversation, or a regenerated turn without tool calls skips the dataset's tool exchange)."""
-    return max(1, len(plan(messages)))

@@ -79,12 +79,6 @@ def _p95(values: Sequence[int]) -> int:
     return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
 
 
-def existing_output(out_dir: Path, name: str) -> tuple[int, int]:
-    """(responses, completion tokens) already in OUT/<name>/raw_responses.jsonl, read without changing it."""
-    count, tokens, _turns = existing_turns(out_dir, name)
-    return count, tokens
-
-
 def existing_turns(out_dir: Path, name: str) -> tuple[int, int, int]:
     """(records, completion tokens, regenerated turns) already in OUT/<name>/raw_responses.jsonl (a record before
     version 2 is one turn), read without changing it. The first record of an id counts."""

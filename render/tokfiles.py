@@ -62,11 +62,6 @@ def pack(directory: str | Path, limit: int = MAX_BYTES) -> dict[str, bytes]:
     return {p.name: zlib.compress(p.read_bytes(), LEVEL) for p in files}
 
 
-def packed_size(files: Mapping[str, bytes]) -> int:
-    """Bytes the packed files take (what Redis holds)."""
-    return sum(len(v) for v in files.values())
-
-
 def _inflate(name: str, data: bytes, room: int) -> bytes:
     """``data`` decompressed, refusing more than ``room`` bytes (a hash edited into a zip bomb stays small)."""
     inflater = zlib.decompressobj()
