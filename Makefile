@@ -1,13 +1,21 @@
-.PHONY: setup install demo test typecheck chaos compose-smoke clean
+.PHONY: setup install demo test typecheck chaos compose-smoke clean distclean
 
+# Everything runs in a virtualenv inside this checkout (VENV, made by scripts/bootstrap.sh), so `make demo` and
+# `make test` never re-point another environment's packages at this clone; its bin/ goes first on PATH, so the
+# `rq`, `produce` and `python3` the tests start are the venv's. VENV=none uses the Python on PATH as it is.
+VENV ?= .venv
+ifneq ($(VENV),none)
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+endif
 PYTHON ?= python3
+export VENV
 
-# Idempotent: redis-server via apt-get when missing, and `pip install -e '.[test]'` unless this checkout is installed.
+# Idempotent: redis-server via apt-get when missing, the venv when missing, and `pip install -e '.[test]'` into it
+# unless this checkout is installed there.
 setup:
 	PYTHON=$(PYTHON) bash scripts/bootstrap.sh
 
-install:
-	$(PYTHON) -m pip install -e '.[test]'
+install: setup
 
 # Private redis-server, sglang-sim and 3 rq workers on 127.0.0.1, then produce on demo/data.
 demo: setup
@@ -41,5 +49,8 @@ compose-smoke:
 	$(PYTHON) -m bench.compose_smoke $(SMOKE_ARGS)
 
 clean:
-	rm -rf .demo out .pytest_cache .mypy_cache build
+	rm -rf .demo out .pytest_cache .mypy_cache build  # the venv stays: make distclean
 	find budget producer render worker sglang_sim demo tests -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf .venv

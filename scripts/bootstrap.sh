@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install what budgetq needs on a fresh machine: redis-server (Debian package, when missing) and the
-# project with its test extra; with BUDGETQ_TEST_DEPS=1 (`make test`) also chromium, which only the dashboard's
+# Install what budgetq needs on a fresh machine: redis-server (Debian package, when missing), a virtualenv in the
+# checkout (.venv; VENV=none: the Python on PATH) and the project with its test extra in it; with BUDGETQ_TEST_DEPS=1 (`make test`) also chromium, which only the dashboard's
 # browser test needs. Safe to run again: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,13 +26,26 @@ if [ "${BUDGETQ_TEST_DEPS:-0}" = "1" ]; then
 fi
 
 PY="${PYTHON:-python3}"
+# The project's own virtualenv (VENV, .venv by default; the Makefile puts its bin/ first on PATH): made once with
+# the Python given, then everything below installs into it. VENV=none installs into that Python itself.
+VENV="${VENV:-.venv}"
+if [ "$VENV" != "none" ]; then
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "bootstrap: creating the virtualenv $VENV" >&2
+    "$PY" -m venv "$VENV"  # the Python on PATH: the venv's own bin/ is not there yet
+  fi
+  PY="$VENV/bin/python"
+  BIN="$VENV/bin/"
+else
+  BIN=""
+fi
 # Reinstall unless this very checkout is the one installed (an editable install of another clone would
 # otherwise be what the tests import). Checked from / as well, where the current directory is not on sys.path: an
 # editable install made before a top-level package was added (render/) does not map it, and a worker or `produce`
 # started outside the checkout could not import it.
 here="$(pwd -P)"
 if ! "$PY" -c "import sys, budget, pytest, hypothesis, pytest_timeout, xdist, msgspec, sglang_router; sys.exit(not budget.__file__.startswith('$here/'))" \
-     >/dev/null 2>&1 || ! command -v produce >/dev/null 2>&1 || ! command -v rq >/dev/null 2>&1 \
+     >/dev/null 2>&1 || ! command -v "${BIN}produce" >/dev/null 2>&1 || ! command -v "${BIN}rq" >/dev/null 2>&1 \
    || ! (cd / && "$PY" -c "import sys, render; sys.exit(not render.__file__.startswith('$here/'))" >/dev/null 2>&1); then
   echo "bootstrap: pip install -e '.[test]'" >&2
   "$PY" -m pip install -q -e '.[test]'
