@@ -28,20 +28,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from rq.serializers import JSONSerializer
 
 from budget.ledger import LEASE_MS, Ledger
 from budget.outcomes import TURN_BUCKETS, Admission, Admit, turn_bucket
 from budget.payload import ChunkPayload, SamplePayload, sampling_params_of
-from budget.serverinfo import public_url
 from worker.batch import Batcher, in_thread_until_answered
 from worker.config import WorkerConfig
 from worker.estimate import LengthModels, TurnModels
 from worker.running import ChunkReport, Flight, RunningChunk
-from worker.sglang import GenerateError, SGLangClient
-from worker.trip import CLOSE_REASON, generate_sample, result_record
+from worker.sglang import Generation, GenerateError, SGLangClient
+from worker.trip import CLOSE_REASON, RequestContext, result_record
 from worker.turns import run_conversation
 
 log = logging.getLogger("budgetq.worker")
@@ -81,6 +80,9 @@ class Dispatcher:
         #: A warm shutdown (or a fault) asked for: start nothing more, finish what runs. It also wakes a dispatch
         #: waiting for a free slot (``_take_slots``), so the chunk gives its unstarted samples back at once.
         self.stop_requested = asyncio.Event()
+        #: What each request needs of this worker (worker/trip.py), for one-turn samples and conversations alike.
+        self.requests = RequestContext(ledger, self.batcher, client, config, self.length_models, self.ended,
+                                       self.stop_requested, self._fault)
 
     @property
     def stopping(self) -> bool:
@@ -90,34 +92,17 @@ class Dispatcher:
         """Warm stop: start nothing more; requests already running finish and are committed."""
         self.stop_requested.set()
 
-    def _config_fault(self, err: GenerateError) -> None:
-        """The server refused our credentials (401/403): start nothing more, once, and say so, once."""
+    def _fault(self, message: str, log_extra: Mapping[str, Any]) -> None:
+        """A fault of this worker, not of its samples (a refused API key, the run's tokenizer files unusable:
+        worker/trip.py RequestContext): start nothing more and say why, once, however many requests meet it."""
         if self.fault is not None:
             return
-        url = public_url(err.server) if err.server else "SGLang"
-        self.fault = (f"SGLang server {url} refused this worker's credentials ({err.reason}): SGLANG_API_KEY is "
-                      f"{'wrong' if self.config.api_key else 'not set'}; starting no more requests, giving "
-                      f"the chunk back")
-        log.error("%s", self.fault, extra={"server": url, "status": err.status})
-        self._stop_for_fault()
-
-    def tokenizer_fault(self, message: str) -> None:
-        """The run's tokenizer files cannot be had or do not give the run's fingerprint (worker/tokenizer_cache.py):
-        every later turn this worker renders would be wrong alike, so it is the worker's fault, handled as a
-        refused key: start nothing more, give the conversations back unfailed, exit non-zero."""
-        if self.fault is not None:
-            return
-        self.fault = f"cannot render later turns of conversations: {message}; starting no more requests, giving " \
-                     "the chunk back"
-        log.error("%s", self.fault)
-        self._stop_for_fault()
-
-    def _stop_for_fault(self) -> None:
-        assert self.fault is not None
+        self.fault = message
+        log.error("%s", message, extra=dict(log_extra))
         if not self.stopping:
             self.stop()
         if self.on_fault is not None:
-            self.on_fault(self.fault)
+            self.on_fault(message)
 
     # -- the RQ job's part ------------------------------------------------------------------------------
     async def dispatch(self, chunk: ChunkPayload) -> ChunkReport:
@@ -205,11 +190,7 @@ class Dispatcher:
             verdict = refused[0][1]
             if verdict is Admit.FULL and self._dataset_in_flight(rc.dataset):
                 # The budget is reserved by requests in flight; ours will end and free some: wait for that.
-                self.ended.clear()
-                try:
-                    await asyncio.wait_for(self.ended.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    pass
+                await self.requests.wait_for_room()
                 continue
             rc.report.status = {Admit.CLOSED: "closed", Admit.FULL: "full"}.get(verdict, "revoked")
             rc.report.not_started += len(todo)
@@ -313,30 +294,17 @@ class Dispatcher:
         sid, report = sample["id"], rc.report
         try:
             try:
-                try:
-                    gen = await generate_sample(self.client, self.config, rc.dataset, sample,
-                                                sampling_params_of(rc.chunk, sample), report)
-                finally:
-                    # A slot is a request at SGLang: the next sample may start while this one is committed.
-                    # Held until the commit's reply, each slot spent ~1/3 of its time waiting on Redis
-                    # (python -m bench.overhead; docs/performance.md, figure 3).
-                    self.slots.release()
-            except GenerateError as err:
-                report.errors.append(f"{sid}: {err.reason}")
-                if err.auth:
-                    # Not the sample's failure: given back like an unstarted sample. Its reservation and
-                    # in-flight count stay with the chunk until the chunk ends (finish_chunk drops both).
-                    report.not_started += 1
-                    report.status = "unauthorized"
-                    self._config_fault(err)
-                    return
-                if await self.batcher.call_until_answered("fail", self.ledger.fail_call(
-                        rc.dataset, sid, rc.id, {"id": sid, "reason": err.reason, "status": err.status,
-                                                 "attempts": err.attempts}, reserved=flight.reserved)):
-                    report.failed += 1
+                gen = await self.requests.generate(rc, flight, sample, sampling_params_of(rc.chunk, sample),
+                                                   label=sid)
+            finally:
+                # A slot is a request at SGLang: the next sample may start while this one is committed.
+                # Held until the commit's reply, each slot spent ~1/3 of its time waiting on Redis
+                # (python -m bench.overhead; docs/performance.md, figure 3).
+                self.slots.release()
+            if isinstance(gen, GenerateError):
+                await self.requests.fail(rc, flight, sid, gen)
+            if not isinstance(gen, Generation):  # failed, or given back (RequestContext.generate)
                 return
-            elapsed = time.monotonic() - flight.started
-            self.length_models.rates.observe(gen.completion_tokens, elapsed)
             outcome = await self.batcher.call_until_answered("commit", self.ledger.commit_call(
                 rc.dataset, sid, gen.completion_tokens, result_record(rc.dataset, sample, gen, rc.chunk),
                 chunk=rc.id, reserved=flight.reserved, finish_reason=gen.finish_reason))
@@ -346,10 +314,7 @@ class Dispatcher:
                 report.late += outcome.late
             else:
                 report.duplicates += 1
-            if outcome.closed_now:
-                n = await in_thread_until_answered("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
-                log.info("%s reached its budget (%d tokens): closed, %d queued chunks discarded",
-                         rc.dataset, outcome.used, n)
+            await self.requests.after_commit(rc.dataset, outcome.closed_now, outcome.used)
         finally:
             rc.flights.pop(sid, None)
             self.ended.set()
@@ -358,7 +323,7 @@ class Dispatcher:
                                 resumed: bool) -> None:
         """A conversation keeps its slot from its first turn to its end (worker/turns.py says why)."""
         try:
-            await run_conversation(self, rc, sample, flight, resumed)
+            await run_conversation(self.requests, rc, sample, flight, resumed)
         finally:
             self.slots.release()
             rc.flights.pop(sample["id"], None)
