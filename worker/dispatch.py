@@ -30,6 +30,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping
 
+import redis
 from rq.serializers import JSONSerializer
 
 from budget.ledger import LEASE_MS, Ledger
@@ -123,6 +124,7 @@ class Dispatcher:
         if self.heartbeat is not None and self._beat is None:
             self._beat = asyncio.create_task(self._keep_heartbeat())
         rc.lease = asyncio.create_task(self._keep_lease(rc))
+        rc.lease.add_done_callback(lambda lease: self._lease_ended(rc, lease))
         try:
             await self._start_all(rc)
         except BaseException:
@@ -340,6 +342,8 @@ class Dispatcher:
                           "and the producer re-enqueues what is unfinished", rc.id, len(errors), errors[0])
                 cancelled = True
         if rc.lease is not None:
+            if rc.lease.done() and not rc.lease.cancelled() and rc.lease.exception() is not None:
+                cancelled = True  # its lease lapses (_lease_ended said why): the producer reclaims the chunk
             rc.lease.cancel()
             await asyncio.gather(rc.lease, return_exceptions=True)
         self.running.pop(rc.id, None)
@@ -391,7 +395,7 @@ class Dispatcher:
                 ok = await self.batcher.call(self.ledger.refresh_chunk_call(
                     rc.dataset, rc.id, reserved=reserved, progress=progress, turn_progress=turn_progress))
                 last_lease = now
-            except Exception as exc:  # Redis hiccup: keep trying; the lease has slack for three misses
+            except redis.RedisError as exc:  # Redis hiccup: keep trying; the lease has slack for three misses
                 log.warning("lease refresh for %s failed: %s", rc.id, exc)
                 continue
             if not ok:
@@ -400,6 +404,16 @@ class Dispatcher:
                 return
             if now - rc.meta_at >= META_INTERVAL_S:
                 self._write_meta(rc, "running")
+
+    def _lease_ended(self, rc: RunningChunk, lease: "asyncio.Task[None]") -> None:
+        """The lease task ends when the chunk finishes (cancelled) or is lost; any other end is a bug of this code,
+        said at once: the lease lapses, so the chunk starts nothing more (as when lost) and is left to the
+        producer, which reclaims it and re-enqueues what is unfinished (``_finish``: interrupted)."""
+        if lease.cancelled() or lease.exception() is None:
+            return
+        log.error("chunk %s: its lease refresh ended in an unexpected error; starting nothing more of it, its lease "
+                  "will lapse and the producer re-enqueues what is unfinished", rc.id, exc_info=lease.exception())
+        rc.lost.set()
 
     async def _keep_heartbeat(self) -> None:
         """One task per worker: renew its RQ registration (rq-dashboard, ``rq info``) while chunks run, since a
