@@ -174,7 +174,7 @@ class Dispatcher:
                 turn_models = await self._turn_models(rc)
                 verdicts = await self._admit(rc, batch, expected, sd, turn_models)
             refused: list[tuple[SamplePayload, Admit]] = []
-            for sample, admission in zip(batch, verdicts):
+            for sample, admission in zip(batch, verdicts, strict=True):
                 if admission.verdict is Admit.START:
                     turns = sample.get("turns", 1)
                     future = turn_models.future(0, turns) if turn_models is not None and turns > 1 else 0
@@ -233,8 +233,8 @@ class Dispatcher:
             return await call(turns, [s["id"] for s in batch])
         replies = await asyncio.gather(*(call(turns, [batch[i]["id"] for i in at]) for turns, at in groups.items()))
         verdicts: list[Admission] = [Admission(Admit.REVOKED, 0)] * len(batch)
-        for at, got in zip(groups.values(), replies):
-            for i, admission in zip(at, got):
+        for at, got in zip(groups.values(), replies, strict=True):
+            for i, admission in zip(at, got, strict=True):
                 verdicts[i] = admission
         return verdicts
 
