@@ -16,6 +16,7 @@ import asyncio
 import logging
 import random
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from budget.ledger import Ledger
@@ -118,24 +119,19 @@ def result_record(dataset: str, sample: SamplePayload, gen: Generation, chunk: C
 _GIVING_BACK = "starting no more requests, giving the chunk back"
 
 
+@dataclass(frozen=True)
 class RequestContext:
-    """What a request needs from its worker; one per Dispatcher, shared by all its requests.
+    """What a request needs from its worker; one per Dispatcher, shared by all its requests."""
 
-    ``ended`` is set whenever a request of the worker ends; ``stop_requested`` is the dispatcher's warm stop;
-    ``fault(message, log_extra)`` stops the worker for a fault of its own (worker/dispatch.py), once however
-    often it is called."""
-
-    def __init__(self, ledger: Ledger, batcher: Batcher, client: SGLangClient, config: WorkerConfig,
-                 length_models: LengthModels, ended: asyncio.Event, stop_requested: asyncio.Event,
-                 fault: Callable[[str, Mapping[str, Any]], None]) -> None:
-        self.ledger = ledger
-        self.batcher = batcher
-        self.client = client
-        self.config = config
-        self.length_models = length_models
-        self.ended = ended
-        self.stop_requested = stop_requested
-        self.fault = fault
+    ledger: Ledger
+    batcher: Batcher
+    client: SGLangClient
+    config: WorkerConfig
+    length_models: LengthModels
+    ended: asyncio.Event  # set whenever a request of the worker ends
+    stop_requested: asyncio.Event  # the dispatcher's warm stop
+    #: Stops the worker for a fault of its own (worker/dispatch.py), once however often it is called.
+    fault: Callable[[str, Mapping[str, Any]], None]
 
     @property
     def stopping(self) -> bool:
