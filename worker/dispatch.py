@@ -166,6 +166,7 @@ class Dispatcher:
                 batch, n = fresh, len(fresh)
                 if not batch:
                     continue
+            turn_models: TurnModels | None = None
             if rc.lost.is_set():
                 verdicts = [Admission(Admit.REVOKED, 0)] * n
             else:
@@ -173,18 +174,7 @@ class Dispatcher:
                 sd = await self.length_models.sd(rc.dataset)
                 turn_models = await self._turn_models(rc)
                 verdicts = await self._admit(rc, batch, expected, sd, turn_models)
-            refused: list[tuple[SamplePayload, Admit]] = []
-            for sample, admission in zip(batch, verdicts, strict=True):
-                if admission.verdict is Admit.START:
-                    turns = sample.get("turns", 1)
-                    future = turn_models.future(0, turns) if turn_models is not None and turns > 1 else 0
-                    self._launch(rc, sample, admission.reserved, future=future)
-                elif admission.verdict is Admit.SKIP:
-                    rc.report.skipped += 1
-                    self.slots.release()
-                else:
-                    refused.append((sample, admission.verdict))
-                    self.slots.release()
+            refused = self._launch_admitted(rc, batch, verdicts, turn_models)
             if not refused:
                 continue
             # Put the refused samples back in order; what is done next depends on the first refusal.
@@ -200,6 +190,24 @@ class Dispatcher:
                 # strict closes at admission; discard is idempotent
                 await in_thread_until_answered("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
             return
+
+    def _launch_admitted(self, rc: RunningChunk, batch: list[SamplePayload], verdicts: list[Admission],
+                         turn_models: TurnModels | None) -> list[tuple[SamplePayload, Admit]]:
+        """Start the admitted samples of ``batch``; the slots of the others go back. Returns the refused ones, in
+        order, with their verdicts (a skipped sample is done already: counted, not refused)."""
+        refused: list[tuple[SamplePayload, Admit]] = []
+        for sample, admission in zip(batch, verdicts, strict=True):
+            if admission.verdict is Admit.START:
+                turns = sample.get("turns", 1)
+                future = turn_models.future(0, turns) if turn_models is not None and turns > 1 else 0
+                self._launch(rc, sample, admission.reserved, future=future)
+            elif admission.verdict is Admit.SKIP:
+                rc.report.skipped += 1
+                self.slots.release()
+            else:
+                refused.append((sample, admission.verdict))
+                self.slots.release()
+        return refused
 
     async def _turn_models(self, rc: RunningChunk) -> TurnModels | None:
         """The per-turn models predict prices a chunk's conversations with; None when it has none or is not in
