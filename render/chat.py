@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Final, Literal, Mapping, Sequence
 
 import jinja2
 
+from render import RenderError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -52,18 +54,6 @@ _RESERVED_KWARGS: Final = frozenset(
 )
 # Bump when the way ids are produced changes, so runs stored by an older renderer are refused.
 _FINGERPRINT_VERSION: Final = "budgetq-render-1"
-
-
-class RenderError(Exception):
-    """A user error (bad tokenizer directory, template, messages or kwargs), with a message fit to show as is.
-
-    `index` is set by `Renderer.render_many`: the position of the failing conversation in the batch, so the caller
-    can name the file line at fault.
-    """
-
-    def __init__(self, message: str, *, index: int | None = None) -> None:
-        super().__init__(message)
-        self.index = index
 
 
 @dataclass(frozen=True)

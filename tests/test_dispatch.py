@@ -211,6 +211,45 @@ def test_lost_lease_stops_admitting_and_late_commits_hit_the_done_guard(r: "redi
     assert sim_stats(sim.url)["submitted"] == 2 + 6  # A started nothing after it lost its chunk
 
 
+def test_a_bug_in_the_lease_refresh_fails_loudly_and_is_not_retried_as_a_redis_hiccup(
+        r: "redis.Redis", redis_url: str, sim_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Only a Redis error is a hiccup the lease refresh tries again (the lease has slack for it). Any other error is
+    a bug of this code: it ends the lease task with that error, logged once as an error naming the chunk, and the
+    chunk starts nothing more and is left to its lease (interrupted, not finished: the producer reclaims it), where
+    it used to be a warning every interval while the lease lapsed unseen. The bug here: a flight whose ``future``
+    is not a number, which only the predict-mode refresh reads. The requests already running commit, once."""
+    sim = sim_factory(*SIM_ARGS)
+    ledger = Ledger(r)
+    ledger.set_mode(DS, "predict", SLOW)
+    ledger.set_budget(DS, None)
+    ids = [f"s{i}" for i in range(4)]
+    chunk = enqueue(r, ids, SLOW)
+    caplog.set_level(logging.WARNING, logger="budgetq.worker")
+
+    async def go() -> tuple[ChunkReport, BaseException | None]:
+        async with dispatcher(redis_url, sim.url, concurrency=2, reserve_interval=0.05) as d:
+            task = asyncio.create_task(d.dispatch(chunk))
+            await until(lambda: in_flight(d) == 2, "two requests running")
+            rc = d.running[chunk["chunk"]]
+            next(iter(rc.flights.values())).future = None  # type: ignore[assignment]
+            await until(rc.lost.is_set, "the end of the lease task", timeout=10)
+            assert rc.lease is not None and rc.lease.done()
+            report = await task  # its next admission, once a slot frees, is refused: it starts nothing more
+            await asyncio.wait_for(d.drain(), 60)
+        return report, rc.lease.exception()
+
+    report, error = asyncio.run(go())
+    assert isinstance(error, TypeError)
+    errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert len(errors) == 1 and chunk["chunk"] in errors[0].getMessage()
+    assert errors[0].exc_info is not None and errors[0].exc_info[1] is error  # with its traceback
+    assert not [m for m in caplog.messages if m.startswith("lease refresh for")]  # never taken for a Redis error
+    assert report.status == "revoked" and report.not_started == 2
+    assert report.committed == 2 and report.duplicates == 0
+    assert sorted(ledger.done_ids(DS)) == ids[:2] and ledger.state(DS).used == 2 * SLOW
+    assert chunk["chunk"] in ledger.live_chunks(DS)  # not finished: left to its lease and the producer's reclaim
+
+
 # -- Redis down mid-chunk ----------------------------------------------------------------------------------
 def test_redis_down_mid_chunk_commits_land_after_it_returns_exactly_once(tmp_path: Path, sim_factory: Any,
                                                                          caplog: pytest.LogCaptureFixture) -> None:

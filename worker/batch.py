@@ -133,7 +133,7 @@ class Batcher:
                 if not fut.done():
                     fut.set_exception(exc)
             return
-        for (_, fut), reply in zip(batch, done.result()):
+        for (_, fut), reply in zip(batch, done.result(), strict=True):
             if fut.done():
                 continue
             if isinstance(reply, Exception):

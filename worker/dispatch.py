@@ -28,20 +28,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
+import redis
 from rq.serializers import JSONSerializer
 
 from budget.ledger import LEASE_MS, Ledger
 from budget.outcomes import TURN_BUCKETS, Admission, Admit, turn_bucket
 from budget.payload import ChunkPayload, SamplePayload, sampling_params_of
-from budget.serverinfo import public_url
 from worker.batch import Batcher, in_thread_until_answered
 from worker.config import WorkerConfig
 from worker.estimate import LengthModels, TurnModels
 from worker.running import ChunkReport, Flight, RunningChunk
-from worker.sglang import GenerateError, SGLangClient
-from worker.trip import CLOSE_REASON, generate_sample, result_record
+from worker.sglang import Generation, GenerateError, SGLangClient
+from worker.trip import CLOSE_REASON, RequestContext, result_record
 from worker.turns import run_conversation
 
 log = logging.getLogger("budgetq.worker")
@@ -81,6 +81,9 @@ class Dispatcher:
         #: A warm shutdown (or a fault) asked for: start nothing more, finish what runs. It also wakes a dispatch
         #: waiting for a free slot (``_take_slots``), so the chunk gives its unstarted samples back at once.
         self.stop_requested = asyncio.Event()
+        #: What each request needs of this worker (worker/trip.py), for one-turn samples and conversations alike.
+        self.requests = RequestContext(ledger, self.batcher, client, config, self.length_models, self.ended,
+                                       self.stop_requested, self._fault)
 
     @property
     def stopping(self) -> bool:
@@ -90,34 +93,17 @@ class Dispatcher:
         """Warm stop: start nothing more; requests already running finish and are committed."""
         self.stop_requested.set()
 
-    def _config_fault(self, err: GenerateError) -> None:
-        """The server refused our credentials (401/403): start nothing more, once, and say so, once."""
+    def _fault(self, message: str, log_extra: Mapping[str, Any]) -> None:
+        """A fault of this worker, not of its samples (a refused API key, the run's tokenizer files unusable:
+        worker/trip.py RequestContext): start nothing more and say why, once, however many requests meet it."""
         if self.fault is not None:
             return
-        url = public_url(err.server) if err.server else "SGLang"
-        self.fault = (f"SGLang server {url} refused this worker's credentials ({err.reason}): SGLANG_API_KEY is "
-                      f"{'wrong' if self.config.api_key else 'not set'}; starting no more requests, giving "
-                      f"the chunk back")
-        log.error("%s", self.fault, extra={"server": url, "status": err.status})
-        self._stop_for_fault()
-
-    def tokenizer_fault(self, message: str) -> None:
-        """The run's tokenizer files cannot be had or do not give the run's fingerprint (worker/tokenizer_cache.py):
-        every later turn this worker renders would be wrong alike, so it is the worker's fault, handled as a
-        refused key: start nothing more, give the conversations back unfailed, exit non-zero."""
-        if self.fault is not None:
-            return
-        self.fault = f"cannot render later turns of conversations: {message}; starting no more requests, giving " \
-                     "the chunk back"
-        log.error("%s", self.fault)
-        self._stop_for_fault()
-
-    def _stop_for_fault(self) -> None:
-        assert self.fault is not None
+        self.fault = message
+        log.error("%s", message, extra=dict(log_extra))
         if not self.stopping:
             self.stop()
         if self.on_fault is not None:
-            self.on_fault(self.fault)
+            self.on_fault(message)
 
     # -- the RQ job's part ------------------------------------------------------------------------------
     async def dispatch(self, chunk: ChunkPayload) -> ChunkReport:
@@ -138,6 +124,7 @@ class Dispatcher:
         if self.heartbeat is not None and self._beat is None:
             self._beat = asyncio.create_task(self._keep_heartbeat())
         rc.lease = asyncio.create_task(self._keep_lease(rc))
+        rc.lease.add_done_callback(lambda lease: self._lease_ended(rc, lease))
         try:
             await self._start_all(rc)
         except BaseException:
@@ -179,6 +166,7 @@ class Dispatcher:
                 batch, n = fresh, len(fresh)
                 if not batch:
                     continue
+            turn_models: TurnModels | None = None
             if rc.lost.is_set():
                 verdicts = [Admission(Admit.REVOKED, 0)] * n
             else:
@@ -186,18 +174,7 @@ class Dispatcher:
                 sd = await self.length_models.sd(rc.dataset)
                 turn_models = await self._turn_models(rc)
                 verdicts = await self._admit(rc, batch, expected, sd, turn_models)
-            refused: list[tuple[SamplePayload, Admit]] = []
-            for sample, admission in zip(batch, verdicts):
-                if admission.verdict is Admit.START:
-                    turns = sample.get("turns", 1)
-                    future = turn_models.future(0, turns) if turn_models is not None and turns > 1 else 0
-                    self._launch(rc, sample, admission.reserved, future=future)
-                elif admission.verdict is Admit.SKIP:
-                    rc.report.skipped += 1
-                    self.slots.release()
-                else:
-                    refused.append((sample, admission.verdict))
-                    self.slots.release()
+            refused = self._launch_admitted(rc, batch, verdicts, turn_models)
             if not refused:
                 continue
             # Put the refused samples back in order; what is done next depends on the first refusal.
@@ -205,11 +182,7 @@ class Dispatcher:
             verdict = refused[0][1]
             if verdict is Admit.FULL and self._dataset_in_flight(rc.dataset):
                 # The budget is reserved by requests in flight; ours will end and free some: wait for that.
-                self.ended.clear()
-                try:
-                    await asyncio.wait_for(self.ended.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    pass
+                await self.requests.wait_for_room()
                 continue
             rc.report.status = {Admit.CLOSED: "closed", Admit.FULL: "full"}.get(verdict, "revoked")
             rc.report.not_started += len(todo)
@@ -217,6 +190,24 @@ class Dispatcher:
                 # strict closes at admission; discard is idempotent
                 await in_thread_until_answered("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
             return
+
+    def _launch_admitted(self, rc: RunningChunk, batch: list[SamplePayload], verdicts: list[Admission],
+                         turn_models: TurnModels | None) -> list[tuple[SamplePayload, Admit]]:
+        """Start the admitted samples of ``batch``; the slots of the others go back. Returns the refused ones, in
+        order, with their verdicts (a skipped sample is done already: counted, not refused)."""
+        refused: list[tuple[SamplePayload, Admit]] = []
+        for sample, admission in zip(batch, verdicts, strict=True):
+            if admission.verdict is Admit.START:
+                turns = sample.get("turns", 1)
+                future = turn_models.future(0, turns) if turn_models is not None and turns > 1 else 0
+                self._launch(rc, sample, admission.reserved, future=future)
+            elif admission.verdict is Admit.SKIP:
+                rc.report.skipped += 1
+                self.slots.release()
+            else:
+                refused.append((sample, admission.verdict))
+                self.slots.release()
+        return refused
 
     async def _turn_models(self, rc: RunningChunk) -> TurnModels | None:
         """The per-turn models predict prices a chunk's conversations with; None when it has none or is not in
@@ -250,8 +241,8 @@ class Dispatcher:
             return await call(turns, [s["id"] for s in batch])
         replies = await asyncio.gather(*(call(turns, [batch[i]["id"] for i in at]) for turns, at in groups.items()))
         verdicts: list[Admission] = [Admission(Admit.REVOKED, 0)] * len(batch)
-        for at, got in zip(groups.values(), replies):
-            for i, admission in zip(at, got):
+        for at, got in zip(groups.values(), replies, strict=True):
+            for i, admission in zip(at, got, strict=True):
                 verdicts[i] = admission
         return verdicts
 
@@ -313,30 +304,17 @@ class Dispatcher:
         sid, report = sample["id"], rc.report
         try:
             try:
-                try:
-                    gen = await generate_sample(self.client, self.config, rc.dataset, sample,
-                                                sampling_params_of(rc.chunk, sample), report)
-                finally:
-                    # A slot is a request at SGLang: the next sample may start while this one is committed.
-                    # Held until the commit's reply, each slot spent ~1/3 of its time waiting on Redis
-                    # (python -m bench.overhead; docs/performance.md, figure 3).
-                    self.slots.release()
-            except GenerateError as err:
-                report.errors.append(f"{sid}: {err.reason}")
-                if err.auth:
-                    # Not the sample's failure: given back like an unstarted sample. Its reservation and
-                    # in-flight count stay with the chunk until the chunk ends (finish_chunk drops both).
-                    report.not_started += 1
-                    report.status = "unauthorized"
-                    self._config_fault(err)
-                    return
-                if await self.batcher.call_until_answered("fail", self.ledger.fail_call(
-                        rc.dataset, sid, rc.id, {"id": sid, "reason": err.reason, "status": err.status,
-                                                 "attempts": err.attempts}, reserved=flight.reserved)):
-                    report.failed += 1
+                gen = await self.requests.generate(rc, flight, sample, sampling_params_of(rc.chunk, sample),
+                                                   label=sid)
+            finally:
+                # A slot is a request at SGLang: the next sample may start while this one is committed.
+                # Held until the commit's reply, each slot spent ~1/3 of its time waiting on Redis
+                # (python -m bench.overhead; docs/performance.md, figure 3).
+                self.slots.release()
+            if isinstance(gen, GenerateError):
+                await self.requests.fail(rc, flight, sid, gen)
+            if not isinstance(gen, Generation):  # failed, or given back (RequestContext.generate)
                 return
-            elapsed = time.monotonic() - flight.started
-            self.length_models.rates.observe(gen.completion_tokens, elapsed)
             outcome = await self.batcher.call_until_answered("commit", self.ledger.commit_call(
                 rc.dataset, sid, gen.completion_tokens, result_record(rc.dataset, sample, gen, rc.chunk),
                 chunk=rc.id, reserved=flight.reserved, finish_reason=gen.finish_reason))
@@ -346,10 +324,7 @@ class Dispatcher:
                 report.late += outcome.late
             else:
                 report.duplicates += 1
-            if outcome.closed_now:
-                n = await in_thread_until_answered("discard", self.ledger.discard, rc.dataset, CLOSE_REASON)
-                log.info("%s reached its budget (%d tokens): closed, %d queued chunks discarded",
-                         rc.dataset, outcome.used, n)
+            await self.requests.after_commit(rc.dataset, outcome.closed_now, outcome.used)
         finally:
             rc.flights.pop(sid, None)
             self.ended.set()
@@ -358,7 +333,7 @@ class Dispatcher:
                                 resumed: bool) -> None:
         """A conversation keeps its slot from its first turn to its end (worker/turns.py says why)."""
         try:
-            await run_conversation(self, rc, sample, flight, resumed)
+            await run_conversation(self.requests, rc, sample, flight, resumed)
         finally:
             self.slots.release()
             rc.flights.pop(sample["id"], None)
@@ -375,6 +350,8 @@ class Dispatcher:
                           "and the producer re-enqueues what is unfinished", rc.id, len(errors), errors[0])
                 cancelled = True
         if rc.lease is not None:
+            if rc.lease.done() and not rc.lease.cancelled() and rc.lease.exception() is not None:
+                cancelled = True  # its lease lapses (_lease_ended said why): the producer reclaims the chunk
             rc.lease.cancel()
             await asyncio.gather(rc.lease, return_exceptions=True)
         self.running.pop(rc.id, None)
@@ -426,7 +403,7 @@ class Dispatcher:
                 ok = await self.batcher.call(self.ledger.refresh_chunk_call(
                     rc.dataset, rc.id, reserved=reserved, progress=progress, turn_progress=turn_progress))
                 last_lease = now
-            except Exception as exc:  # Redis hiccup: keep trying; the lease has slack for three misses
+            except redis.RedisError as exc:  # Redis hiccup: keep trying; the lease has slack for three misses
                 log.warning("lease refresh for %s failed: %s", rc.id, exc)
                 continue
             if not ok:
@@ -435,6 +412,16 @@ class Dispatcher:
                 return
             if now - rc.meta_at >= META_INTERVAL_S:
                 self._write_meta(rc, "running")
+
+    def _lease_ended(self, rc: RunningChunk, lease: "asyncio.Task[None]") -> None:
+        """The lease task ends when the chunk finishes (cancelled) or is lost; any other end is a bug of this code,
+        said at once: the lease lapses, so the chunk starts nothing more (as when lost) and is left to the
+        producer, which reclaims it and re-enqueues what is unfinished (``_finish``: interrupted)."""
+        if lease.cancelled() or lease.exception() is None:
+            return
+        log.error("chunk %s: its lease refresh ended in an unexpected error; starting nothing more of it, its lease "
+                  "will lapse and the producer re-enqueues what is unfinished", rc.id, exc_info=lease.exception())
+        rc.lost.set()
 
     async def _keep_heartbeat(self) -> None:
         """One task per worker: renew its RQ registration (rq-dashboard, ``rq info``) while chunks run, since a

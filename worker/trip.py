@@ -4,7 +4,11 @@ The retry policy lives here: 5xx, 429, resets, timeouts, aborted generations and
 with full-jitter backoff (never before Retry-After) up to ``BUDGETQ_MAX_ATTEMPTS``; a 400 is final, except
 "Duplicate request ID" (a previous run of the sample still holds the rid), retried at once under the next rid.
 A 401/403 (the server refused ``SGLANG_API_KEY``) is given up at once too, but it is not the sample's failure:
-worker/dispatch.py gives the sample back and stops the worker.
+the sample is given back and the worker stops (``RequestContext.generate``).
+
+``RequestContext`` is what a request needs from its worker, on both paths: a one-turn sample
+(worker/dispatch.py ``Dispatcher._run_one``) and each turn of a conversation (worker/turns.py). It holds the
+steps the two share (generate or give back, fail, discard on close, wait for room) so that they are written once.
 """
 from __future__ import annotations
 
@@ -12,13 +16,18 @@ import asyncio
 import logging
 import random
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
+from budget.ledger import Ledger
 from budget.payload import ChunkPayload, SamplePayload, request_id, sampling_params_of
 from budget.record import make_record, make_turn
+from budget.serverinfo import public_url
+from worker.batch import Batcher, in_thread_until_answered
 from worker.config import WorkerConfig
+from worker.estimate import LengthModels
 from worker.reasoning import parse_turn, split_reasoning
-from worker.running import ChunkReport
+from worker.running import ChunkReport, Flight, RunningChunk
 from worker.sglang import Generation, GenerateError, SGLangClient
 
 log = logging.getLogger("budgetq.worker")
@@ -104,3 +113,83 @@ def result_record(dataset: str, sample: SamplePayload, gen: Generation, chunk: C
                       chat_template_kwargs=sample.get("chat_template_kwargs"))
     del rec["messages"]
     return rec
+
+
+#: The tail of every fault message: what the worker does about it.
+_GIVING_BACK = "starting no more requests, giving the chunk back"
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What a request needs from its worker; one per Dispatcher, shared by all its requests."""
+
+    ledger: Ledger
+    batcher: Batcher
+    client: SGLangClient
+    config: WorkerConfig
+    length_models: LengthModels
+    ended: asyncio.Event  # set whenever a request of the worker ends
+    stop_requested: asyncio.Event  # the dispatcher's warm stop
+    #: Stops the worker for a fault of its own (worker/dispatch.py), once however often it is called.
+    fault: Callable[[str, Mapping[str, Any]], None]
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_requested.is_set()
+
+    async def generate(self, rc: RunningChunk, flight: Flight, sample: SamplePayload,
+                       sampling_params: dict[str, Any], *, label: str, rid_key: str | None = None,
+                       prefer: str | None = None) -> Generation | GenerateError | None:
+        """``generate_sample``, its answer observed by the rate tracker. A GenerateError given up is noted in the
+        chunk's report (``label`` names the request) and returned: the caller decides what it fails. None when the
+        server refused this worker's credentials: not the sample's failure but the worker's, so the sample is
+        given back unfailed (its reservation and in-flight count stay with the chunk until the chunk ends:
+        finish_chunk drops both) and the worker stops."""
+        try:
+            gen = await generate_sample(self.client, self.config, rc.dataset, sample, sampling_params, rc.report,
+                                        rid_key=rid_key, prefer=prefer)
+        except GenerateError as err:
+            rc.report.errors.append(f"{label}: {err.reason}")
+            if not err.auth:
+                return err
+            url = public_url(err.server) if err.server else "SGLang"
+            self.give_back(rc, f"SGLang server {url} refused this worker's credentials ({err.reason}): "
+                               f"SGLANG_API_KEY is {'wrong' if self.config.api_key else 'not set'}; {_GIVING_BACK}",
+                           {"server": url, "status": err.status})
+            return None
+        self.length_models.rates.observe(gen.completion_tokens, time.monotonic() - flight.started)
+        return gen
+
+    def give_back(self, rc: RunningChunk, fault: str, log_extra: Mapping[str, Any] | None = None) -> None:
+        """Give a sample back unfailed for a fault of this worker (``fault`` says which), and stop the worker."""
+        rc.report.not_started += 1
+        rc.report.status = "unauthorized"
+        self.fault(fault, log_extra or {})
+
+    def tokenizer_fault(self, rc: RunningChunk, message: str) -> None:
+        """The run's tokenizer files cannot be had or do not give the run's fingerprint (worker/tokenizer_cache.py):
+        every later turn this worker renders would be wrong alike, so it is the worker's fault, handled as a
+        refused key."""
+        self.give_back(rc, f"cannot render later turns of conversations: {message}; {_GIVING_BACK}")
+
+    async def fail(self, rc: RunningChunk, flight: Flight, sid: str, err: GenerateError) -> None:
+        """Record sample ``sid`` failed (failed.jsonl), releasing what its flight reserved; counted once."""
+        if await self.batcher.call_until_answered("fail", self.ledger.fail_call(
+                rc.dataset, sid, rc.id, {"id": sid, "reason": err.reason, "status": err.status,
+                                         "attempts": err.attempts}, reserved=flight.reserved)):
+            rc.report.failed += 1
+
+    async def after_commit(self, dataset: str, closed_now: bool, used: int) -> None:
+        """A commit that closed its dataset discards the dataset's queued chunks at once (discard is idempotent)."""
+        if closed_now:
+            n = await in_thread_until_answered("discard", self.ledger.discard, dataset, CLOSE_REASON)
+            log.info("%s reached its budget (%d tokens): closed, %d queued chunks discarded", dataset, used, n)
+
+    async def wait_for_room(self) -> None:
+        """After a FULL admission: the budget is reserved by requests in flight, and one of them ending may free
+        room. Wait until a request of this worker ends, or a second (another worker's may end)."""
+        self.ended.clear()
+        try:
+            await asyncio.wait_for(self.ended.wait(), timeout=1.0)
+        except asyncio.TimeoutError:
+            pass

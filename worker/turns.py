@@ -21,167 +21,217 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from budget.conversation import BUDGET, CONTEXT, FAILED, header, walk
+from budget.conversation import BUDGET, CONTEXT, FAILED, Walk, header, walk
 from budget.history import plan
 from budget.outcomes import EndVerdict, TurnAdmit, TurnVerdict
 from budget.payload import SamplePayload, sampling_params_of, turn_request_key
 from budget.record import make_turn
 from budget.serverinfo import public_url
+from render import RenderError
 from worker.batch import in_thread_until_answered
 from worker.running import Flight, RunningChunk
-from worker.sglang import GenerateError
-from worker.trip import CLOSE_REASON, generate_sample, parse_response
+from worker.sglang import Generation, GenerateError
+from worker.trip import RequestContext, parse_response
 
 if TYPE_CHECKING:
+    import redis
+
     from render.chat import Renderer
-    from worker.dispatch import Dispatcher
 
 log = logging.getLogger("budgetq.worker")
 
 
-def _renderer(d: "Dispatcher", rc: RunningChunk, sample: SamplePayload) -> "Renderer":
+@dataclass(frozen=True)
+class _End:
+    """How a conversation ends on this worker: its record says ``stopped_by`` (and ``failed_reason``)."""
+
+    stopped_by: str | None
+    failed_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """A turn's prompt, rendered and admitted."""
+
+    input_ids: list[int]
+    opens_think: bool
+
+
+def _renderer(client: "redis.Redis", rc: RunningChunk, sample: SamplePayload) -> "Renderer":
     """The run's Renderer, or with a template kwargs mix the sample's (its own kwargs and fingerprint; the
     tokenizer files are the run's, stored under the conversation block's fingerprint)."""
-    from worker.tokenizer_cache import renderer_for
     from render.chat import ThinkMarkers
+    from worker.tokenizer_cache import renderer_for
     conv = rc.chunk["conversation"]
     markers = conv.get("open_markers")
     kwargs = sample.get("chat_template_kwargs")
     fingerprint = sample.get("tokenizer") if kwargs is not None else None
-    return renderer_for(d.ledger.r, fingerprint or conv["tokenizer"], files=conv["tokenizer"],
+    return renderer_for(client, fingerprint or conv["tokenizer"], files=conv["tokenizer"],
                         chat_template_kwargs=kwargs if fingerprint else conv.get("chat_template_kwargs") or {},
                         opens_markers=ThinkMarkers(markers[0], markers[1]) if markers else None)
 
 
-async def run_conversation(d: "Dispatcher", rc: RunningChunk, sample: SamplePayload, flight: Flight,
+async def run_conversation(ctx: RequestContext, rc: RunningChunk, sample: SamplePayload, flight: Flight,
                            resumed: bool) -> None:
     """Carry conversation ``sample`` to its end (or until it is no longer this chunk's). ``resumed``: it has
     committed turns already (another worker started it); its turn 0 was not admitted with the chunk."""
-    from worker.tokenizer_cache import TokenizerFault
-    dataset, sid, report, chunk = rc.dataset, sample["id"], rc.report, rc.chunk
-    sampling_params = sampling_params_of(chunk, sample)  # the generation's override, for every turn
-    max_new = int(sampling_params["max_new_tokens"])
-    steps = plan(sample["messages"])
-    turns: list[dict[str, Any]] = []
+    conversation = _Conversation(ctx, rc, sample, flight)
     if resumed:
-        turns = await in_thread_until_answered("committed turns", d.ledger.committed_turns, dataset, sid)
-    renderer: "Renderer | None" = None
-    prefer: str | None = turns[-1].get("server") if turns else None
-    stopped_by: str | None = None
-    failed_reason: str | None = None
-    while True:
-        state = walk(steps, turns)
-        if state.prompt is None:
-            stopped_by = state.stopped_by
-            break
-        i = len(turns)
-        if i == 0:
-            ids, opens = sample["input_ids"], sample["opens_think"]
-        else:
-            try:
-                if renderer is None:
-                    renderer = await asyncio.to_thread(_renderer, d, rc, sample)
-                rendered = await asyncio.to_thread(renderer.render, state.prompt)
-            except TokenizerFault as exc:
-                report.not_started += 1
-                report.status = "unauthorized"
-                d.tokenizer_fault(str(exc))
-                return
-            except Exception as exc:  # the template refused the regenerated history: the data, not the worker
-                from render.chat import RenderError
-                if not isinstance(exc, RenderError):
-                    raise
-                stopped_by, failed_reason = FAILED, f"turn {i}: {exc}"
-                break
-            ids, opens = rendered.input_ids, rendered.opens_think
-            if len(ids) + max_new > chunk["conversation"]["max_context"]:
-                stopped_by = CONTEXT
-                break
-            if d.stopping:
-                # A warm stop (or a fault) between turns: leave the conversation between turns in Redis; its
-                # chunk ends, the producer re-enqueues it and any worker resumes it at this turn. Waiting for all
-                # its turns would hold the worker's shutdown for a whole conversation.
-                report.not_started += 1
-                return
-            verdict = await _admit(d, rc, sid, i, flight, later=max(0, len(steps) - state.steps_done - 1))
-            if verdict is TurnAdmit.STOP:
-                stopped_by = BUDGET
-                break
-            if verdict is not TurnAdmit.START:  # no longer this chunk's, or someone else carries it on
-                report.skipped += 1
-                return
-        key = turn_request_key(sid, i)
-        turn_sample: SamplePayload = {"id": key, "input_ids": ids, "opens_think": opens}
+        await conversation.reload_turns()
+    end = await conversation.take_turns()
+    if end is not None and conversation.turns:
+        await conversation.end(end)
+
+
+class _Conversation:
+    """One conversation on this worker, from its first turn here to its end: the turns it has (the committed
+    ones, in order), the server of the last one, and the renderer of its later turns."""
+
+    def __init__(self, ctx: RequestContext, rc: RunningChunk, sample: SamplePayload, flight: Flight) -> None:
+        self.ctx, self.rc, self.sample, self.flight = ctx, rc, sample, flight
+        self.sid = sample["id"]
+        self.sampling_params = sampling_params_of(rc.chunk, sample)  # the generation's override, for every turn
+        self.steps = plan(sample["messages"])
+        self.turns: list[dict[str, Any]] = []
+        self.renderer: "Renderer | None" = None
+        self.prefer: str | None = None  # the server of the last turn (SGLangClient.pick_server)
+
+    async def reload_turns(self) -> None:
+        """The turns Redis holds committed: the history is always what the budget counted."""
+        self.turns = await in_thread_until_answered("committed turns", self.ctx.ledger.committed_turns,
+                                                    self.rc.dataset, self.sid)
+        self.prefer = self.turns[-1].get("server") if self.turns else None
+
+    async def take_turns(self) -> _End | None:
+        """Turn after turn, each committed before the next is rendered, until the conversation ends here (how)
+        or leaves this worker (None: given back, no longer this chunk's, or carried on by another worker;
+        nothing more is written here). Each step below answers so: go on (a prompt, a generation, True), end
+        here (_End) or leave (None, False)."""
+        while True:
+            state = walk(self.steps, self.turns)
+            if state.prompt is None:
+                return _End(state.stopped_by)
+            i = len(self.turns)
+            prompt = _Prompt(self.sample["input_ids"], self.sample["opens_think"]) if i == 0 else \
+                await self._next_prompt(state, i)
+            if not isinstance(prompt, _Prompt):
+                return prompt
+            request: SamplePayload = {"id": turn_request_key(self.sid, i), "input_ids": prompt.input_ids,
+                                      "opens_think": prompt.opens_think}
+            gen = await self._generate(i, request)
+            if not isinstance(gen, Generation):
+                return gen
+            if not await self._commit(i, request, gen):
+                return None
+            self.flight.started = time.monotonic()
+
+    async def _next_prompt(self, state: Walk, i: int) -> "_Prompt | _End | None":
+        """Turn ``i`` > 0: rendered from the history, then admitted (``admit_turn``)."""
+        prompt = await self._render(state, i)
+        if not isinstance(prompt, _Prompt):
+            return prompt
+        max_new = int(self.sampling_params["max_new_tokens"])
+        if len(prompt.input_ids) + max_new > self.rc.chunk["conversation"]["max_context"]:
+            return _End(CONTEXT)
+        if self.ctx.stopping:
+            # A warm stop (or a fault) between turns: leave the conversation between turns in Redis; its
+            # chunk ends, the producer re-enqueues it and any worker resumes it at this turn. Waiting for all
+            # its turns would hold the worker's shutdown for a whole conversation.
+            self.rc.report.not_started += 1
+            return None
+        verdict = await _admit(self.ctx, self.rc, self.sid, i, self.flight,
+                               later=max(0, len(self.steps) - state.steps_done - 1))
+        if verdict is TurnAdmit.STOP:
+            return _End(BUDGET)
+        if verdict is not TurnAdmit.START:  # no longer this chunk's, or someone else carries it on
+            self.rc.report.skipped += 1
+            return None
+        return prompt
+
+    async def _render(self, state: Walk, i: int) -> "_Prompt | _End | None":
+        """Turn ``i``'s prompt ids, rendered in a thread (the first one loads the run's tokenizer)."""
+        from worker.tokenizer_cache import TokenizerFault  # here: a single-turn run never loads it
+        assert state.prompt is not None
         try:
-            gen = await generate_sample(d.client, d.config, dataset, turn_sample, sampling_params, report,
-                                        rid_key=key, prefer=prefer if d.config.affinity else None)
-        except GenerateError as err:
-            report.errors.append(f"{sid} turn {i}: {err.reason}")
-            if err.auth:  # the worker's misconfiguration: given back unfailed, resumed at this turn later
-                report.not_started += 1
-                report.status = "unauthorized"
-                d._config_fault(err)
-                return
-            if i == 0:  # nothing committed: a failed sample, as a one-turn one (failed.jsonl)
-                if await d.batcher.call_until_answered("fail", d.ledger.fail_call(
-                        dataset, sid, rc.id, {"id": sid, "reason": err.reason, "status": err.status,
-                                              "attempts": err.attempts}, reserved=flight.reserved)):
-                    report.failed += 1
-                return
-            flight.reserved = flight.future = 0  # the chunk's next reservation update drops what it held
-            stopped_by, failed_reason = FAILED, f"turn {i}: {err.reason}"
-            break
-        d.length_models.rates.observe(gen.completion_tokens, time.monotonic() - flight.started)
-        parsed = parse_response(dataset, chunk, turn_sample, gen)
+            if self.renderer is None:
+                self.renderer = await asyncio.to_thread(_renderer, self.ctx.ledger.r, self.rc, self.sample)
+            rendered = await asyncio.to_thread(self.renderer.render, state.prompt)
+        except TokenizerFault as exc:
+            self.ctx.tokenizer_fault(self.rc, str(exc))
+            return None
+        except RenderError as exc:  # the template refused the regenerated history: the data, not the worker
+            return _End(FAILED, f"turn {i}: {exc}")
+        return _Prompt(rendered.input_ids, rendered.opens_think)
+
+    async def _generate(self, i: int, request: SamplePayload) -> "Generation | _End | None":
+        """Turn ``i``'s generation. Given up on turn 0 (nothing committed), the conversation is a failed sample,
+        as a one-turn one (failed.jsonl); on a later turn it ends FAILED with the turns it has."""
+        got = await self.ctx.generate(self.rc, self.flight, request, self.sampling_params,
+                                      label=f"{self.sid} turn {i}", rid_key=request["id"],
+                                      prefer=self.prefer if self.ctx.config.affinity else None)
+        if not isinstance(got, GenerateError):
+            return got
+        if i == 0:
+            await self.ctx.fail(self.rc, self.flight, self.sid, got)
+            return None
+        self.flight.reserved = self.flight.future = 0  # the chunk's next reservation update drops what it held
+        return _End(FAILED, f"turn {i}: {got.reason}")
+
+    async def _commit(self, i: int, request: SamplePayload, gen: Generation) -> bool:
+        """Commit turn ``i`` (``commit_turn``, once per (sample, turn)); False: the conversation leaves here."""
+        rc = self.rc
+        parsed = parse_response(rc.dataset, rc.chunk, request, gen)
         turn = make_turn(response=gen.text, prompt_tokens=gen.prompt_tokens, cached_tokens=gen.cached_tokens,
-                         completion_tokens=gen.completion_tokens, finish_reason=gen.finish_reason, prompt_ids=ids,
-                         output_ids=gen.output_ids, **parsed)
+                         completion_tokens=gen.completion_tokens, finish_reason=gen.finish_reason,
+                         prompt_ids=request["input_ids"], output_ids=gen.output_ids, **parsed)
         turn["server"] = public_url(gen.server)
-        outcome = await d.batcher.call_until_answered("commit turn", d.ledger.commit_turn_call(
-            dataset, sid, i, gen.completion_tokens, turn, chunk=rc.id, reserved=flight.reserved,
+        outcome = await self.ctx.batcher.call_until_answered("commit turn", self.ctx.ledger.commit_turn_call(
+            rc.dataset, self.sid, i, gen.completion_tokens, turn, chunk=rc.id, reserved=self.flight.reserved,
             finish_reason=gen.finish_reason))
-        flight.reserved = 0
+        self.flight.reserved = 0
         if outcome.verdict is TurnVerdict.COMMITTED:
-            report.tokens += gen.completion_tokens
-            report.late += outcome.late
-            turns.append(turn)
+            rc.report.tokens += gen.completion_tokens
+            rc.report.late += outcome.late
+            self.turns.append(turn)
         elif outcome.verdict is TurnVerdict.DUPLICATE:
             # Committed already (our own resend after a lost reply, or a zombie's copy): go on from what Redis
             # counted, so the history is always what the budget counted. Empty: the conversation is written.
-            report.duplicates += 1
-            turns = await in_thread_until_answered("committed turns", d.ledger.committed_turns, dataset, sid)
-            if len(turns) <= i:
-                return
+            rc.report.duplicates += 1
+            await self.reload_turns()
+            if len(self.turns) <= i:
+                return False
         else:  # OUT_OF_ORDER: another worker is ahead of us on this conversation
-            report.duplicates += 1
-            return
-        prefer = gen.server
-        if outcome.closed_now:
-            n = await in_thread_until_answered("discard", d.ledger.discard, dataset, CLOSE_REASON)
-            log.info("%s reached its budget (%d tokens): closed, %d queued chunks discarded", dataset, outcome.used, n)
-        flight.started = time.monotonic()
-    if not turns:
-        return
-    rec = header(sample_id=sid, dataset=dataset, sent=walk(steps, turns).messages, turns=turns, stopped_by=stopped_by,
-                 reasoning_parser=chunk.get("reasoning_parser"), sampling_params=sampling_params,
-                 failed_reason=failed_reason, chat_template_kwargs=sample.get("chat_template_kwargs"))
-    # How far it went says something of the data (predict's continuation shares) unless the budget or a failure
-    # ended it.
-    planned = len(steps) if stopped_by not in (BUDGET, FAILED) else 0
-    ended = await d.batcher.call_until_answered("end conversation", d.ledger.end_conversation_call(
-        dataset, sid, len(turns), rec, planned=planned))
-    if ended.verdict is EndVerdict.ENDED:
-        report.committed += 1
-    elif ended.verdict is EndVerdict.DUPLICATE:
-        report.duplicates += 1
-    else:
-        log.warning("%s/%s: %d turns here, %d committed in Redis: another worker carries the conversation on",
-                    dataset, sid, len(turns), ended.tokens)
+            rc.report.duplicates += 1
+            return False
+        self.prefer = gen.server
+        await self.ctx.after_commit(rc.dataset, outcome.closed_now, outcome.used)
+        return True
+
+    async def end(self, end: _End) -> None:
+        """Move the committed turns into one record on the results stream (``end_conversation``, once)."""
+        rc, sample = self.rc, self.sample
+        rec = header(sample_id=self.sid, dataset=rc.dataset, sent=walk(self.steps, self.turns).messages,
+                     turns=self.turns, stopped_by=end.stopped_by, reasoning_parser=rc.chunk.get("reasoning_parser"),
+                     sampling_params=self.sampling_params, failed_reason=end.failed_reason,
+                     chat_template_kwargs=sample.get("chat_template_kwargs"))
+        # How far it went says something of the data (predict's continuation shares) unless the budget or a failure
+        # ended it.
+        planned = len(self.steps) if end.stopped_by not in (BUDGET, FAILED) else 0
+        ended = await self.ctx.batcher.call_until_answered("end conversation", self.ctx.ledger.end_conversation_call(
+            rc.dataset, self.sid, len(self.turns), rec, planned=planned))
+        if ended.verdict is EndVerdict.ENDED:
+            rc.report.committed += 1
+        elif ended.verdict is EndVerdict.DUPLICATE:
+            rc.report.duplicates += 1
+        else:
+            log.warning("%s/%s: %d turns here, %d committed in Redis: another worker carries the conversation on",
+                        rc.dataset, self.sid, len(self.turns), ended.tokens)
 
 
-async def _admit(d: "Dispatcher", rc: RunningChunk, sid: str, turn: int, flight: Flight,
+async def _admit(ctx: RequestContext, rc: RunningChunk, sid: str, turn: int, flight: Flight,
                  later: int) -> TurnAdmit:
     """Ask ``admit_turn`` until it answers something other than FULL (strict: the budget is reserved by requests
     in flight; one of them ending may free room). A START books ``flight.reserved`` for the turn's commit: in
@@ -192,12 +242,12 @@ async def _admit(d: "Dispatcher", rc: RunningChunk, sid: str, turn: int, flight:
         if rc.lost.is_set():
             return TurnAdmit.REVOKED
         reservation = 0
-        mode, _model = await d.length_models.model(rc.dataset)
+        mode, _model = await ctx.length_models.model(rc.dataset)
         if mode == "predict":
-            models = await d.length_models.turns(rc.dataset)
+            models = await ctx.length_models.turns(rc.dataset)
             flight.future = models.future(turn, turn + 1 + later)
             reservation = models.current(turn, 0.0) + flight.future
-        admission = await d.batcher.call_until_answered("admit turn", d.ledger.admit_turn_call(
+        admission = await ctx.batcher.call_until_answered("admit turn", ctx.ledger.admit_turn_call(
             rc.dataset, sid, turn, rc.id, reservation))
         if admission.verdict is TurnAdmit.START:
             flight.reserved = admission.reserved
@@ -206,8 +256,4 @@ async def _admit(d: "Dispatcher", rc: RunningChunk, sid: str, turn: int, flight:
             return admission.verdict
         if admission.verdict is not TurnAdmit.FULL:
             return admission.verdict
-        d.ended.clear()
-        try:
-            await asyncio.wait_for(d.ended.wait(), timeout=1.0)
-        except asyncio.TimeoutError:
-            pass
+        await ctx.wait_for_room()
