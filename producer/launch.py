@@ -38,23 +38,16 @@ def launch(settings: RunSettings, *, warn: Callable[[str], None]) -> str:
 def prepare(settings: RunSettings, *, warn: Callable[[str], None]) -> tuple[Inputs, Generations]:
     """Read, validate and render the files with the run's settings; the sampling parameters completed with what
     the reasoning parser needs, and the generations' split of them (producer/generations.py)."""
-    from producer.order import choose as choose_order
-    from producer.output import RUN
     from producer.parsers import skip_special_tokens_default
     from producer.prepare import load_inputs
-    from producer.runjson import ALL, choose_turns
     s = settings
     started = time.monotonic()
     inputs = load_inputs(s.files, tokenizer=s.tokenizer, max_tokens=s.max_tokens, max_context=s.max_context,
                          max_samples=s.max_samples, sampling_params=s.sampling_params(),
                          chat_template_kwargs=dict(s.chat_template_kwargs), skip_invalid=s.skip_invalid,
                          echo=log.info, mapping=s.mapping, show_progress=s.show_progress, warn=warn,
-                         reasoning_parser=s.reasoning_parser, order=s.order,
-                         order_for=lambda name, o: choose_order(o, s.out_dir / name / RUN, s.new_run),
-                         turns=s.turns or ALL,
-                         turns_for=lambda name, t: choose_turns(t, s.turns is not None, s.out_dir / name / RUN,
-                                                                s.new_run),
-                         mix=s.template_mix, generations=s.generations)
+                         reasoning_parser=s.reasoning_parser, order=s.order, turns=s.turns, mix=s.template_mix,
+                         generations=s.generations)
     log.debug("read, validated and rendered %d dataset(s) in %.1f s", len(inputs.prepared),
               time.monotonic() - started)
     # Known once the template is read (the parser is detected from it); stored with the run like every parameter.
@@ -106,8 +99,7 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, int | None], g
     think = inputs.renderer.think
     options = RunOptions(out_dir=s.out_dir, budgets=budgets, sampling_params=inputs.sampling_params,
                          settings=inputs.settings, think={"start": think.start, "end": think.end} if think else None,
-                         reasoning_parser=inputs.reasoning_parser, parser_explicit=inputs.parser_explicit,
-                         order_explicit=s.order_explicit, turns_explicit=s.turns is not None, tokenizer=s.tokenizer,
+                         reasoning_parser=inputs.reasoning_parser, tokenizer=s.tokenizer,
                          modes=s.modes_for(names), expect_mean=s.expect_mean, chunk_size=s.chunk_size,
                          queue_depth=s.queue_depth, new_run=s.new_run, job=JobSettings(job_timeout=s.job_timeout),
                          show_progress=s.show_progress, generations=generations, variants=inputs.variants)

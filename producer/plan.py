@@ -22,7 +22,7 @@ from typing import Any, Final, Sequence
 
 import aiohttp
 
-from producer.modeldir import Context
+from render.modeldir import Context
 from producer.output import RESULTS, iter_results
 from producer.prepare import Prepared
 

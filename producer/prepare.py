@@ -15,12 +15,12 @@ from budget.history import plan
 from budget.payload import ConversationPayload
 from producer.errors import UsageError
 from producer.generations import SETTING as GENERATIONS, Generations, chunk_params, rounds, split_key
-from producer.modeldir import Context, ModelDirError, config_context
+from render.modeldir import Context, ModelDirError, config_context
 from producer.order import FILE, Order, permute
 from producer.progress import progress_bar
 from producer.reader import Problem, ReadResult, Sample
 from producer.records import FieldMapping
-from producer.render import Rendered, RenderError, Renderer
+from render.chat import Rendered, RenderError, Renderer
 from producer.runjson import ALL, LAST, run_settings
 from producer.templatemix import TemplateMix, Variants
 
@@ -268,16 +268,15 @@ class Inputs:
     settings: dict[str, Any]
     chat_template_kwargs: dict[str, Any]
     reasoning_parser: str = "none"
-    parser_explicit: bool = False  # given by --reasoning-parser, not detected
     context: Context = Context(0, "unknown")  # what the prompts were checked against, and where it came from
-    turns: str = LAST  # --turns as given (a dataset resumed from a run before --turns may be prepared as last)
+    turns: str = LAST  # --turns
     variants: Variants | None = None  # --template-kwargs-mix: the renderer of each drawn combination
 
 
     def set_generations(self, n: int) -> Generations:
         """``--generations n`` over the run's sampling parameters (``sampling_params`` and ``settings`` as they will
-        be sent and stored): run.json keeps a temperature list and says ``generations`` (left out for one, so the
-        run.json of a one-generation run is what it always was); the chunks send the list's first entry, and
+        be sent and stored): run.json keeps a temperature list and says ``generations`` (left out for one); the
+        chunks send the list's first entry, and
         each later generation carries what it sends differently (producer/generations.py)."""
         self.settings["sampling_params"] = dict(self.sampling_params)
         self.sampling_params = chunk_params(self.sampling_params)
@@ -307,7 +306,7 @@ def choose_context(max_context: int | None, tokenizer: Any) -> Context:
     """--max-context if given, else the tokenizer's model_max_length, else the model's config.json beside it
     (real repositories often leave model_max_length unset: transformers then says int(1e30)).
     Raises UsageError (exit 2) when none of them states one."""
-    from producer.render import default_max_context
+    from render.chat import default_max_context
     if max_context is not None:
         return Context(max_context, "--max-context")
     from_tokenizer = default_max_context(tokenizer)
@@ -330,18 +329,13 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
                 max_samples: int | None, sampling_params: dict[str, Any], chat_template_kwargs: dict[str, Any],
                 skip_invalid: bool, echo: Callable[[str], None], warn: Callable[[str], None],
                 mapping: FieldMapping | None = None, show_progress: bool = False,
-                reasoning_parser: str = "auto", order: Order = Order(FILE),
-                order_for: Callable[[str, Order], Order] | None = None, turns: str = LAST,
-                turns_for: Callable[[str, str], str] | None = None, mix: TemplateMix | None = None,
-                generations: int = 1) -> Inputs:
+                reasoning_parser: str = "auto", order: Order = Order(FILE), turns: str = LAST,
+                mix: TemplateMix | None = None, generations: int = 1) -> Inputs:
     """Read, validate and render every file. Raises UsageError (exit 2) on any input problem.
 
-    ``order`` is the requested order; ``order_for(dataset, order)`` may change it per dataset (a stored run
-    that predates --order keeps file order: producer/order.py ``choose``). ``turns`` (--turns) likewise, with
-    ``turns_for(dataset, turns)`` (a stored run that predates --turns keeps ``last``: ``choose_turns``).
-    ``mix`` (--template-kwargs-mix) renders each prompt with the values its ``generations`` drew."""
+    Every dataset is prepared in ``order`` and under ``turns`` (--turns); ``mix`` (--template-kwargs-mix) renders each prompt with the values its ``generations`` drew."""
     from producer.reader import InputError, read_all
-    from producer.render import load_tokenizer
+    from render.chat import load_tokenizer
 
     reading = progress_bar(None, "validating", show=show_progress, unit=" records")
     try:
@@ -378,12 +372,10 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
     context = choose_context(max_context, tok)
     echo(f"context: {context.tokens:,} tokens ({context.source})")
     bar = progress_bar(sum(len(r.samples) for r in reads), "rendering", show=show_progress)
-    orders = {r.name: order_for(r.name, order) if order_for else order for r in reads}
-    modes = {r.name: turns_for(r.name, turns) if turns_for else turns for r in reads}
     try:
         prepared = [prepare(r, renderer, max_tokens=max_tokens, max_context=context.tokens,
                             max_samples=max_samples, skip_invalid=skip_invalid, progress=bar.update,
-                            context_source=context.source, order=orders[r.name], turns=modes[r.name],
+                            context_source=context.source, order=order, turns=turns,
                             variants=variants)
                     for r in reads]
     except RenderError as exc:
@@ -399,6 +391,6 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
              f"{len(p.invalid)} invalid, {len(p.duplicates)} duplicate ids, {len(p.over_context)} over context; "
              f"order: {p.order.describe()}{conversations}")
     settings = run_settings(renderer, sampling_params, chat_template_kwargs,
-                            mapping.system_prompt if mapping else None, parser, order.setting(), turns, mix)
-    return Inputs(prepared, renderer, sampling_params, settings, chat_template_kwargs, parser,
-                  reasoning_parser != AUTO, context, turns, variants)
+                            mapping.system_prompt if mapping else None, parser, order, turns, mix)
+    return Inputs(prepared, renderer, sampling_params, settings, chat_template_kwargs, parser, context, turns,
+                  variants)

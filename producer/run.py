@@ -240,7 +240,7 @@ class Producer:
         for sid in started:
             params, kwargs = self._sent_with(d, sid)
             outcome = end_as_is(self.ledger, d.name, sid, messages[split_key(sid)[0]],
-                                reasoning_parser=d.reasoning_parser, sampling_params=params,
+                                reasoning_parser=self.opt.reasoning_parser, sampling_params=params,
                                 chat_template_kwargs=kwargs)
             if outcome is not None and outcome.verdict is EndVerdict.MISMATCH:
                 d.stranded.add(sid)  # a worker still commits to it (a zombie): look again next step
@@ -258,7 +258,7 @@ class Producer:
         chunks' sampling parameters with its generation's override, and the template kwargs it drew (None: the
         run's)."""
         pid, generation = split_key(sid)
-        params = d.sampling_params or self.opt.sampling_params
+        params = self.opt.sampling_params
         params = {**params, **(self.opt.generations.overrides(pid, generation) or {})}
         variants = self.opt.variants
         return params, variants.kwargs(variants.name(pid, generation)) if variants is not None else None
@@ -284,7 +284,7 @@ class Producer:
                         # (a rerun reopens it at the failed turn), never left in Redis unwritten.
                         params, kwargs = self._sent_with(d, sid)
                         outcome = end_as_is(self.ledger, d.name, sid, d.prepared.messages_by_id[split_key(sid)[0]],
-                                            reasoning_parser=d.reasoning_parser, sampling_params=params,
+                                            reasoning_parser=self.opt.reasoning_parser, sampling_params=params,
                                             stopped_by=STOPPED_BY_FAILED, failed_reason=why,
                                             chat_template_kwargs=kwargs)
                         if outcome is not None and outcome.verdict is not EndVerdict.MISMATCH:
@@ -337,9 +337,9 @@ class Producer:
             for chunks in self._batches(d, max_chunks, max_samples):
                 try:
                     cids = enqueue_chunks(self.r, self.queue, d.name, chunks,
-                                          sampling_params=d.sampling_params or self.opt.sampling_params,
+                                          sampling_params=self.opt.sampling_params,
                                           think=self.opt.think, settings=self.opt.job, compress=pool,
-                                          reasoning_parser=d.reasoning_parser, conversation=self.opt.conversation)
+                                          reasoning_parser=self.opt.reasoning_parser, conversation=self.opt.conversation)
                 except BaseException:
                     # Not enqueued (or, after a lost EXEC reply, perhaps enqueued): the samples go back to the
                     # front of the to-do list either way. Enqueued twice is harmless: the holder hash names the

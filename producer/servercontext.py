@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from producer.modeldir import Context, sane_context
+from render.modeldir import Context, sane_context
 from producer.prepare import Prepared
 
 #: What a /get_server_info entry says limits one request, in the order they are preferred for messages.

@@ -19,7 +19,8 @@ def code_inputs(tokenizer_dir: Path, out_dir: Path, *, budget: int | None = None
                          max_samples=None, sampling_params=PARAMS, chat_template_kwargs={}, skip_invalid=False,
                          echo=_quiet, warn=_quiet, show_progress=show_progress)
     options = RunOptions(out_dir=out_dir, budgets={"code_instruct": budget}, sampling_params=PARAMS,
-                         settings=inputs.settings, think=None, chunk_size=chunk_size, show_progress=show_progress)
+                         settings=inputs.settings, think=None, reasoning_parser=inputs.reasoning_parser,
+                         chunk_size=chunk_size, show_progress=show_progress)
     return inputs, options
 
 

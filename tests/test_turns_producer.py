@@ -22,8 +22,8 @@ from producer.manifest import Stats
 from producer.output import RESULTS, RUN
 from producer.plan import plan_dataset, sequential_eta
 from producer.prepare import Inputs, load_inputs
-from producer.runjson import ALL, LAST, choose_turns
-from producer.render import Renderer, load_tokenizer
+from producer.runjson import ALL, LAST
+from render.chat import Renderer, load_tokenizer
 from producer.run import Producer
 from producer.status import all_status, status_table
 from tests.chats import DS, MESSAGES, SIM_ARGS, SYSTEM, options, turn, write_dataset
@@ -148,35 +148,17 @@ def test_a_tokenizer_that_cannot_be_shared_is_exit_2_before_anything_is_written(
     assert r.dbsize() == 0
 
 
-def test_a_run_stored_before_turns_resumes_as_last_and_all_is_a_settings_change(
+def test_a_run_stored_as_last_is_refused_under_all_before_anything_is_written(
         r: "redis.Redis", tmp_path: Path, tokenizer_dir: Path) -> None:
-    inputs = inputs_for(tmp_path, tokenizer_dir, LAST)
-    old = {k: v for k, v in inputs.settings.items() if k != "turns"}
+    last = inputs_for(tmp_path, tokenizer_dir, LAST)
+    attach(r, last, options(tmp_path, last, None)).release()
     run_file = tmp_path / "out" / DS / RUN
-    run_file.parent.mkdir(parents=True)
-    run_file.write_text(json.dumps(old))
-    # prepare's choice: the default resumes it as last; --turns given is taken as asked (attach decides).
-    assert choose_turns(ALL, False, run_file, new_run=False) == LAST
-    assert choose_turns(ALL, True, run_file, new_run=False) == ALL
-    assert choose_turns(ALL, False, run_file, new_run=True) == ALL
-    assert choose_turns(ALL, False, tmp_path / "none" / RUN, new_run=False) == ALL
-    # Not explicit (the default all, prepared as last), or --turns last: the stored settings as they were.
-    for explicit in (False, True):
-        every = inputs_for(tmp_path, tokenizer_dir, LAST)
-        every.settings["turns"] = LAST if explicit else ALL
-        producer = attach(r, every, options(tmp_path, every, None, turns_explicit=explicit))
-        producer.release()
-        assert json.loads(run_file.read_text()) == old
-        assert json.loads(r.hget(keys.DatasetKeys(DS).meta, "settings") or "{}") == old
+    before = (run_file.read_bytes(), r.dbsize())
     every = inputs_for(tmp_path, tokenizer_dir, ALL)
     with pytest.raises(ProduceError) as err:
-        attach(r, every, options(tmp_path, every, tokenizer_dir, turns_explicit=True))
-    assert err.value.exit_code == 2 and "turns: stored None, now 'all'" in str(err.value)
-    # Redis holds the run but run.json says otherwise (prepared as all): refused, naming the option to give.
-    run_file.write_text(json.dumps(every.settings))
-    with pytest.raises(ProduceError) as err:
         attach(r, every, options(tmp_path, every, tokenizer_dir))
-    assert err.value.exit_code == 2 and "give --turns last" in str(err.value)
+    assert err.value.exit_code == 2 and "turns: stored 'last', now 'all'" in str(err.value)
+    assert (run_file.read_bytes(), r.dbsize()) == before
 
 
 def record(sid: str, turns: list[dict[str, Any]], stopped_by: str | None) -> dict[str, Any]:
@@ -309,7 +291,7 @@ def test_produce_regenerates_every_turn_on_real_workers(redis_url: str, r: "redi
     answer and none of the dataset's."""
     import subprocess
 
-    from producer.render import load_tokenizer
+    from render.chat import load_tokenizer
     from tests import sim_log
     from tests.procs import produce_cmd, read_jsonl
     log = tmp_path / "requests.jsonl"
