@@ -33,7 +33,7 @@ from producer.errors import ProduceError
 from producer.generations import SETTING as GENERATIONS
 from producer.output import RESULTS, RUN, ResultsFile
 from producer.prepare import Prepared
-from producer.runjson import ALL, VERSION_KEY, settings_diff
+from producer.runjson import VERSION_KEY, settings_diff
 
 #: The collector lock's time to live: the loop refreshes it every step, so another ``produce`` may take a dataset
 #: over this long after its collector died or stalled (at once when it died on the same host: ``pid_alive``).
@@ -81,7 +81,7 @@ class Attacher:
                     continue
                 if stored.get(VERSION_KEY) != VERSION:
                     raise ProduceError(f"dataset {prepared.name}: the stored run was {OTHER_VERSION}", 2)
-                settings = self.opt.settings
+                settings = dict(prepared.settings.stored)
                 self._check_generations(prepared.name, stored, settings)
                 if _less_generations(stored) != _less_generations(settings):
                     diff = "; ".join(settings_diff(_less_generations(stored), _less_generations(settings)))
@@ -109,7 +109,7 @@ class Attacher:
         """A run with multi-turn conversations stores its tokenizer files in Redis once (bq:tok:{fingerprint}):
         GPU workers render the later turns with them (docs/multiturn.md). Refused files are an input error
         (exit 2), found before anything of the run is written."""
-        if not any(p.turns and p.turns_mode == ALL for p in datasets):
+        if not any(p.conversations for p in datasets):
             return
         from producer.tokenizer_files import ShareError, share_tokenizer
         if self.opt.tokenizer is None or self.opt.conversation is None:
@@ -136,9 +136,9 @@ class Attacher:
         self.locks[p.name] = token
         if self.opt.new_run and (stored is not None or self.store.exists(p.name)):
             self._start_over(p.name, out_dir)
-        self.store.register(p.name, json.dumps(self.opt.settings, sort_keys=True), created_at=time.time())
+        self.store.register(p.name, json.dumps(p.settings.stored, sort_keys=True), created_at=time.time())
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / RUN).write_text(json.dumps(self.opt.settings, indent=2, sort_keys=True) + "\n")
+        (out_dir / RUN).write_text(json.dumps(p.settings.stored, indent=2, sort_keys=True) + "\n")
 
         explicit = self.opt.budgets.get(p.name)
         stored_budget = self.store.field(p.name, "budget")
@@ -149,7 +149,7 @@ class Attacher:
         else:
             budget = None
         mode = self.opt.modes.get(p.name) or self.store.field(p.name, "mode") or "predict"
-        self.ledger.set_mode(p.name, mode, int(self.opt.sampling_params["max_new_tokens"]))
+        self.ledger.set_mode(p.name, mode, p.settings.max_new_tokens)
         self.ledger.set_budget(p.name, budget)
 
         out = ResultsFile(out_dir / RESULTS)

@@ -7,12 +7,15 @@ format (``version``, budget/payload.py VERSION): a run of another format is refu
 """
 from __future__ import annotations
 
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any, Final, Mapping
 
-from budget.payload import VERSION
-from render.chat import Renderer
+from budget.payload import VERSION, ThinkPayload
+from producer.generations import SETTING as GENERATIONS, Generations, chunk_params
 from producer.order import Order
+from producer.settings import RunSettings
 from producer.templatemix import SETTING as MIX_SETTING, TemplateMix
+from render.chat import Renderer
 
 #: ``--turns``: regenerate every assistant turn of a conversation (``all``, budget/history.py ``plan``), or only
 #: the answer to its last user turn on the dataset's own history (``last``).
@@ -26,7 +29,7 @@ def run_settings(renderer: Renderer, sampling_params: dict[str, Any], chat_templ
                  system_prompt: str | None, reasoning_parser: str, order: Order, turns: str,
                  mix: TemplateMix | None) -> dict[str, Any]:
     """What must not change between a run and its resume (run.json, and the dataset's ``settings`` in Redis).
-    ``template_kwargs_mix`` is there only with a mix; ``generations`` is added by the caller when above 1."""
+    ``template_kwargs_mix`` is there only with a mix; ``generations`` is added by ``resolve`` when above 1."""
     think = renderer.think
     settings = {
         VERSION_KEY: VERSION,
@@ -58,3 +61,44 @@ def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             else:
                 out.append(f"{key}: stored {old.get(key)!r}, now {new.get(key)!r}")
     return out
+
+
+@dataclass(frozen=True)
+class DatasetSettings:
+    """A dataset's settings, resolved once (``resolve``) before it is rendered, and read as they are by every later
+    step: selection, the settings check, the chunks, the loop, the plan. ``stored`` is what run.json and the
+    dataset's ``settings`` in Redis hold."""
+
+    order: Order
+    turns: str  # ALL or LAST
+    reasoning_parser: str
+    chat_template_kwargs: Mapping[str, Any]
+    mix: TemplateMix | None
+    #: run.json's sampling parameters (a --temperature list stays a list), and what a chunk sends: the list's
+    #: first entry, generation 0's (producer/generations.py; a later generation carries its own override).
+    sampling_params: Mapping[str, Any]
+    chunk_params: dict[str, Any]
+    generations: Generations
+    think: ThinkPayload | None  # the chat template's thinking markers
+    stored: Mapping[str, Any]
+
+    @property
+    def max_new_tokens(self) -> int:
+        return int(self.chunk_params["max_new_tokens"])
+
+
+def resolve(s: RunSettings, renderer: Renderer, parser: str) -> DatasetSettings:
+    """The settings of a dataset of ``produce run`` ``s``, with the tokenizer's ``renderer`` and the reasoning
+    ``parser`` (given or detected): skip_special_tokens defaults to what the parser needs."""
+    from producer.parsers import skip_special_tokens_default
+    params = {**s.sampling_params(), "skip_special_tokens": s.skip_special_tokens if s.skip_special_tokens is not None
+              else skip_special_tokens_default(parser)}
+    kwargs = dict(s.chat_template_kwargs)
+    stored = run_settings(renderer, params, kwargs, s.mapping.system_prompt, parser, s.order, s.turns, s.template_mix)
+    if s.generations > 1:
+        stored[GENERATIONS] = s.generations
+    think = renderer.think
+    return DatasetSettings(order=s.order, turns=s.turns, reasoning_parser=parser, chat_template_kwargs=kwargs,
+                           mix=s.template_mix, sampling_params=params, chunk_params=chunk_params(params),
+                           generations=Generations.from_params(s.generations, params),
+                           think={"start": think.start, "end": think.end} if think else None, stored=stored)

@@ -230,24 +230,22 @@ def test_a_record_produce_writes_in_a_workers_stead_says_what_its_sample_was_sen
     and the kwargs it drew, not the chunks' (what a worker's record of it would say)."""
     from budget.ledger import Ledger
     from producer.prepare import load_inputs
-    from producer.runjson import ALL
-    from producer.records import FieldMapping
     from producer.run import Producer
     from tests.chats import options, turn
+    from tests.producers import run_settings
     mix = TemplateMix.parse("enable_thinking=true,false", seed=0)
-    inputs = load_inputs([str(write_dataset(tmp_path))], tokenizer=str(hybrid_dir), max_tokens=16, max_context=None,
-                         max_samples=None, sampling_params={"max_new_tokens": 16, "temperature": [0.2, 0.9]},
-                         chat_template_kwargs={}, skip_invalid=False, echo=lambda m: None, warn=lambda m: None,
-                         mapping=FieldMapping(system_prompt="Be brief."), reasoning_parser="qwen3", turns=ALL,
-                         mix=mix, generations=2)
-    generations = inputs.set_generations(2)
+    inputs = load_inputs(run_settings(str(write_dataset(tmp_path)), "--tokenizer", str(hybrid_dir), "--max-tokens",
+                                      "16", "--order", "file", "--temperature", "0.2,0.9", "--system-prompt",
+                                      "Be brief.", "--reasoning-parser", "qwen3", "--turns", "all",
+                                      "--template-kwargs-mix", "enable_thinking=true,false", "--generations", "2"),
+                         echo=lambda m: None, warn=lambda m: None)
     ledger = Ledger(r)
     ledger.set_budget(DS, None)
     key = sample_key("two", 1)
     assert ledger.commit_turn(DS, key, 0, 4, turn(key, 0, 4) | {"content": "hi", "reasoning": None},
                               chunk="bq-chats-dead").committed
     producer = Producer(r, inputs.prepared, options(tmp_path, inputs, hybrid_dir, budgets={DS: 4},
-                                                    generations=generations, variants=inputs.variants),
+                                                    variants=inputs.variants),
                         echo=lambda m: None)
     producer.attach()
     producer.run()
