@@ -140,18 +140,7 @@ class Attacher:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / RUN).write_text(json.dumps(p.settings.stored, indent=2, sort_keys=True) + "\n")
 
-        explicit = self.opt.budgets.get(p.name)
-        stored_budget = self.store.field(p.name, "budget")
-        if explicit is not None:
-            budget: int | None = explicit
-        elif stored_budget:
-            budget = int(stored_budget)
-        else:
-            budget = None
-        mode = self.opt.modes.get(p.name) or self.store.field(p.name, "mode") or "predict"
-        self.ledger.set_mode(p.name, mode, p.settings.max_new_tokens)
-        self.ledger.set_budget(p.name, budget)
-
+        budget = self._set_budget(p)
         out = ResultsFile(out_dir / RESULTS)
         if out.truncated_bytes:
             self.echo(f"{p.name}: cut a torn last line ({out.truncated_bytes} bytes) from {out.path}")
@@ -185,13 +174,8 @@ class Attacher:
                 done.pop(sid, None)
         self.store.clear_failed(p.name)  # a rerun retries what failed before
 
-        live = self.ledger.live_chunks(p.name)
-        chunk_samples: dict[str, list[str]] = {}
-        held: set[str] = set()
-        for sid, cid in self.ledger.holders(p.name).items():
-            if cid in live:
-                chunk_samples.setdefault(cid, []).append(sid)
-                held.add(sid)
+        chunk_samples = self._live_chunk_samples(p.name)
+        held = {sid for samples in chunk_samples.values() for sid in samples}
         done_ids = (set(done) | set(out.tokens)) - resuming
         # The to-do list: the selected samples in the run's order (producer/order.py), in rounds of generations
         # (producer/generations.py) - done - held by a live chunk.
@@ -201,6 +185,26 @@ class Attacher:
         todo = deque(k for k in keys if k not in done_ids and k not in held)
         return DatasetRun(prepared=p, out=out, lock_token=token, todo=todo, chunk_samples=chunk_samples,
                           done=done_ids, budget=budget, resuming=resuming & set(keys))
+
+    def _set_budget(self, p: Prepared) -> int | None:
+        """Set the dataset's mode (--budget-mode, else the stored one, else predict) and budget (--budget, else the
+        stored one, else none); returns the budget."""
+        explicit = self.opt.budgets.get(p.name)
+        stored = self.store.field(p.name, "budget")
+        budget = explicit if explicit is not None else int(stored) if stored else None
+        mode = self.opt.modes.get(p.name) or self.store.field(p.name, "mode") or "predict"
+        self.ledger.set_mode(p.name, mode, p.settings.max_new_tokens)
+        self.ledger.set_budget(p.name, budget)
+        return budget
+
+    def _live_chunk_samples(self, name: str) -> dict[str, list[str]]:
+        """The samples each live chunk holds (chunk id -> sample keys)."""
+        live = self.ledger.live_chunks(name)
+        chunk_samples: dict[str, list[str]] = {}
+        for sid, cid in self.ledger.holders(name).items():
+            if cid in live:
+                chunk_samples.setdefault(cid, []).append(sid)
+        return chunk_samples
 
     def _reopen_failed(self, name: str, out: ResultsFile, skip: set[str]) -> set[str]:
         """The failed conversations on disk (last record ``stopped_by: failed``) made committed-unwritten again
