@@ -1,4 +1,5 @@
-"""What a run stores in run.json, and how a rerun is compared with it.
+"""A dataset's settings, resolved once (``resolve``: ``DatasetSettings``), what a run stores of them in run.json,
+and how a rerun is compared with it.
 
 A response made under other settings would mix two distributions in one training set (and two parsers, two
 splits of the same text, in one file), so a dataset's settings are stored when its run starts and a rerun must
