@@ -32,7 +32,7 @@ from bench.harness import (CpuMeter, SimProbe, Stack, fmt_cpu, percentile, produ
 
 def render_bodies(tok: Path, data: Path) -> list[list[int]]:
     """The input_ids produce sends, rendered the same way (render/chat.py), for the baseline client."""
-    from producer.render import Renderer, load_tokenizer
+    from render.chat import Renderer, load_tokenizer
     renderer = Renderer(load_tokenizer(tok))
     conversations = [json.loads(line)["messages"] for line in data.read_text().splitlines()]
     ids = [r.input_ids for i in range(0, len(conversations), 256)

@@ -25,7 +25,7 @@ for mod in ("tokenizers, jinja2", "transformers"):
     print(f"import {mod}: seconds, maxrss MiB", out.stdout.strip())
 
 t = time.perf_counter()
-from producer.render import load_tokenizer, Renderer
+from render.chat import load_tokenizer, Renderer
 tok = load_tokenizer(d)
 r = Renderer(tok)
 print("load_tokenizer+Renderer s", round(time.perf_counter() - t, 3))

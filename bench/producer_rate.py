@@ -110,7 +110,7 @@ def write_dataset(path: Path, n: int, seed: int = 0) -> dict[str, Any]:
 
 def render_only(data: Path, tok: Path) -> dict[str, Any]:
     """The child process's job: the render calls produce makes, timed alone."""
-    from producer.render import Renderer, load_tokenizer
+    from render.chat import Renderer, load_tokenizer
     conversations = [json.loads(line)["messages"] for line in data.read_text().splitlines()]
     t0 = time.perf_counter()
     renderer = Renderer(load_tokenizer(tok))
@@ -221,7 +221,7 @@ def serialization_options(data: Path, tok: Path, chunks: int = 20, size: int = 6
 
     import orjson
 
-    from producer.render import Renderer, load_tokenizer
+    from render.chat import Renderer, load_tokenizer
     renderer = Renderer(load_tokenizer(tok))
     convs = []
     with open(data) as fh:

@@ -9,16 +9,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Final, TypedDict
 
-VERSION = 1
-#: The version of a chunk that holds multi-turn conversations (``conversation`` block). A worker from before
-#: conversations refuses it (its version check) instead of answering turn 0 alone as a one-turn sample, which
-#: would be a silently wrong record; chunks without conversations stay at VERSION, so old workers still run them.
-CONVERSATION_VERSION = 2
-#: The version of a chunk with a sample of its own ``chat_template_kwargs`` (``--template-kwargs-mix``), with or
-#: without a conversation block. A worker from before the mix refuses it: it would write the record without the
-#: kwargs that made it, and render a conversation's later turns with the run's kwargs instead of the sample's.
-TEMPLATE_KWARGS_VERSION = 3
-VERSIONS: Final[tuple[int, ...]] = (VERSION, CONVERSATION_VERSION, TEMPLATE_KWARGS_VERSION)
+#: The run format: every chunk payload (``v``), run.json and a dataset's settings in Redis (``version``) carry it.
+#: A producer or a worker refuses anything of another format (OTHER_VERSION says what to do).
+VERSION: Final = 4
+OTHER_VERSION: Final = "made by another budgetq version: finish it with that version, or start over with --new-run"
 
 #: The reasoning parsers a chunk may name (worker/reasoning.py parses with them; producer/parsers.py chooses one),
 #: spelled as SGLang spells them: the word a user passes to ``sglang.launch_server --reasoning-parser``.
@@ -39,18 +33,17 @@ class _SamplePayloadRequired(TypedDict):
 class SamplePayload(_SamplePayloadRequired, total=False):
     #: ``--turns all``, a conversation of more than one turn (budget/history.py ``plan``): the dataset's messages
     #: (system prompt applied, trailing assistant answer dropped), from which the worker renders turn i+1 on the
-    #: model's own turns 0..i. Both missing (every sample of a ``--turns last`` run, and of runs made before): one
-    #: turn, committed with ``commit`` as always.
+    #: model's own turns 0..i. Both missing: one turn, committed with ``commit``.
     messages: list[dict[str, Any]]
     turns: int  # len(plan(messages)) > 1: the most turns the conversation makes
     #: Several generations of a prompt (docs/generations.md): what this generation sends differently from the
     #: chunk's ``sampling_params`` (a temperature of a list, a derived seed), merged over them for every turn.
-    #: Missing: the chunk's, as every sample before generations.
+    #: Missing: the chunk's.
     sampling_params: dict[str, Any]
     #: ``--template-kwargs-mix`` (docs/generations.md): the chat_template_kwargs this sample was rendered with (the
     #: run's, with its drawn values merged over them), for its record and a conversation's later turns; and, for a
     #: conversation, the fingerprint of the Renderer they make (the tokenizer files stay under the conversation
-    #: block's). Missing: the run's, as every sample before the mix (chunk version 3 when present).
+    #: block's). Missing: the run's.
     chat_template_kwargs: dict[str, Any]
     tokenizer: str
 
@@ -71,19 +64,17 @@ class ThinkPayload(TypedDict):
 
 
 class _ChunkPayloadRequired(TypedDict):
-    v: int
+    v: int  # VERSION
     dataset: str
     chunk: str
     sampling_params: dict[str, Any]
     think: ThinkPayload | None
+    reasoning_parser: str  # the run's (worker/reasoning.py PARSERS)
     samples: list[SamplePayload]
 
 
 class ChunkPayload(_ChunkPayloadRequired, total=False):
-    #: The run's reasoning parser (worker/reasoning.py PARSERS). Missing in a chunk queued before parsers
-    #: existed: the worker then splits on the ``think`` markers alone, as it did then.
-    reasoning_parser: str
-    #: Present when a sample of the chunk has ``turns`` > 1 (``--turns all``).
+    #: Present exactly when a sample of the chunk has ``turns`` > 1 (``--turns all``).
     conversation: ConversationPayload
 
 

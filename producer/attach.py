@@ -26,14 +26,14 @@ from typing import Any, Callable
 import redis
 
 from budget.ledger import Ledger
+from budget.payload import OTHER_VERSION, VERSION
 from budget.runstate import RunState
 from producer.datasetrun import DatasetRun, RunOptions
 from producer.errors import ProduceError
-from producer.generations import SETTING as GENERATIONS, chunk_params
-from producer.order import FILE, SETTING as ORDER
+from producer.generations import SETTING as GENERATIONS
 from producer.output import RESULTS, RUN, ResultsFile
 from producer.prepare import Prepared
-from producer.runjson import ALL, LAST, TURNS_SETTING, resume_settings, settings_diff
+from producer.runjson import VERSION_KEY, settings_diff
 
 #: The collector lock's time to live: the loop refreshes it every step, so another ``produce`` may take a dataset
 #: over this long after its collector died or stalled (at once when it died on the same host: ``pid_alive``).
@@ -69,21 +69,19 @@ class Attacher:
         self.opt = options
         self.echo = echo
         self.locks = locks
-        # A resumed dataset's settings: the run's, less what a run stored before they existed lacks (resume_settings)
-        self.effective: dict[str, dict[str, Any]] = {}
 
     def check(self, datasets: list[Prepared]) -> None:
         """Every dataset's stored settings, checked before anything is written, so a refused rerun leaves Redis as
-        it was; then a multi-turn run's tokenizer files are stored for the workers."""
+        it was (exit 2): a run of another format, or other settings; then a multi-turn run's tokenizer files are
+        stored for the workers."""
         if not self.opt.new_run:
             for prepared in datasets:
                 stored = self._stored_settings(prepared.name, self.opt.out_dir / prepared.name)
                 if stored is None:
                     continue
-                settings, notes = resume_settings(stored, self._settings_for(stored))
-                for note in notes:
-                    self.echo(f"{prepared.name}: {note}")
-                self.effective[prepared.name] = settings
+                if stored.get(VERSION_KEY) != VERSION:
+                    raise ProduceError(f"dataset {prepared.name}: the stored run was {OTHER_VERSION}", 2)
+                settings = dict(prepared.settings.stored)
                 self._check_generations(prepared.name, stored, settings)
                 if _less_generations(stored) != _less_generations(settings):
                     diff = "; ".join(settings_diff(_less_generations(stored), _less_generations(settings)))
@@ -91,14 +89,12 @@ class Attacher:
                         f"dataset {prepared.name}: this run's settings differ from the stored run ({diff}). "
                         "Use the same options to resume, or --new-run to start the dataset over "
                         "(its old output is kept aside).", 2)
-        for prepared in datasets:
-            self._check_turns(prepared)
         self._share_tokenizer(datasets)
 
     def _check_generations(self, name: str, stored: dict[str, Any], settings: dict[str, Any]) -> None:
         """More generations than the stored run extends it (new rounds; nothing made is made again); fewer is a
         settings change (exit 2): the records of the dropped rounds would stay in a run that no longer asks for
-        them. A stored run without the key made one generation."""
+        them. No ``generations`` key: one generation."""
         old, new = int(stored.get(GENERATIONS, 1)), int(settings.get(GENERATIONS, 1))
         if new < old:
             raise ProduceError(
@@ -109,31 +105,11 @@ class Attacher:
             self.echo(f"{name}: --generations {new} extends the stored run of {old}: generations {old}..{new - 1} "
                       "are new samples")
 
-    def _turns_of(self, prepared: Prepared) -> str:
-        """The --turns mode a dataset runs in: its stored run's (a run stored before --turns: ``last``), or
-        this run's when it starts now."""
-        if self.opt.new_run:
-            return str(self.opt.settings.get(TURNS_SETTING, LAST))
-        stored = self._stored_settings(prepared.name, self.opt.out_dir / prepared.name)
-        settings = self.effective.get(prepared.name) or self._settings_for(stored)
-        return str(settings.get(TURNS_SETTING, LAST))
-
-    def _check_turns(self, prepared: Prepared) -> None:
-        """The samples were prepared for the mode the run goes on in (prepare read run.json; Redis may hold a
-        stored run whose run.json is gone, or another one)."""
-        mode = self._turns_of(prepared)
-        if prepared.turns_mode != mode:
-            what = "every turn" if mode == ALL else "the last turn only"
-            raise ProduceError(
-                f"dataset {prepared.name}: the run stored in Redis regenerates {what} (--turns {mode}), but "
-                f"{self.opt.out_dir / prepared.name / RUN} does not say so: give --turns {mode} to resume it, or "
-                "--new-run to start the dataset over", 2)
-
     def _share_tokenizer(self, datasets: list[Prepared]) -> None:
         """A run with multi-turn conversations stores its tokenizer files in Redis once (bq:tok:{fingerprint}):
         GPU workers render the later turns with them (docs/multiturn.md). Refused files are an input error
         (exit 2), found before anything of the run is written."""
-        if not any(p.turns and p.turns_mode == ALL for p in datasets):
+        if not any(p.conversations for p in datasets):
             return
         from producer.tokenizer_files import ShareError, share_tokenizer
         if self.opt.tokenizer is None or self.opt.conversation is None:
@@ -147,35 +123,11 @@ class Attacher:
         if stored:
             self.echo(f"stored the tokenizer files in Redis for the workers ({stored} files)")
 
-    def _settings_for(self, stored: dict[str, Any] | None) -> dict[str, Any]:
-        """This run's settings for a dataset whose stored settings are `stored`.
-
-        A run stored before reasoning parsers existed has no ``reasoning_parser``: it resumes with the
-        think-marker split it started with (a new key is not a settings change), unless --reasoning-parser
-        names a parser, which is one (the records would be split two ways in one file). A run stored before
-        --order has no ``order``: it resumes in file order (producer/order.py), unless --order or --order-seed
-        is given, which is a settings change (its selection so far is the file's first prompts). A run stored
-        before --turns has no ``turns``: it resumes as ``last`` (what it did), unless --turns all is given, which is
-        a settings change (its records so far answer the last turn only)."""
-        settings = self.opt.settings
-        if stored is not None and "reasoning_parser" not in stored and not self.opt.parser_explicit:
-            settings = {key: value for key, value in settings.items() if key != "reasoning_parser"}
-        if stored is not None and ORDER not in stored and not self.opt.order_explicit:
-            settings = {key: value for key, value in settings.items() if key != ORDER}
-        if stored is not None and TURNS_SETTING not in stored and (
-                not self.opt.turns_explicit or settings.get(TURNS_SETTING) == LAST):
-            settings = {key: value for key, value in settings.items() if key != TURNS_SETTING}
-        return settings
-
     def attach_one(self, p: Prepared) -> DatasetRun:
         """Take ``p``'s collector lock, set up its run in Redis and on disk, reconcile the file with Redis both ways,
         and return its state: the to-do list = the selected samples - done - held by a live chunk."""
         out_dir = self.opt.out_dir / p.name
         stored = self._stored_settings(p.name, out_dir)
-        settings = self.opt.settings if self.opt.new_run else self._settings_for(stored)
-        if "reasoning_parser" in self.opt.settings and "reasoning_parser" not in settings:
-            self.echo(f"{p.name}: stored before reasoning parsers: it resumes splitting on the think markers only "
-                      "(--new-run to regenerate it with the parser)")
         token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
         if not self._take_lock(p.name, token):
             raise ProduceError(f"dataset {p.name}: another produce is attached to it (it holds "
@@ -184,24 +136,11 @@ class Attacher:
         self.locks[p.name] = token
         if self.opt.new_run and (stored is not None or self.store.exists(p.name)):
             self._start_over(p.name, out_dir)
-        if not self.opt.new_run:
-            settings = self.effective.get(p.name, settings)  # less the sampling params a stored run predates
-        self.store.register(p.name, json.dumps(settings, sort_keys=True), created_at=time.time())
+        self.store.register(p.name, json.dumps(p.settings.stored, sort_keys=True), created_at=time.time())
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / RUN).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+        (out_dir / RUN).write_text(json.dumps(p.settings.stored, indent=2, sort_keys=True) + "\n")
 
-        explicit = self.opt.budgets.get(p.name)
-        stored_budget = self.store.field(p.name, "budget")
-        if explicit is not None:
-            budget: int | None = explicit
-        elif stored_budget:
-            budget = int(stored_budget)
-        else:
-            budget = None
-        mode = self.opt.modes.get(p.name) or self.store.field(p.name, "mode") or "predict"
-        self.ledger.set_mode(p.name, mode, int(self.opt.sampling_params["max_new_tokens"]))
-        self.ledger.set_budget(p.name, budget)
-
+        budget = self._set_budget(p)
         out = ResultsFile(out_dir / RESULTS)
         if out.truncated_bytes:
             self.echo(f"{p.name}: cut a torn last line ({out.truncated_bytes} bytes) from {out.path}")
@@ -235,29 +174,37 @@ class Attacher:
                 done.pop(sid, None)
         self.store.clear_failed(p.name)  # a rerun retries what failed before
 
-        live = self.ledger.live_chunks(p.name)
-        chunk_samples: dict[str, list[str]] = {}
-        held: set[str] = set()
-        for sid, cid in self.ledger.holders(p.name).items():
-            if cid in live:
-                chunk_samples.setdefault(cid, []).append(sid)
-                held.add(sid)
+        chunk_samples = self._live_chunk_samples(p.name)
+        held = {sid for samples in chunk_samples.values() for sid in samples}
         done_ids = (set(done) | set(out.tokens)) - resuming
-        samples = p.samples
-        if ORDER not in settings and ORDER in self.opt.settings and p.order.mode != FILE:
-            # Stored before --order, found in Redis but not in run.json (which prepare looked at): file order.
-            samples = sorted(p.samples, key=lambda s: s.line)
         # The to-do list: the selected samples in the run's order (producer/order.py), in rounds of generations
         # (producer/generations.py) - done - held by a live chunk.
         # A started conversation (in convs) is not done: unless a live chunk holds it, it is enqueued again and its
         # worker resumes it at the turn Redis has (docs/multiturn.md).
-        keys = p.keys(samples)
+        keys = p.keys()
         todo = deque(k for k in keys if k not in done_ids and k not in held)
         return DatasetRun(prepared=p, out=out, lock_token=token, todo=todo, chunk_samples=chunk_samples,
-                          done=done_ids, budget=budget, reasoning_parser=settings.get("reasoning_parser"),
-                          sampling_params=chunk_params(dict(settings.get("sampling_params")
-                                                            or self.opt.sampling_params)),
-                          resuming=resuming & set(keys))
+                          done=done_ids, budget=budget, resuming=resuming & set(keys))
+
+    def _set_budget(self, p: Prepared) -> int | None:
+        """Set the dataset's mode (--budget-mode, else the stored one, else predict) and budget (--budget, else the
+        stored one, else none); returns the budget."""
+        explicit = self.opt.budgets.get(p.name)
+        stored = self.store.field(p.name, "budget")
+        budget = explicit if explicit is not None else int(stored) if stored else None
+        mode = self.opt.modes.get(p.name) or self.store.field(p.name, "mode") or "predict"
+        self.ledger.set_mode(p.name, mode, p.settings.max_new_tokens)
+        self.ledger.set_budget(p.name, budget)
+        return budget
+
+    def _live_chunk_samples(self, name: str) -> dict[str, list[str]]:
+        """The samples each live chunk holds (chunk id -> sample keys)."""
+        live = self.ledger.live_chunks(name)
+        chunk_samples: dict[str, list[str]] = {}
+        for sid, cid in self.ledger.holders(name).items():
+            if cid in live:
+                chunk_samples.setdefault(cid, []).append(sid)
+        return chunk_samples
 
     def _reopen_failed(self, name: str, out: ResultsFile, skip: set[str]) -> set[str]:
         """The failed conversations on disk (last record ``stopped_by: failed``) made committed-unwritten again

@@ -160,10 +160,10 @@ def main() -> None:
           "before it resumes in file order.")
 @opt("--order-seed", type=int, default=None, metavar="N",
      help=f"Seed of --order random (default {DEFAULT_SEED}). Stored with the run.")
-@opt("--turns", type=click.Choice(("all", "last")), default=None,
+@opt("--turns", type=click.Choice(("all", "last")), default="all",
      help="Which assistant turns of a conversation are regenerated: all (default: each user turn in order, on "
           "the model's own earlier answers) or last (only the answer to the last user turn, on the dataset's "
-          "history). Stored with the run; a run stored before it resumes as last.")
+          "history). Stored with the run.")
 @opt("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"), show_default=True,
      help="Output directory: OUT/<dataset>/raw_responses.jsonl.")
 @redis_url_option

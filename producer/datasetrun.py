@@ -9,32 +9,23 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-from budget.payload import ConversationPayload, ThinkPayload
+from budget.payload import ConversationPayload
 from producer.enqueue import JobSettings
-from producer.generations import Generations
 from producer.output import ResultsFile
 from producer.prepare import Prepared
 from producer.templatemix import Variants
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunOptions:
+    """What the attached producer is told: where it writes, each dataset's budget and mode as given, how it sizes
+    and paces its chunks. What a dataset is rendered, sent and stored with is its ``Prepared.settings``."""
+
     out_dir: Path
-    budgets: dict[str, int | None]  # explicit --budget per dataset; None: keep the stored one (or unlimited)
-    sampling_params: dict[str, Any]
-    settings: dict[str, Any]  # the run's fingerprinted settings (producer.runjson.run_settings)
-    think: ThinkPayload | None
-    reasoning_parser: str | None = None  # what settings["reasoning_parser"] says; None: the think-marker split
-    parser_explicit: bool = False  # --reasoning-parser named it (not auto)
-    order_explicit: bool = False  # --order or --order-seed given (not the default)
-    turns_explicit: bool = False  # --turns given (not the default)
-    #: ``--turns all``: what a chunk holding a multi-turn sample tells its worker (budget/payload.py), and the
-    #: --tokenizer whose files are stored in Redis for the workers to render later turns with (attach, once).
-    conversation: ConversationPayload | None = None
-    tokenizer: str | None = None
-    modes: dict[str, str | None] = field(default_factory=dict)  # --budget-mode; None: stored, else predict
+    budgets: Mapping[str, int | None]  # explicit --budget per dataset; None: keep the stored one (or unlimited)
+    modes: Mapping[str, str | None] = field(default_factory=dict)  # --budget-mode; None: stored, else predict
     expect_mean: float | None = None  # prior completion length for predict before results arrive
     chunk_size: int = 256
     queue_depth: int = 16
@@ -44,8 +35,10 @@ class RunOptions:
     poll_s: float = 0.2
     progress_s: float = 5.0
     show_progress: bool = False  # a bar on stderr while --detach enqueues (produce: a terminal and not --quiet)
-    #: --generations and what generation k sends differently (producer/generations.py); one generation: as ever.
-    generations: Generations = field(default_factory=Generations)
+    #: ``--turns all``: what a chunk holding a multi-turn sample tells its worker (budget/payload.py), and the
+    #: --tokenizer whose files are stored in Redis for the workers to render later turns with (attach, once).
+    conversation: ConversationPayload | None = None
+    tokenizer: str | None = None
     #: --template-kwargs-mix: the renderer of each drawn combination (producer/templatemix.py Variants); None: no mix.
     variants: Variants | None = None
 
@@ -69,8 +62,6 @@ class DatasetRun:
     #: line's tok/s, the one ``produce status`` shows (producer/status.py ``tokens_per_second``).
     stats: dict[str, str] = field(default_factory=dict)
     enqueued_samples: int = 0
-    reasoning_parser: str | None = None  # None: a run stored before parsers, resumed with the think-marker split
-    sampling_params: dict[str, Any] = field(default_factory=dict)  # what its chunks send (resume_settings)
     #: Conversations whose record on disk ended ``stopped_by: failed`` and that this run carries on (``reopen``):
     #: not done until their new record is collected, though the file holds an id for them.
     resuming: set[str] = field(default_factory=set)

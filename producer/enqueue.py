@@ -29,8 +29,7 @@ from rq import Queue, Worker
 from rq.job import Job
 
 from budget import keys
-from budget.payload import (CONVERSATION_VERSION, JOB_FUNCTION, TEMPLATE_KWARGS_VERSION, VERSION, ConversationPayload,
-                            ThinkPayload)
+from budget.payload import JOB_FUNCTION, VERSION, ConversationPayload, ThinkPayload
 from budget.runstate import RunState
 
 #: Chunks per MULTI/EXEC when a whole dataset is enqueued (``--detach``, the first fill): 64 chunks of 64
@@ -73,7 +72,7 @@ class Item:
     input_ids: TokenIds
     opens_think: bool
     #: ``--turns all``, a conversation of more than one turn: the dataset's messages and its turns at most
-    #: (budget/payload.py SamplePayload); None and 1 for every other sample, which is sent exactly as before.
+    #: (budget/payload.py SamplePayload); None and 1 for every other sample.
     messages: list[dict[str, Any]] | None = None
     turns: int = 1
     #: What this sample's generation sends differently from the chunk (producer/generations.py); None: the chunk's.
@@ -164,17 +163,15 @@ def _sample(it: Item) -> dict[str, Any]:
 
 def enqueue_chunks(client: "redis.Redis", queue: Queue, dataset: str, chunks: Sequence[Sequence[Item]], *,
                    sampling_params: dict[str, Any], think: ThinkPayload | None,
-                   settings: JobSettings, compress: Executor | None = None,
-                   reasoning_parser: str | None = None,
+                   settings: JobSettings, reasoning_parser: str = "none", compress: Executor | None = None,
                    conversation: ConversationPayload | None = None) -> list[str]:
     """Enqueue ``chunks`` (lists of samples) for ``dataset`` in one MULTI/EXEC; returns their chunk ids in order.
 
     The payload is ``budget.payload.ChunkPayload`` on the wire; ``input_ids`` arrays are written as JSON arrays
-    without becoming lists first. ``reasoning_parser`` (None: left out, the think-marker split) names the parser
-    the workers split the responses with. With ``compress`` (a thread pool), each chunk's data is compressed there while
+    without becoming lists first. ``reasoning_parser`` names the parser the workers split the responses with (``none``: no split). With ``compress`` (a thread pool), each chunk's data is compressed there while
     the next chunks are serialized and the jobs built here. A sample with ``turns`` > 1 carries its ``messages`` and
     ``turns``, and its chunk carries ``conversation`` (what a worker needs to render the later turns: required
-    then); a chunk of one-turn samples only is the payload it always was."""
+    then, and left out of a chunk of one-turn samples)."""
     if not chunks:
         return []
     store = RunState(client)
@@ -183,17 +180,12 @@ def enqueue_chunks(client: "redis.Redis", queue: Queue, dataset: str, chunks: Se
     pending: dict[str, str] = {}
     for cid, items in zip(ids, chunks):
         samples = [_sample(it) for it in items]
-        payload: dict[str, Any] = {"v": VERSION, "dataset": dataset, "chunk": cid,
-                                   "sampling_params": sampling_params, "think": think, "samples": samples}
-        if reasoning_parser is not None:  # left out for a resumed old run: its workers split on `think`
-            payload["reasoning_parser"] = reasoning_parser
+        payload: dict[str, Any] = {"v": VERSION, "dataset": dataset, "chunk": cid, "sampling_params": sampling_params,
+                                   "think": think, "reasoning_parser": reasoning_parser, "samples": samples}
         if any(it.turns > 1 for it in items):
             if conversation is None:
                 raise ValueError(f"chunk {cid} holds multi-turn samples but no conversation block was given")
             payload["conversation"] = conversation
-            payload["v"] = CONVERSATION_VERSION  # a worker from before conversations refuses it
-        if any(it.chat_template_kwargs is not None for it in items):
-            payload["v"] = TEMPLATE_KWARGS_VERSION  # a worker from before the mix refuses it
         first, final = items[0].id, items[-1].id
         job = queue.create_job(
             JOB_FUNCTION, args=(payload,), job_id=cid, timeout=settings.job_timeout,

@@ -40,7 +40,7 @@ from producer.manifest import (Stats, budget_state, choose_servers, describe_ser
                                write_manifest, write_manifest_of)
 from producer.generations import record_key
 from producer.output import RESULTS, STOPPED_BY_FAILED
-from producer.render import RenderError, Renderer, load_tokenizer
+from render.chat import RenderError, Renderer, load_tokenizer
 
 if TYPE_CHECKING:
     import redis
@@ -374,7 +374,7 @@ class _TokenIds:
 
     def prompt_ids(self, conversations: list[list[dict[str, Any]]],
                    kwargs: Sequence[Mapping[str, Any] | None] | None = None) -> list[list[int] | None]:
-        """The run's own rendering (producer.render); None for a prompt the template now refuses. ``kwargs``: each
+        """The run's own rendering (render/chat.py); None for a prompt the template now refuses. ``kwargs``: each
         conversation's own chat_template_kwargs (a record of a --template-kwargs-mix), None: the run's."""
         if kwargs is None or all(k is None for k in kwargs):
             return self._render_all(self._renderer, conversations)

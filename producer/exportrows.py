@@ -79,8 +79,8 @@ def _shaped(fmt: str, messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def generation(rec: Mapping[str, Any]) -> dict[str, int]:
-    """A row's ``generation`` (docs/generations.md), after its ``id``: the record's; none for a record written
-    before generations, whose rows stay what they were."""
+    """A row's ``generation`` (docs/generations.md), after its ``id``: the record's; none for a record
+    without one."""
     return {"generation": int(rec["generation"])} if "generation" in rec else {}
 
 

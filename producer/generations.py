@@ -1,14 +1,14 @@
 """Several generations of each prompt (docs/generations.md): the sample key, and what differs per generation.
 
 A *prompt* is a source record; a *sample* is one generation of it, with its own key in every Redis structure,
-its own rids and exactly one record on disk. Generation 0's key is the prompt's id, so a run made before
-generations (and every ``--generations 1`` run) is generation 0 of itself and resumes unchanged. Generation k >= 1
+its own rids and exactly one record on disk. Generation 0's key is the prompt's id (a ``--generations 1`` run is
+generation 0 of itself). Generation k >= 1
 is ``id + "\\x1f" + str(k)``: ids hold no control characters (producer/records.py refuses them at read), so the
 key parses back at its last ``\\x1f`` whatever the id is.
 
 What a generation sends differently from its chunk travels in the sample payload as a ``sampling_params``
 override (budget/payload.py SamplePayload), which the worker merges over the chunk's for every turn. Generation
-0 never carries one: a run without several generations sends the chunks it always sent, byte for byte.
+0 never carries one.
 """
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Sequence
 
 SEP: Final = "\x1f"
-#: The run.json key of ``--generations``; missing in a stored run means 1 (left out when it is 1, so the
-#: run.json of a one-generation run is what it always was).
+#: The run.json key of ``--generations``, left out when it is 1.
 SETTING: Final = "generations"
 #: The sampling parameter that carries ``--seed`` (producer/settings.py).
 SEED: Final = "sampling_seed"
@@ -39,14 +38,13 @@ def split_key(key: str) -> tuple[str, int]:
 
 
 def record_key(rec: dict[str, Any]) -> str:
-    """The sample key of a record on disk: its ``id`` (the prompt's) and ``generation`` (missing: 0, every record
-    written before generations)."""
+    """The sample key of a record on disk: its ``id`` (the prompt's) and ``generation`` (missing: 0)."""
     return sample_key(str(rec["id"]), int(rec.get("generation") or 0))
 
 
 def derived_seed(seed: int, prompt_id: str, generation: int) -> int:
     """The sampling seed of generation k >= 1: BLAKE2b of (id, k) keyed with ``--seed``, in [0, 2**31). Generation
-    0 keeps ``--seed`` itself (what every run sent before): N generations are N draws, not N copies, and a rerun
+    0 keeps ``--seed`` itself: N generations are N draws, not N copies, and a rerun
     draws the same ones."""
     if generation == 0:
         return seed

@@ -255,10 +255,9 @@ def write_manifest_of(dataset_dir: Path, settings: Mapping[str, Any], stats: Sta
         "finish_reasons": dict(sorted(stats.finish_reasons.items())),
         "completion_length": stats.completion_length(),
         "sampling_params": settings.get("sampling_params"),
-        # null: a run stored before parsers, split on the think markers only
         "reasoning_parser": settings.get("reasoning_parser"),
-        # the order prompts were sent in, so which subset a budget kept; absent from run.json: file order
-        "order": settings.get("order") or {"mode": "file"},
+        # the order prompts were sent in, so which subset a budget kept
+        "order": settings.get("order"),
         "settings": dict(settings),
     }
     if servers is not None:

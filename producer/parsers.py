@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Mapping, Sequence
 
 from budget.payload import REASONING_PARSERS
-from producer.render import ThinkMarkers
+from render.chat import ThinkMarkers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -22,7 +22,7 @@ from typing import Any, Final, Sequence
 
 import aiohttp
 
-from producer.modeldir import Context
+from render.modeldir import Context
 from producer.output import RESULTS, iter_results
 from producer.prepare import Prepared
 
@@ -103,7 +103,7 @@ def plan_dataset(p: Prepared, *, budget: int | None, out_dir: Path, expect_mean:
     """``mean`` (the expected completion length) is per request, so per turn of a conversation: a sample is
     expected to make ``p.turns_total / len(p.samples)`` requests on average (at most: a turn may end its
     conversation early, so multi-turn projections are upper bounds)."""
-    lengths = [len(a) for a in p.input_ids.values()]
+    lengths = [len(prompt.input_ids) for prompt in p.prompts.values()]
     done, tokens_done, turns_done = existing_turns(out_dir, p.name)
     if expect_mean:
         mean, source = expect_mean, "--expect-mean"
@@ -136,9 +136,9 @@ def plan_dataset(p: Prepared, *, budget: int | None, out_dir: Path, expect_mean:
         prompt_tokens_sum=sum(lengths), prompt_tokens_mean=sum(lengths) / len(lengths) if lengths else 0.0,
         prompt_tokens_p95=_p95(lengths), expected_completion=mean, expected_source=source,
         done_already=done, tokens_already=tokens_done, budget=budget, samples_needed=needed,
-        projected_tokens=projected, eta_s=eta, order=p.order.describe(), conversations=p.conversations,
+        projected_tokens=projected, eta_s=eta, order=p.settings.order.describe(), conversations=p.conversations,
         conversation_turns=p.conversation_turns, requests_max=p.turns_total, longest_conversation=longest,
-        in_flight=(in_flight or DEFAULT_IN_FLIGHT) if p.conversations else None, generations=p.generations,
+        in_flight=(in_flight or DEFAULT_IN_FLIGHT) if p.conversations else None, generations=p.settings.generations.n,
         samples=p.selected, settings_mix=settings_mix)
 
 
@@ -164,7 +164,7 @@ def pilot_mean(p: Prepared, n: int, *, urls: Sequence[str], sampling_params: dic
     """Send the first ``n`` prompts of a dataset straight to SGLang (nothing else is touched) and return the
     mean completion length. Evenly spaced samples would be fairer; the first n keep it reproducible."""
     step = max(1, len(p.samples) // max(n, 1))
-    picks = [p.input_ids[s.id].tolist() for s in p.samples[::step][:n]]
+    picks = [p.prompts[s.id].input_ids.tolist() for s in p.samples[::step][:n]]
     if not picks:
         return None
     lengths = asyncio.run(_pilot(urls, picks, sampling_params, api_key, timeout_s))

@@ -19,6 +19,7 @@ from producer.errors import ProduceError, UsageError
 
 if TYPE_CHECKING:
     from producer.prepare import Inputs
+    from render.modeldir import Context
 
 log = logging.getLogger("budgetq.produce")
 
@@ -108,9 +109,10 @@ def check_server_parsers(client: "redis.Redis", parser: str, *, warn: Callable[[
 
 
 def recheck_context(client: "redis.Redis", inputs: "Inputs", max_tokens: int, *,
-                    warn: Callable[[str], None]) -> None:
+                    warn: Callable[[str], None]) -> Context:
     """The SGLang servers' context limit, as their workers recorded it, wins over the offline one: prompts over
-    it are skipped now (counted as over context), not sent to be refused one by one."""
+    it are skipped now (counted as over context), not sent to be refused one by one. Returns the context the
+    prompts are checked against now, what later turns of a conversation are checked against too."""
     from producer.servercontext import recheck, server_context
     try:
         servers = serverinfo.load(client)
@@ -118,8 +120,7 @@ def recheck_context(client: "redis.Redis", inputs: "Inputs", max_tokens: int, *,
         raise ProduceError(f"Redis error: {exc}") from None
     recheck(servers, inputs.prepared, inputs.context, max_tokens, echo=log.info, warn=warn)
     limit = server_context(servers)
-    if limit is not None and limit.tokens < inputs.context.tokens:
-        inputs.context = limit  # what later turns of a conversation are checked against too
+    return limit if limit is not None and limit.tokens < inputs.context.tokens else inputs.context
 
 
 def check_seed(client: "redis.Redis", sampling_params: Mapping[str, Any], *, warn: Callable[[str], None],

@@ -7,100 +7,105 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from budget.history import plan
 from budget.payload import ConversationPayload
 from producer.errors import UsageError
-from producer.generations import SETTING as GENERATIONS, Generations, chunk_params, rounds, split_key
-from producer.modeldir import Context, ModelDirError, config_context
-from producer.order import FILE, Order, permute
+from producer.generations import rounds, split_key
+from render.modeldir import Context, ModelDirError, config_context
+from producer.order import permute
 from producer.progress import progress_bar
 from producer.reader import Problem, ReadResult, Sample
-from producer.records import FieldMapping
-from producer.render import Rendered, RenderError, Renderer
-from producer.runjson import ALL, LAST, run_settings
-from producer.templatemix import TemplateMix, Variants
+from producer.settings import RunSettings
+from render.chat import Rendered, RenderError, Renderer
+from producer.runjson import ALL, DatasetSettings, resolve
+from producer.templatemix import Variants
+
+@dataclass(frozen=True)
+class Prompt:
+    """A selected prompt, rendered: turn 0's prompt with each template variant its generations drew (``""``
+    without a mix; generation 0's first), and the most turns it makes (1 unless a multi-turn conversation under
+    ``--turns all``, whose prompt is then turn 0's)."""
+
+    sample: Sample
+    #: variant -> (input_ids, opens_think); the ids compact: 4 bytes a token instead of a Python int list's ~36
+    renderings: Mapping[str, tuple[array, bool]]
+    turns: int = 1
+
+    @property
+    def input_ids(self) -> array:
+        """Generation 0's prompt ids."""
+        return next(iter(self.renderings.values()))[0]
+
+    @property
+    def opens_think(self) -> bool:
+        return next(iter(self.renderings.values()))[1]
+
+    @property
+    def length(self) -> int:
+        """Turn 0's prompt length, the longest over the variants (what the context check takes)."""
+        return max(len(ids) for ids, _opens in self.renderings.values())
+
 
 @dataclass
 class Prepared:
-    """A dataset ready to enqueue: the selected samples in the order they are sent (``order``), rendered."""
+    """A dataset ready to enqueue: its settings and the selected prompts in the order they are sent."""
 
     name: str
     path: Path
-    samples: list[Sample]  # selected: valid, fitting the context, within --max-samples
-    input_ids: dict[str, array]  # compact: 4 bytes a token instead of a Python int list's ~36
-    opens_think: dict[str, bool]
+    settings: DatasetSettings
+    prompts: dict[str, Prompt]  # selected: valid, fitting the context, within --max-samples; by id, in send order
     invalid: list[Problem]
     duplicates: list[Problem]
     over_context: list[Problem] = field(default_factory=list)
     beyond_max_samples: int = 0
-    order: Order = Order(FILE)  # the order of ``samples``: the enqueue order, and what a budget keeps first
-    #: ``--turns all``: the selected samples that are conversations of more than one turn -> their turns at most
-    #: (``len(plan(messages))``); their ``input_ids`` are turn 0's prompt. Empty under ``--turns last``.
-    turns: dict[str, int] = field(default_factory=dict)
-    turns_mode: str = LAST
-    #: ``--generations``: samples per prompt (producer/generations.py). ``samples`` are the prompts; the sample
-    #: keys are ``keys()``, in rounds.
-    generations: int = 1
-    #: ``--template-kwargs-mix`` (producer/templatemix.py): each variant (a combination of drawn values) -> prompt id
-    #: -> turn 0's prompt rendered with it, for the variants the prompt's generations drew. ``input_ids`` then holds
-    #: generation 0's (the same arrays). Empty without a mix.
-    variant_ids: dict[str, dict[str, array]] = field(default_factory=dict)
-    variant_opens: dict[str, dict[str, bool]] = field(default_factory=dict)
 
-    @cached_property
-    def messages_by_id(self) -> dict[str, Any]:
-        return {s.id: s.messages for s in self.samples}
+    @property
+    def samples(self) -> list[Sample]:
+        return [prompt.sample for prompt in self.prompts.values()]
 
-    def keys(self, samples: Sequence[Sample] | None = None) -> list[str]:
-        """The sample keys of ``samples`` (default the selected prompts), in the order they are sent: rounds,
-        generation 0 of every prompt first (producer/generations.py ``rounds``)."""
-        return rounds([s.id for s in (self.samples if samples is None else samples)], self.generations)
+    def messages(self, prompt_id: str) -> Any:
+        return self.prompts[prompt_id].sample.messages
+
+    def keys(self) -> list[str]:
+        """The sample keys of the selected prompts, in the order they are sent: rounds, generation 0 of every
+        prompt first (producer/generations.py ``rounds``)."""
+        return rounds(list(self.prompts), self.settings.generations.n)
 
     @property
     def selected(self) -> int:
         """Samples selected: prompts x generations."""
-        return len(self.samples) * self.generations
+        return len(self.prompts) * self.settings.generations.n
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(a) for a in self.input_ids.values())
+        return sum(len(prompt.input_ids) for prompt in self.prompts.values())
+
+    @property
+    def turns(self) -> dict[str, int]:
+        """The selected conversations of more than one turn (``--turns all``) -> their turns at most."""
+        return {pid: prompt.turns for pid, prompt in self.prompts.items() if prompt.turns > 1}
 
     @property
     def conversations(self) -> int:
         """Selected samples that are conversations of more than one turn (``--turns all``), every generation."""
-        return len(self.turns) * self.generations
+        return len(self.turns) * self.settings.generations.n
 
     @property
     def turns_total(self) -> int:
         """The most requests the selected samples make: one each, a conversation's turns for a multi-turn one."""
-        return (len(self.samples) - len(self.turns) + sum(self.turns.values())) * self.generations
+        return sum(prompt.turns for prompt in self.prompts.values()) * self.settings.generations.n
 
     @property
     def conversation_turns(self) -> int:
         """The most turns the multi-turn conversations make, together (every generation)."""
-        return sum(self.turns.values()) * self.generations
+        return sum(self.turns.values()) * self.settings.generations.n
 
     def turns_of(self, sample_id: str) -> int:
         """The most turns of a prompt, or of a sample key (any generation of the prompt)."""
-        return self.turns.get(split_key(sample_id)[0], 1)
-
-    def prompt_length(self, prompt_id: str) -> int:
-        """Turn 0's prompt length, the longest over the template variants its generations drew (a mix)."""
-        lengths = [len(ids[prompt_id]) for ids in self.variant_ids.values() if prompt_id in ids]
-        return max(lengths) if lengths else len(self.input_ids[prompt_id])
-
-    def drop(self, prompt_id: str) -> None:
-        """Forget a prompt's renderings (it is no longer selected)."""
-        del self.input_ids[prompt_id]
-        self.opens_think.pop(prompt_id, None)
-        for ids in self.variant_ids.values():
-            ids.pop(prompt_id, None)
-        for opens in self.variant_opens.values():
-            opens.pop(prompt_id, None)
+        return self.prompts[split_key(sample_id)[0]].turns
 
 
 def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_invalid: bool,
@@ -110,7 +115,7 @@ def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_
     """Render a batch (``messages_of`` each sample: its whole messages, or turn 0's); a sample the template refuses
     is a bad line of the file, named by its line."""
     try:
-        return list(zip(part, renderer.render_many([messages_of(s) for s in part])))
+        return list(zip(part, renderer.render_many([messages_of(s) for s in part]), strict=True))
     except RenderError as exc:
         if exc.index is None:
             raise
@@ -186,59 +191,51 @@ def _render_variants(read: ReadResult, variants: Variants, part: list[Sample], s
         conversations.update(convs)
     keep = [s for s in part if s.id not in bad]
     return ([(s, got[s.id][needed[s.id][0]]) for s in keep], {k: v for k, v in conversations.items() if k not in bad},
-            {s.id: got[s.id] for s in keep})
+            {s.id: {name: got[s.id][name] for name in needed[s.id]} for s in keep})
 
 
-def prepare(read: ReadResult, renderer: Renderer, *, max_tokens: int, max_context: int,
-            max_samples: int | None, skip_invalid: bool = False,
-            progress: Callable[[int], None] | None = None, context_source: str = "--max-context",
-            order: Order = Order(FILE), turns: str = LAST, variants: Variants | None = None) -> Prepared:
-    """Render ``read``'s samples in ``order`` and select them: valid, fitting the context, and the first
-    ``max_samples`` of that order (with --order random: a seeded random subset, not the file's first lines).
+def prepare(read: ReadResult, renderer: Renderer, settings: DatasetSettings, *, max_tokens: int, context: Context,
+            max_samples: int | None, skip_invalid: bool = False, progress: Callable[[int], None] | None = None,
+            variants: Variants | None = None) -> Prepared:
+    """Render ``read``'s samples in the settings' order and select them: valid, fitting the ``context``, and the
+    first ``max_samples`` of that order (with --order random: a seeded random subset, not the file's first lines).
 
-    ``turns`` ``all``: a conversation of more than one turn is sent as its turn 0 (the workers render the later
+    ``--turns all``: a conversation of more than one turn is sent as its turn 0 (the workers render the later
     turns on the model's own answers), so its prompt and its context check are turn 0's; it is rendered whole
     as well, so a template that refuses a later turn's shape is found here (exit 2), not by a worker.
 
     ``variants`` (a template kwargs mix): each prompt is rendered with the variant of each of its generations,
     and checked against the context with the longest."""
-    prepared = Prepared(read.name, read.path, [], {}, {}, list(read.invalid), list(read.duplicates), order=order,
-                        turns_mode=turns)
+    prepared = Prepared(read.name, read.path, settings, {}, list(read.invalid), list(read.duplicates))
     batch = 256
-    samples = permute(read.samples, order)
+    samples = permute(read.samples, settings.order)
     for start in range(0, len(samples), batch):
-        if max_samples is not None and len(prepared.samples) >= max_samples:
+        if max_samples is not None and len(prepared.prompts) >= max_samples:
             prepared.beyond_max_samples += len(samples) - start
             break
         part = samples[start:start + batch]
-        by_variant: dict[str, dict[str, Rendered]] = {}
         if variants is None:
-            rendered, conversations = _render_batch(read, renderer, part, skip_invalid, prepared.invalid, turns)
+            rendered, conversations = _render_batch(read, renderer, part, skip_invalid, prepared.invalid,
+                                                    settings.turns)
+            by_variant = {s.id: {"": out} for s, out in rendered}
         else:
             rendered, conversations, by_variant = _render_variants(read, variants, part, skip_invalid,
-                                                                   prepared.invalid, turns)
+                                                                   prepared.invalid, settings.turns)
         if progress is not None:
             progress(len(part))
-        for i, (sample, out) in enumerate(rendered):
-            if max_samples is not None and len(prepared.samples) >= max_samples:
+        for i, (sample, _out) in enumerate(rendered):
+            if max_samples is not None and len(prepared.prompts) >= max_samples:
                 prepared.beyond_max_samples += len(part) - i
                 break
-            outs = by_variant.get(sample.id) or {"": out}
-            n = max(len(o.input_ids) for o in outs.values())
-            if n + max_tokens > max_context:
+            prompt = Prompt(sample, {name: (array("i", o.input_ids), o.opens_think)
+                                     for name, o in by_variant[sample.id].items()},
+                            conversations.get(sample.id, 1))
+            if prompt.length + max_tokens > context.tokens:
                 prepared.over_context.append(sample.problem(
-                    f"prompt of {n} tokens + --max-tokens {max_tokens} exceeds the context of {max_context} "
-                    f"({context_source})"))
+                    f"prompt of {prompt.length} tokens + --max-tokens {max_tokens} exceeds the context of "
+                    f"{context.tokens} ({context.source})"))
                 continue
-            prepared.samples.append(sample)
-            prepared.input_ids[sample.id] = array("i", out.input_ids)
-            prepared.opens_think[sample.id] = out.opens_think
-            for name, o in by_variant.get(sample.id, {}).items():
-                ids = prepared.input_ids[sample.id] if o is out else array("i", o.input_ids)
-                prepared.variant_ids.setdefault(name, {})[sample.id] = ids
-                prepared.variant_opens.setdefault(name, {})[sample.id] = o.opens_think
-            if sample.id in conversations:
-                prepared.turns[sample.id] = conversations[sample.id]
+            prepared.prompts[sample.id] = prompt
     return prepared
 
 
@@ -258,48 +255,27 @@ def resolve_parser(choice: str, tokenizer: Any, renderer: Renderer) -> str:
         raise UsageError(str(exc)) from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Inputs:
     """Everything a run (or a plan) needs from the files and the tokenizer, checked."""
 
     prepared: list[Prepared]
     renderer: Renderer
-    sampling_params: dict[str, Any]
-    settings: dict[str, Any]
-    chat_template_kwargs: dict[str, Any]
-    reasoning_parser: str = "none"
-    parser_explicit: bool = False  # given by --reasoning-parser, not detected
-    context: Context = Context(0, "unknown")  # what the prompts were checked against, and where it came from
-    turns: str = LAST  # --turns as given (a dataset resumed from a run before --turns may be prepared as last)
+    settings: DatasetSettings  # every dataset's (``Prepared.settings``)
+    context: Context  # what the prompts were checked against, and where it came from
     variants: Variants | None = None  # --template-kwargs-mix: the renderer of each drawn combination
 
-
-    def set_generations(self, n: int) -> Generations:
-        """``--generations n`` over the run's sampling parameters (``sampling_params`` and ``settings`` as they will
-        be sent and stored): run.json keeps a temperature list and says ``generations`` (left out for one, so the
-        run.json of a one-generation run is what it always was); the chunks send the list's first entry, and
-        each later generation carries what it sends differently (producer/generations.py)."""
-        self.settings["sampling_params"] = dict(self.sampling_params)
-        self.sampling_params = chunk_params(self.sampling_params)
-        if n > 1:
-            self.settings[GENERATIONS] = n
-        else:
-            self.settings.pop(GENERATIONS, None)
-        for prepared in self.prepared:
-            prepared.generations = n
-        return Generations.from_params(n, self.settings["sampling_params"])
-
-    def conversation(self) -> ConversationPayload | None:
+    def conversation(self, context: Context) -> ConversationPayload | None:
         """The chunk's ``conversation`` block (budget/payload.py) when a dataset has multi-turn conversations:
-        the renderer's fingerprint (its files go to Redis under it), the template kwargs, the context turn 0 was
-        checked against, and the parser's think markers when they are not the template's (Kimi)."""
+        the renderer's fingerprint (its files go to Redis under it), the template kwargs, the ``context`` turn 0
+        was checked against, and the parser's think markers when they are not the template's (Kimi)."""
         if not any(p.turns for p in self.prepared):
             return None
         from producer.parsers import PARSER_MARKERS
-        markers = PARSER_MARKERS[self.reasoning_parser]
+        markers = PARSER_MARKERS[self.settings.reasoning_parser]
         think = self.renderer.think
-        return {"tokenizer": str(self.settings["tokenizer"]), "chat_template_kwargs": dict(self.chat_template_kwargs),
-                "max_context": self.context.tokens,
+        return {"tokenizer": str(self.settings.stored["tokenizer"]),
+                "chat_template_kwargs": dict(self.settings.chat_template_kwargs), "max_context": context.tokens,
                 "open_markers": [markers.start, markers.end] if markers is not None and markers != think else None}
 
 
@@ -307,7 +283,7 @@ def choose_context(max_context: int | None, tokenizer: Any) -> Context:
     """--max-context if given, else the tokenizer's model_max_length, else the model's config.json beside it
     (real repositories often leave model_max_length unset: transformers then says int(1e30)).
     Raises UsageError (exit 2) when none of them states one."""
-    from producer.render import default_max_context
+    from render.chat import default_max_context
     if max_context is not None:
         return Context(max_context, "--max-context")
     from_tokenizer = default_max_context(tokenizer)
@@ -326,26 +302,15 @@ def choose_context(max_context: int | None, tokenizer: Any) -> Context:
     raise UsageError(f"the tokenizer's model_max_length is unset and {where}: give --max-context")
 
 
-def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_context: int | None,
-                max_samples: int | None, sampling_params: dict[str, Any], chat_template_kwargs: dict[str, Any],
-                skip_invalid: bool, echo: Callable[[str], None], warn: Callable[[str], None],
-                mapping: FieldMapping | None = None, show_progress: bool = False,
-                reasoning_parser: str = "auto", order: Order = Order(FILE),
-                order_for: Callable[[str, Order], Order] | None = None, turns: str = LAST,
-                turns_for: Callable[[str, str], str] | None = None, mix: TemplateMix | None = None,
-                generations: int = 1) -> Inputs:
-    """Read, validate and render every file. Raises UsageError (exit 2) on any input problem.
-
-    ``order`` is the requested order; ``order_for(dataset, order)`` may change it per dataset (a stored run
-    that predates --order keeps file order: producer/order.py ``choose``). ``turns`` (--turns) likewise, with
-    ``turns_for(dataset, turns)`` (a stored run that predates --turns keeps ``last``: ``choose_turns``).
-    ``mix`` (--template-kwargs-mix) renders each prompt with the values its ``generations`` drew."""
+def load_inputs(s: RunSettings, *, echo: Callable[[str], None], warn: Callable[[str], None]) -> Inputs:
+    """Read, validate and render every file of ``produce run`` ``s``, every dataset with the settings ``resolve``
+    makes of ``s`` once the tokenizer is read. Raises UsageError (exit 2) on any input problem."""
     from producer.reader import InputError, read_all
-    from producer.render import load_tokenizer
+    from render.chat import load_tokenizer
 
-    reading = progress_bar(None, "validating", show=show_progress, unit=" records")
+    reading = progress_bar(None, "validating", show=s.show_progress, unit=" records")
     try:
-        reads = read_all(list(files), skip_invalid, mapping=mapping or FieldMapping(), progress=reading.update)
+        reads = read_all(list(s.files), s.skip_invalid, mapping=s.mapping, progress=reading.update)
     except InputError as exc:
         raise UsageError(str(exc)) from None
     finally:
@@ -355,35 +320,34 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
             warn(f"skipped {problem}")
         for problem in r.duplicates:
             echo(f"skipped {problem}")
+    kwargs = dict(s.chat_template_kwargs)
     try:
-        tok = load_tokenizer(tokenizer)
-        renderer = Renderer(tok, chat_template_kwargs=chat_template_kwargs)
+        tok = load_tokenizer(s.tokenizer)
+        renderer = Renderer(tok, chat_template_kwargs=kwargs)
     except RenderError as exc:
         raise UsageError(str(exc)) from None
     from producer.parsers import AUTO, PARSER_MARKERS
-    parser = resolve_parser(reasoning_parser, tok, renderer)
+    parser = resolve_parser(s.reasoning_parser, tok, renderer)
     markers = PARSER_MARKERS[parser]
     opens_markers = markers if markers is not None and markers != renderer.think else None
     if opens_markers is not None:  # Kimi's ◁think▷: opens_think must look for those
-        renderer = Renderer(tok, chat_template_kwargs=chat_template_kwargs, opens_markers=opens_markers)
-    echo(f"reasoning parser: {parser}" + (" (detected from the tokenizer)" if reasoning_parser == AUTO else ""))
+        renderer = Renderer(tok, chat_template_kwargs=kwargs, opens_markers=opens_markers)
+    echo(f"reasoning parser: {parser}" + (" (detected from the tokenizer)" if s.reasoning_parser == AUTO else ""))
+    settings = resolve(s, renderer, parser)
     variants = None
-    if mix is not None:
-        clash = sorted(set(mix.keys) & set(chat_template_kwargs))
+    if s.template_mix is not None:
+        clash = sorted(set(s.template_mix.keys) & set(kwargs))
         if clash:
             raise UsageError(f"--template-kwargs-mix and --chat-template-kwargs both set {', '.join(clash)}: "
-                              "give each key in one of them")
-        variants = Variants(tok, chat_template_kwargs, mix, generations, opens_markers=opens_markers)
-        echo(mix.describe())
-    context = choose_context(max_context, tok)
+                             "give each key in one of them")
+        variants = Variants(tok, kwargs, s.template_mix, s.generations, opens_markers=opens_markers)
+        echo(s.template_mix.describe())
+    context = choose_context(s.max_context, tok)
     echo(f"context: {context.tokens:,} tokens ({context.source})")
-    bar = progress_bar(sum(len(r.samples) for r in reads), "rendering", show=show_progress)
-    orders = {r.name: order_for(r.name, order) if order_for else order for r in reads}
-    modes = {r.name: turns_for(r.name, turns) if turns_for else turns for r in reads}
+    bar = progress_bar(sum(len(r.samples) for r in reads), "rendering", show=s.show_progress)
     try:
-        prepared = [prepare(r, renderer, max_tokens=max_tokens, max_context=context.tokens,
-                            max_samples=max_samples, skip_invalid=skip_invalid, progress=bar.update,
-                            context_source=context.source, order=orders[r.name], turns=modes[r.name],
+        prepared = [prepare(r, renderer, settings, max_tokens=s.max_tokens, context=context,
+                            max_samples=s.max_samples, skip_invalid=s.skip_invalid, progress=bar.update,
                             variants=variants)
                     for r in reads]
     except RenderError as exc:
@@ -394,11 +358,8 @@ def load_inputs(files: Sequence[str], *, tokenizer: str, max_tokens: int, max_co
         for problem in p.over_context:
             echo(f"skipped {problem}")
         conversations = (f"; turns: all, {p.conversations} multi-turn conversations ({p.turns_total} requests at "
-                         "most)" if p.turns_mode == ALL else "")
-        echo(f"{p.name}: {len(p.samples)} samples ready ({p.prompt_tokens} prompt tokens), "
+                         "most)" if settings.turns == ALL else "")
+        echo(f"{p.name}: {len(p.prompts)} samples ready ({p.prompt_tokens} prompt tokens), "
              f"{len(p.invalid)} invalid, {len(p.duplicates)} duplicate ids, {len(p.over_context)} over context; "
-             f"order: {p.order.describe()}{conversations}")
-    settings = run_settings(renderer, sampling_params, chat_template_kwargs,
-                            mapping.system_prompt if mapping else None, parser, order.setting(), turns, mix)
-    return Inputs(prepared, renderer, sampling_params, settings, chat_template_kwargs, parser,
-                  reasoning_parser != AUTO, context, turns, variants)
+             f"order: {settings.order.describe()}{conversations}")
+    return Inputs(prepared, renderer, settings, context, variants)

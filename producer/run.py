@@ -20,7 +20,7 @@ import math
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import redis
 
@@ -35,7 +35,7 @@ from producer.enqueue import (BATCH_CHUNKS, COMPRESS_THREADS, Item, chunk_size_f
                               listening_workers, make_queue)
 from producer.generations import record_key, split_key
 from producer.output import FAILED, STOPPED_BY_FAILED, collect, write_failed
-from producer.prepare import Prepared
+from producer.prepare import Prepared, Prompt
 from producer.progress import progress_bar
 from producer.report import DatasetSummary, progress_line, summaries
 
@@ -180,8 +180,8 @@ class Producer:
         for cid in sorted(reclaimed):
             self.echo(f"{d.name}: chunk {cid} lost its worker; its unfinished samples go back in the queue")
         live = self.ledger.live_chunks(d.name)
-        messages = d.prepared.messages_by_id
-        for rec in collect(self.store, d.name, d.out, lambda sid: messages.get(split_key(sid)[0])):
+        prompts = d.prepared.prompts
+        for rec in collect(self.store, d.name, d.out, lambda sid: _messages(prompts, sid)):
             d.resuming.discard(record_key(rec))
         # What is on disk is done, including results a failed collect wrote before Redis could drop them (but not
         # the old record of a failed conversation this run carries on).
@@ -235,12 +235,11 @@ class Producer:
         started = self.ledger.conversation_turns(d.name, candidates)
         if not started:
             return
-        messages = d.prepared.messages_by_id
         ended = 0
         for sid in started:
             params, kwargs = self._sent_with(d, sid)
-            outcome = end_as_is(self.ledger, d.name, sid, messages[split_key(sid)[0]],
-                                reasoning_parser=d.reasoning_parser, sampling_params=params,
+            outcome = end_as_is(self.ledger, d.name, sid, d.prepared.messages(split_key(sid)[0]),
+                                reasoning_parser=d.prepared.settings.reasoning_parser, sampling_params=params,
                                 chat_template_kwargs=kwargs)
             if outcome is not None and outcome.verdict is EndVerdict.MISMATCH:
                 d.stranded.add(sid)  # a worker still commits to it (a zombie): look again next step
@@ -258,8 +257,8 @@ class Producer:
         chunks' sampling parameters with its generation's override, and the template kwargs it drew (None: the
         run's)."""
         pid, generation = split_key(sid)
-        params = d.sampling_params or self.opt.sampling_params
-        params = {**params, **(self.opt.generations.overrides(pid, generation) or {})}
+        settings = d.prepared.settings
+        params = {**settings.chunk_params, **(settings.generations.overrides(pid, generation) or {})}
         variants = self.opt.variants
         return params, variants.kwargs(variants.name(pid, generation)) if variants is not None else None
 
@@ -283,8 +282,9 @@ class Producer:
                         # Its committed turns are counted: they go to the file as a conversation that failed
                         # (a rerun reopens it at the failed turn), never left in Redis unwritten.
                         params, kwargs = self._sent_with(d, sid)
-                        outcome = end_as_is(self.ledger, d.name, sid, d.prepared.messages_by_id[split_key(sid)[0]],
-                                            reasoning_parser=d.reasoning_parser, sampling_params=params,
+                        outcome = end_as_is(self.ledger, d.name, sid, d.prepared.messages(split_key(sid)[0]),
+                                            reasoning_parser=d.prepared.settings.reasoning_parser,
+                                            sampling_params=params,
                                             stopped_by=STOPPED_BY_FAILED, failed_reason=why,
                                             chat_template_kwargs=kwargs)
                         if outcome is not None and outcome.verdict is not EndVerdict.MISMATCH:
@@ -314,16 +314,16 @@ class Producer:
         if state.budget is None:
             return len(d.todo)
         room = max(0, state.budget - state.used - state.reserved)
-        mean = state.used / state.done if state.done else self._prior_mean(d.name)
+        mean = state.used / state.done if state.done else self._prior_mean(d)
         needed = math.ceil(room / max(mean, 1.0) * self.opt.margin) + self.opt.chunk_size
         held = sum(1 for ids in d.chunk_samples.values() for sid in ids if sid not in d.done)
         return max(0, needed - held) if not everything else max(0, needed)
 
-    def _prior_mean(self, name: str) -> float:
-        raw = self.store.field(name, "prior_mean")
+    def _prior_mean(self, d: DatasetRun) -> float:
+        raw = self.store.field(d.name, "prior_mean")
         if raw:
             return float(raw)
-        return default_prior_mean(int(self.opt.sampling_params["max_new_tokens"]))
+        return default_prior_mean(d.prepared.settings.max_new_tokens)
 
     def _refill(self, d: DatasetRun, max_chunks: int | None = None, max_samples: int | None = None,
                 progress: Callable[[int], None] | None = None) -> None:
@@ -336,10 +336,11 @@ class Producer:
         with ThreadPoolExecutor(COMPRESS_THREADS, thread_name_prefix="bq-zlib") as pool:
             for chunks in self._batches(d, max_chunks, max_samples):
                 try:
-                    cids = enqueue_chunks(self.r, self.queue, d.name, chunks,
-                                          sampling_params=d.sampling_params or self.opt.sampling_params,
-                                          think=self.opt.think, settings=self.opt.job, compress=pool,
-                                          reasoning_parser=d.reasoning_parser, conversation=self.opt.conversation)
+                    settings = d.prepared.settings
+                    cids = enqueue_chunks(self.r, self.queue, d.name, chunks, sampling_params=settings.chunk_params,
+                                          think=settings.think, settings=self.opt.job, compress=pool,
+                                          reasoning_parser=settings.reasoning_parser,
+                                          conversation=self.opt.conversation)
                 except BaseException:
                     # Not enqueued (or, after a lost EXEC reply, perhaps enqueued): the samples go back to the
                     # front of the to-do list either way. Enqueued twice is harmless: the holder hash names the
@@ -347,7 +348,7 @@ class Producer:
                     d.todo.extendleft(reversed([it.id for items in chunks for it in items]))
                     raise
                 n = 0
-                for cid, items in zip(cids, chunks):
+                for cid, items in zip(cids, chunks, strict=True):
                     d.chunk_samples[cid] = [it.id for it in items]
                     n += len(items)
                 d.enqueued_samples += n
@@ -379,20 +380,20 @@ class Producer:
         """The sample ``key``: its prompt's rendering, and what its generation sends differently from the chunk
         (its sampling parameters; with a template kwargs mix, the kwargs it drew and their rendering)."""
         pid, generation = split_key(key)
-        overrides = self.opt.generations.overrides(pid, generation)
-        turns = p.turns_of(pid)
-        ids, opens = p.input_ids[pid], p.opens_think[pid]
+        prompt = p.prompts[pid]
+        overrides = p.settings.generations.overrides(pid, generation)
+        ids, opens = prompt.input_ids, prompt.opens_think
         kwargs: dict[str, Any] | None = None
         fingerprint: str | None = None
         variants = self.opt.variants
         if variants is not None:
             name = variants.name(pid, generation)
-            ids, opens = p.variant_ids[name][pid], p.variant_opens[name][pid]
+            ids, opens = prompt.renderings[name]
             kwargs = variants.kwargs(name)
-            fingerprint = variants.fingerprint(name) if turns > 1 else None
-        if turns == 1:
+            fingerprint = variants.fingerprint(name) if prompt.turns > 1 else None
+        if prompt.turns == 1:
             return Item(key, ids, opens, sampling_params=overrides, chat_template_kwargs=kwargs)
-        return Item(key, ids, opens, messages=p.messages_by_id[pid], turns=turns, sampling_params=overrides,
+        return Item(key, ids, opens, messages=prompt.sample.messages, turns=prompt.turns, sampling_params=overrides,
                     chat_template_kwargs=kwargs, tokenizer=fingerprint)
 
     # -- reporting (producer/report.py) ----------------------------------------------------------------
@@ -411,3 +412,9 @@ class Producer:
         self._locks.clear()
         for d in self.runs:
             d.out.close()
+
+
+def _messages(prompts: Mapping[str, Prompt], key: str) -> Any:
+    """The prompt messages of sample ``key``, for its line on disk; None for a prompt no longer selected."""
+    prompt = prompts.get(split_key(key)[0])
+    return prompt.sample.messages if prompt is not None else None

@@ -1,71 +1,51 @@
-"""What a run stores in run.json, and how a rerun is compared with it.
+"""A dataset's settings, resolved once (``resolve``: ``DatasetSettings``), what a run stores of them in run.json,
+and how a rerun is compared with it.
 
 A response made under other settings would mix two distributions in one training set (and two parsers, two
 splits of the same text, in one file), so a dataset's settings are stored when its run starts and a rerun must
-give the same ones (producer/attach.py checks them before anything is written). Settings added since a run was
-stored mean, when missing, what that run did: ``resume_settings`` and the ``choose_*`` functions apply that rule.
+give the same ones (producer/attach.py checks them before anything is written). The settings carry the run
+format (``version``, budget/payload.py VERSION): a run of another format is refused, never read.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any, Final, Mapping
 
-from producer.render import Renderer
+from budget.payload import VERSION, ThinkPayload
+from producer.generations import SETTING as GENERATIONS, Generations, chunk_params
+from producer.order import Order
+from producer.settings import RunSettings
 from producer.templatemix import SETTING as MIX_SETTING, TemplateMix
+from render.chat import Renderer
 
 #: ``--turns``: regenerate every assistant turn of a conversation (``all``, budget/history.py ``plan``), or only
-#: the answer to its last user turn on the dataset's own history (``last``: what every run did before it).
+#: the answer to its last user turn on the dataset's own history (``last``).
 ALL: Final = "all"
 LAST: Final = "last"
-#: The run.json key; missing in a stored run means ``last`` (producer/attach.py ``_settings_for``).
-TURNS_SETTING: Final = "turns"
+#: The run.json key of the run format.
+VERSION_KEY: Final = "version"
 
 
-def run_settings(renderer: Renderer, sampling_params: dict[str, Any],
-                 chat_template_kwargs: dict[str, Any], system_prompt: str | None = None,
-                 reasoning_parser: str | None = None, order: dict[str, Any] | None = None,
-                 turns: str | None = None, mix: TemplateMix | None = None) -> dict[str, Any]:
-    """What must not change between a run and its resume: a response made under other settings would mix
-    two distributions in one training set (and two parsers, two splits of the same text, in one file).
-
-    ``reasoning_parser`` None leaves the key out: a run stored before parsers existed has none, and such a run
-    resumes with the think-marker split it started with (producer/attach.py ``_settings_for``). ``order`` None
-    likewise (producer/order.py): a run stored before --order resumes in file order; and ``turns`` None: a run
-    stored before --turns resumes as ``last``; and ``mix`` None: no ``template_kwargs_mix`` key, as every run
-    stored before it (one set of chat_template_kwargs for all)."""
+def run_settings(renderer: Renderer, sampling_params: dict[str, Any], chat_template_kwargs: dict[str, Any],
+                 system_prompt: str | None, reasoning_parser: str, order: Order, turns: str,
+                 mix: TemplateMix | None) -> dict[str, Any]:
+    """What must not change between a run and its resume (run.json, and the dataset's ``settings`` in Redis).
+    ``template_kwargs_mix`` is there only with a mix; ``generations`` is added by ``resolve`` when above 1."""
     think = renderer.think
     settings = {
+        VERSION_KEY: VERSION,
         "tokenizer": renderer.fingerprint(),
         "chat_template_kwargs": chat_template_kwargs,
         "sampling_params": sampling_params,
         "think": [think.start, think.end] if think else None,
         "system_prompt": system_prompt,
+        "reasoning_parser": reasoning_parser,
+        "order": order.setting(),
+        "turns": turns,
     }
-    if reasoning_parser is not None:
-        settings["reasoning_parser"] = reasoning_parser
-    if order is not None:
-        settings["order"] = order
-    if turns is not None:
-        settings[TURNS_SETTING] = turns
     if mix is not None:
         settings[MIX_SETTING] = mix.setting()
     return settings
-
-
-def choose_turns(requested: str, explicit: bool, run_file: Path, new_run: bool) -> str:
-    """The ``--turns`` mode a dataset is prepared in: ``requested``, except that a stored run.json without the key
-    (a run that predates --turns, which regenerated the last turn only) resumes as ``last`` unless --turns was
-    given (then attach reports the settings change). ``--new-run`` starts over, so it takes the request."""
-    if new_run or explicit:
-        return requested
-    try:
-        stored = json.loads(run_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return requested
-    if isinstance(stored, dict) and TURNS_SETTING not in stored:
-        return LAST
-    return requested
 
 
 def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -84,29 +64,42 @@ def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return out
 
 
-#: Sampling parameters runs send since a later version, with the value that means what a stored run without them
-#: did: before them nothing was sent, which is SGLang's default. A resumed run that lacks one goes on as it ran (a
-#: missing setting is never a change of settings; mixing two behaviours in one dataset is what the settings check
-#: exists to prevent). ``reasoning_parser``, the other setting added since, is handled the same way by
-#: ``Attacher._settings_for`` (producer/attach.py; there an explicit --reasoning-parser on an old run is a change).
-ADDED_SAMPLING_PARAMS: Final[dict[str, Any]] = {"skip_special_tokens": True}
+@dataclass(frozen=True)
+class DatasetSettings:
+    """A dataset's settings, resolved once (``resolve``) before it is rendered, and read as they are by every later
+    step: selection, the settings check, the chunks, the loop, the plan. ``stored`` is what run.json and the
+    dataset's ``settings`` in Redis hold."""
+
+    order: Order
+    turns: str  # ALL or LAST
+    reasoning_parser: str
+    chat_template_kwargs: Mapping[str, Any]
+    mix: TemplateMix | None
+    #: run.json's sampling parameters (a --temperature list stays a list), and what a chunk sends: the list's
+    #: first entry, generation 0's (producer/generations.py; a later generation carries its own override).
+    sampling_params: Mapping[str, Any]
+    chunk_params: dict[str, Any]
+    generations: Generations
+    think: ThinkPayload | None  # the chat template's thinking markers
+    stored: Mapping[str, Any]
+
+    @property
+    def max_new_tokens(self) -> int:
+        return int(self.chunk_params["max_new_tokens"])
 
 
-def resume_settings(stored: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The settings a dataset resumed from ``stored`` goes on with, and notes on what it kept from before.
-
-    ``new`` less every added sampling parameter (ADDED_SAMPLING_PARAMS) that ``stored`` lacks: the run keeps its
-    old behaviour for them. A note names each one whose new value differs from that old behaviour, so the user
-    knows an option was not applied. What remains is compared with ``stored`` as before."""
-    effective = dict(new)
-    notes: list[str] = []
-    params = dict(new.get("sampling_params") or {})
-    stored_params = stored.get("sampling_params") or {}
-    for key, old in ADDED_SAMPLING_PARAMS.items():
-        if key in params and key not in stored_params:
-            if params.pop(key) != old:
-                notes.append(f"{key}: {new['sampling_params'][key]!r} not applied, the run predates it "
-                             f"(kept: not sent, SGLang's default {old!r})")
-    if "sampling_params" in new:
-        effective["sampling_params"] = params
-    return effective, notes
+def resolve(s: RunSettings, renderer: Renderer, parser: str) -> DatasetSettings:
+    """The settings of a dataset of ``produce run`` ``s``, with the tokenizer's ``renderer`` and the reasoning
+    ``parser`` (given or detected): skip_special_tokens defaults to what the parser needs."""
+    from producer.parsers import skip_special_tokens_default
+    params = {**s.sampling_params(), "skip_special_tokens": s.skip_special_tokens if s.skip_special_tokens is not None
+              else skip_special_tokens_default(parser)}
+    kwargs = dict(s.chat_template_kwargs)
+    stored = run_settings(renderer, params, kwargs, s.mapping.system_prompt, parser, s.order, s.turns, s.template_mix)
+    if s.generations > 1:
+        stored[GENERATIONS] = s.generations
+    think = renderer.think
+    return DatasetSettings(order=s.order, turns=s.turns, reasoning_parser=parser, chat_template_kwargs=kwargs,
+                           mix=s.template_mix, sampling_params=params, chunk_params=chunk_params(params),
+                           generations=Generations.from_params(s.generations, params),
+                           think={"start": think.start, "end": think.end} if think else None, stored=stored)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from producer.modeldir import Context, sane_context
+from render.modeldir import Context, sane_context
 from producer.prepare import Prepared
 
 #: What a /get_server_info entry says limits one request, in the order they are preferred for messages.
@@ -41,20 +41,14 @@ def apply_server_context(prepared: Sequence[Prepared], limit: Context, max_token
     its ``over_context`` problems. Returns {dataset: samples dropped} (datasets with none left out)."""
     dropped: dict[str, int] = {}
     for p in prepared:
-        keep = []
-        for sample in p.samples:
-            n = p.prompt_length(sample.id)
-            if n + max_tokens > limit.tokens:
-                p.over_context.append(sample.problem(
-                    f"prompt of {n} tokens + --max-tokens {max_tokens} exceeds the servers' context of "
-                    f"{limit.tokens} ({limit.source})"))
-                p.drop(sample.id)
-            else:
-                keep.append(sample)
-        if len(keep) != len(p.samples):
-            dropped[p.name] = len(p.samples) - len(keep)
-            p.samples = keep
-            p.__dict__.pop("messages_by_id", None)  # a cached_property computed from the old list
+        over = [prompt for prompt in p.prompts.values() if prompt.length + max_tokens > limit.tokens]
+        for prompt in over:
+            p.over_context.append(prompt.sample.problem(
+                f"prompt of {prompt.length} tokens + --max-tokens {max_tokens} exceeds the servers' context of "
+                f"{limit.tokens} ({limit.source})"))
+            del p.prompts[prompt.sample.id]
+        if over:
+            dropped[p.name] = len(over)
     return dropped
 
 

@@ -38,8 +38,7 @@ class RunSettings:
     mode: str | None
     named_modes: Mapping[str, str]
     order: Order  # --order and --order-seed, defaults filled in
-    order_explicit: bool  # --order or --order-seed given
-    turns: str | None  # --turns; None: not given (all, or what a stored run was made with)
+    turns: str  # --turns
     generations: int
     temperatures: tuple[float, ...] | None
     top_p: float | None
@@ -112,8 +111,8 @@ class RunSettings:
             files=tuple(o["files"]), tokenizer=o["tokenizer"], max_tokens=o["max_tokens"],
             max_context=o["max_context"], max_samples=o["max_samples"], out_dir=o["out_dir"],
             redis_url=o["redis_url"], budget=budget, named_budgets=named_budgets, mode=mode,
-            named_modes=named_modes, order=order, order_explicit=o["order"] is not None or o["order_seed"] is not None,
-            turns=o["turns"], generations=o["generations"], temperatures=temperatures, top_p=o["top_p"], top_k=top_k,
+            named_modes=named_modes, order=order, turns=o["turns"], generations=o["generations"],
+            temperatures=temperatures, top_p=o["top_p"], top_k=top_k,
             seed=o["seed"], skip_special_tokens=o["skip_special_tokens"], chat_template_kwargs=kwargs,
             template_mix=mix, reasoning_parser=o["reasoning_parser"], skip_invalid=o["skip_invalid"], mapping=mapping,
             expect_mean=o["expect_mean"], dry_run=o["dry_run"], pilot=o["pilot"], pilot_urls=pilot_urls,
@@ -124,7 +123,7 @@ class RunSettings:
 
     def sampling_params(self) -> dict[str, Any]:
         """The run's sampling parameters (run.json ``sampling_params``): a --temperature list stays a list
-        (generation k takes entry k mod len: producer/generations.py); one value is a number, as it always was."""
+        (generation k takes entry k mod len: producer/generations.py); one value is a number."""
         params: dict[str, Any] = {"max_new_tokens": self.max_tokens}
         if self.temperatures is not None:
             t = self.temperatures

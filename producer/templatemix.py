@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Final, Mapping, Sequence
 
 from producer.generations import SEP
-from producer.render import Renderer
+from render.chat import Renderer
 
-#: The run.json key; missing in a stored run means no mix (every sample rendered with --chat-template-kwargs).
+#: The run.json key, left out without a mix (every sample rendered with --chat-template-kwargs).
 SETTING: Final = "template_kwargs_mix"
 
 

@@ -37,9 +37,8 @@ SIM_ARGS = ("--tokens-per-second-per-request", "2000", "--prefix-cache-pages", "
 def options(tmp_path: Path, inputs: "Inputs", tokenizer: Path | None, **kw: Any) -> "RunOptions":
     """produce's run options for the chats dataset as the producer tests attach it (chunks of 2, no budget)."""
     from producer.datasetrun import RunOptions
-    return RunOptions(out_dir=tmp_path / "out", sampling_params=inputs.sampling_params,
-                      settings=inputs.settings, think=None, reasoning_parser=inputs.reasoning_parser,
-                      conversation=inputs.conversation(), tokenizer=str(tokenizer) if tokenizer else None,
+    return RunOptions(out_dir=tmp_path / "out", conversation=inputs.conversation(inputs.context),
+                      tokenizer=str(tokenizer) if tokenizer else None,
                       **{"chunk_size": 2, "budgets": {DS: None}, **kw})
 
 

@@ -1,6 +1,7 @@
 """Bad input, bad budgets, missing files: a clear message naming file and line, exit 2, Redis untouched."""
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,8 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from budget import keys
+from budget.payload import OTHER_VERSION, VERSION
 from producer.cli import main
 from tests.procs import produce_cmd
 
@@ -122,6 +125,32 @@ def test_settings_change_refused_without_new_run(tmp_path: Path, redis_url: str,
     fresh = run([str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "20", "--detach", "--out", out,
                  "--new-run"], redis_url)
     assert fresh.exit_code == 0, fresh.output
+
+
+@pytest.mark.parametrize("where", ["run.json", "redis"])
+def test_a_run_of_another_version_is_refused_and_left_untouched(tmp_path: Path, redis_url: str, r: "redis.Redis",
+                                                                tokenizer_dir: Path, where: str) -> None:
+    path = write(tmp_path, "ds.jsonl", GOOD)
+    out = tmp_path / "out"
+    args = [str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10", "--detach", "--out", str(out)]
+    first = run(args, redis_url)
+    assert first.exit_code == 0, first.output
+    run_json, meta = out / "ds" / "run.json", keys.DatasetKeys("ds").meta
+    settings = json.loads(run_json.read_text())
+    assert settings["version"] == VERSION
+    if where == "run.json":  # a run.json without the key, and nothing in Redis
+        r.flushall()
+        run_json.write_text(json.dumps({k: v for k, v in settings.items() if k != "version"}))
+    else:  # the run in Redis made by another version
+        r.hset(meta, "settings", json.dumps({**settings, "version": VERSION - 1}, sort_keys=True))
+    before = (r.dbsize(), r.hgetall(meta), run_json.read_bytes())
+    again = run(args, redis_url)
+    assert again.exit_code == 2, again.output
+    assert f"dataset ds: the stored run was {OTHER_VERSION}" in again.output
+    assert (r.dbsize(), r.hgetall(meta), run_json.read_bytes()) == before
+    fresh = run([*args, "--new-run"], redis_url)
+    assert fresh.exit_code == 0, fresh.output
+    assert json.loads(run_json.read_text())["version"] == VERSION
 
 
 def test_budget_zero_sends_nothing(tmp_path: Path, redis_url: str, r: "redis.Redis",

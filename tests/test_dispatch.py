@@ -48,6 +48,7 @@ def enqueue(r: "redis.Redis", ids: list[str], max_new: int) -> ChunkPayload:
     (cid,) = enqueue_chunks(r, make_queue(r), DS, [items], sampling_params=sampling(max_new), think=None,
                             settings=JobSettings())
     return {"v": VERSION, "dataset": DS, "chunk": cid, "sampling_params": sampling(max_new), "think": None,
+            "reasoning_parser": "none",
             "samples": [{"id": sid, "input_ids": [11, 12, 13, 14], "opens_think": False} for sid in ids]}
 
 

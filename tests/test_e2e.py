@@ -294,12 +294,11 @@ def test_sigterm_right_after_start_stops_the_worker_cleanly(r: "redis.Redis", si
         assert not r.sismember("rq:workers", f"rq:worker:{name}")
 
 
-def test_a_run_made_before_record_version_2_resumes_counts_and_exports(
+def test_version_1_records_resume_count_and_export(
         redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
         workers: Any) -> None:
-    """An old run on disk: flat version 1 records and a run.json without the settings added since. It resumes
-    without a settings refusal, keeps its old behaviour (no skip_special_tokens sent), counts the old records
-    toward the budget, and both versions export; the token export leaves the old records out and counts them."""
+    """Flat version 1 records in a run's file (budget/record.py reads them): the run resumes, counts them toward
+    the budget, and both versions export; the token export leaves the version 1 records out and counts them."""
     sim = sim_factory("--time-scale", "50", "--mean-tokens", "100", "--seed", "6")
     workers(sim.url, BUDGETQ_CONCURRENCY="8").start("w0")
     out = tmp_path / "out"
@@ -311,7 +310,7 @@ def test_a_run_made_before_record_version_2_resumes_counts_and_exports(
     made = read_jsonl(ds / "raw_responses.jsonl")
     assert made and all(x["turns"][0]["output_ids"] for x in made)
     assert all(x["sampling_params"]["skip_special_tokens"] is True for x in made)
-    # Make it the run an older budgetq wrote: flat records, and no setting it did not know.
+    # Flat version 1 records in place of the file's.
     old_lines = []
     for x in made:
         t = x["turns"][0]
@@ -323,9 +322,6 @@ def test_a_run_made_before_record_version_2_resumes_counts_and_exports(
                                      "sampling_params": {"max_new_tokens": 512}}) + "\n")
     (ds / "raw_responses.jsonl").write_text("".join(old_lines))
     settings = json.loads((ds / "run.json").read_text())
-    settings["sampling_params"].pop("skip_special_tokens")
-    settings.pop("reasoning_parser", None)
-    (ds / "run.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
     r.flushall()  # and a fresh Redis: the files are the truth
 
     second = produce([*base, "--max-samples", "30"], redis_url)
@@ -334,7 +330,7 @@ def test_a_run_made_before_record_version_2_resumes_counts_and_exports(
     recs = check_exact(r, out, "code_instruct")
     assert len(recs) == 30
     assert [x.get("record_version", 1) for x in recs] == [1] * 20 + [2] * 10
-    assert all("skip_special_tokens" not in x["sampling_params"] for x in recs[20:])  # the old behaviour
+    assert all(x["sampling_params"]["skip_special_tokens"] is True for x in recs[20:])
     assert json.loads((ds / "run.json").read_text()) == settings
 
     export = subprocess.run([*produce_cmd(), "export", "code_instruct", "--out", str(out), "--format", "tokens",

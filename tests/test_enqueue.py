@@ -30,6 +30,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from budget import keys
+from budget.payload import VERSION
 from producer.enqueue import (BATCH_CHUNKS, ZLIB_LEVEL, ChunkJob, ChunkSerializer, Item, JobSettings,
                               enqueue_chunks, make_queue)
 from tests.demo_data import CODE
@@ -52,8 +53,8 @@ def test_job_data_is_standard_json_that_rq_reads(r: "redis.Redis") -> None:
     text = zlib.decompress(raw)
     func, instance, args, kwargs = json.loads(text, parse_constant=pytest.fail)  # strict standard JSON
     assert (func, instance, kwargs) == ("worker.jobs.run_chunk", None, {})
-    assert args == [{"v": 1, "dataset": "ds", "chunk": cids[0], "sampling_params": params, "think": think,
-                     "samples": [{"id": "a", "input_ids": [0, 7, 151_643, 2**31 - 1], "opens_think": True},
+    assert args == [{"v": VERSION, "dataset": "ds", "chunk": cids[0], "sampling_params": params, "think": think,
+                     "reasoning_parser": "none", "samples": [{"id": "a", "input_ids": [0, 7, 151_643, 2**31 - 1], "opens_think": True},
                                  {"id": "b", "input_ids": [1, 2, 3], "opens_think": False}]}]
     job = rq_reader(r).fetch_job(cids[1])
     assert job is not None and type(job) is Job

@@ -19,7 +19,7 @@ from demo.tokenizer import build_tokenizer
 from budget.record import as_v2, make_record as make_v2_record, make_turn, prompt_digest
 from producer.export import (CONVERSATION_FORMATS, ExportError, ExportOptions, export_dataset, template_hash,
                              write_manifest)
-from producer.render import Renderer, load_tokenizer
+from render.chat import Renderer, load_tokenizer
 
 THINK = ("<think>", "</think>")
 ROLE_OF = {"system": "system", "human": "user", "gpt": "assistant", "tool": "tool"}
@@ -447,7 +447,7 @@ def test_manifest(dataset: Path, tok: Any) -> None:
     assert manifest["dataset"] == "ds"
     assert manifest["counts"] == {"samples": 9, "failed": 2, "truncated": 2, "reasoning_truncated": 1,
                                   "reasoning_unclosed": 0, "tool_calls": 0, "tool_call_errors": 0}
-    assert manifest["reasoning_parser"] is None  # these records come from a run stored before parsers
+    assert manifest["reasoning_parser"] is None  # the fixture's run.json names none
     version = str(records[0].get("record_version", 1))
     assert manifest["record_versions"] == {version: 9}
     assert manifest["tokens"] == {"prompt": sum(as_v2(r)["turns"][0]["prompt_tokens"] for r in records),

@@ -13,7 +13,7 @@ import pytest
 
 from budget.record import make_record, make_turn, prompt_digest
 from producer.export import ExportError, ExportOptions, export_dataset
-from producer.render import Renderer, load_tokenizer
+from render.chat import Renderer, load_tokenizer
 from tests.families import build_family_tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}

@@ -21,35 +21,31 @@ from producer.manifest import Stats
 from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, write_failed
 from producer.plan import plan_dataset
 from producer.prepare import Inputs, load_inputs
-from producer.runjson import LAST
-from producer.records import FieldMapping
 from producer.run import Producer
+from tests.producers import run_settings
 from tests.rq_jobs import job_payloads
 
 DS = "prompts"
 IDS = [f"p{i}" for i in range(6)]
 
 
-def inputs_for(tmp_path: Path, tokenizer: Path, generations: int, **params: Any) -> Inputs:
+def inputs_for(tmp_path: Path, tokenizer: Path, generations: int, temperature: float | list[float] | None = None,
+               sampling_seed: int | None = None) -> Inputs:
     path = tmp_path / f"{DS}.jsonl"
     path.write_text("".join(json.dumps({"id": sid, "messages": [{"role": "user", "content": f"Question {sid}?"}]})
                             + "\n" for sid in IDS))
-    inputs = load_inputs([str(path)], tokenizer=str(tokenizer), max_tokens=16, max_context=None, max_samples=None,
-                         sampling_params={"max_new_tokens": 16, **params}, chat_template_kwargs={},
-                         skip_invalid=False, echo=lambda m: None, warn=lambda m: None, mapping=FieldMapping(),
-                         reasoning_parser="qwen3", turns=LAST)
-    inputs.set_generations(generations)
-    return inputs
-
-
-def mix_of(inputs: Inputs) -> Generations:
-    return Generations.from_params(inputs.prepared[0].generations, inputs.settings["sampling_params"])
+    args = [str(path), "--tokenizer", str(tokenizer), "--max-tokens", "16", "--order", "file", "--reasoning-parser",
+            "qwen3", "--turns", "last", "--generations", str(generations)]
+    if temperature is not None:
+        text = ",".join(map(str, temperature)) if isinstance(temperature, list) else str(temperature)
+        args += ["--temperature", text]
+    if sampling_seed is not None:
+        args += ["--seed", str(sampling_seed)]
+    return load_inputs(run_settings(*args), echo=lambda m: None, warn=lambda m: None)
 
 
 def attach(r: "redis.Redis", tmp_path: Path, inputs: Inputs, echoed: list[str] | None = None) -> Producer:
-    opts = RunOptions(out_dir=tmp_path / "out", budgets={DS: None}, sampling_params=inputs.sampling_params,
-                      settings=inputs.settings, think=None, reasoning_parser=inputs.reasoning_parser,
-                      chunk_size=4, generations=mix_of(inputs))
+    opts = RunOptions(out_dir=tmp_path / "out", budgets={DS: None}, chunk_size=4)
     producer = Producer(r, inputs.prepared, opts, echo=(echoed.append if echoed is not None else lambda m: None))
     producer.attach()
     return producer
@@ -94,7 +90,8 @@ def test_worker_merges_a_sample_override_over_the_chunk() -> None:
 def test_one_generation_sends_the_chunks_it_always_sent(r: "redis.Redis", tmp_path: Path,
                                                          tokenizer_dir: Path) -> None:
     inputs = inputs_for(tmp_path, tokenizer_dir, 1, temperature=0.7, sampling_seed=4)
-    assert "generations" not in inputs.settings and inputs.settings["sampling_params"]["temperature"] == 0.7
+    stored = inputs.settings.stored
+    assert "generations" not in stored and stored["sampling_params"]["temperature"] == 0.7
     producer = attach(r, tmp_path, inputs)
     [d] = producer.runs
     producer._refill(d)
@@ -102,7 +99,8 @@ def test_one_generation_sends_the_chunks_it_always_sent(r: "redis.Redis", tmp_pa
     samples = [s for p in payloads for s in p["samples"]]
     assert [s["id"] for s in samples] == [s.id for s in inputs.prepared[0].samples]
     assert all(set(s) == {"id", "input_ids", "opens_think"} for s in samples)
-    assert all(p["sampling_params"] == {"max_new_tokens": 16, "temperature": 0.7, "sampling_seed": 4}
+    assert all(p["sampling_params"] == {"max_new_tokens": 16, "temperature": 0.7, "sampling_seed": 4,
+                                        "skip_special_tokens": True}
                for p in payloads)
     assert "generations" not in json.loads((tmp_path / "out" / DS / RUN).read_text())
     producer.release()
@@ -151,7 +149,7 @@ def test_records_say_their_prompt_and_generation_and_resume_maps_them_back(r: "r
     first = [s.id for s in inputs.prepared[0].samples][0]
     commit(r, first, 5, {"temperature": 0.0})
     commit(r, sample_key(first, 1), 7, {"temperature": 1.0})
-    messages = inputs.prepared[0].messages_by_id
+    messages = {s.id: s.messages for s in inputs.prepared[0].samples}
     written = collect(producer.store, DS, d.out, lambda sid: messages.get(split_key(sid)[0]))
     assert [(w["id"], w["generation"]) for w in written] == [(first, 0), (first, 1)]
     assert all(w["messages"] == messages[first] for w in written)
@@ -208,6 +206,6 @@ def test_dry_run_plans_generations_times_prompts(tmp_path: Path, tokenizer_dir: 
     inputs = inputs_for(tmp_path, tokenizer_dir, 3, temperature=[0.0, 1.0], sampling_seed=2)
     plan = plan_dataset(inputs.prepared[0], budget=None, out_dir=tmp_path / "out", expect_mean=10.0,
                         pilot_mean=None, pilot_n=0, throughput=None,
-                        settings_mix=mix_of(inputs).describe())
+                        settings_mix=inputs.settings.generations.describe())
     assert (plan.valid, plan.samples, plan.generations, plan.samples_needed) == (6, 18, 3, 18)
     assert plan.projected_tokens == 180 and "temperature 0, 1" in plan.settings_mix

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from budget import keys
-from producer.modeldir import (Context, ModelDirError, config_context, hub_cache_dir, hub_snapshot,
+from render.modeldir import (Context, ModelDirError, config_context, hub_cache_dir, hub_snapshot,
                                resolve_tokenizer)
 from tests.procs import produce_cmd, read_jsonl, sim_stats, wait_for
 

@@ -16,7 +16,7 @@ import redis
 
 from budget import keys
 from producer.enqueue import ASSUMED_WORKERS, MIN_CHUNK, TAIL_SPREAD, chunk_size_for
-from producer.order import FILE, RANDOM, Order, choose, permute, rank
+from producer.order import FILE, RANDOM, Order, permute, rank
 from tests.exactly_once import check_exact
 from tests.procs import produce, produce_cmd, read_jsonl, wait_for
 from tests.rq_jobs import job_payloads
@@ -46,7 +46,6 @@ def test_order_depends_only_on_ids_and_seed() -> None:
     assert perm(ids) != ids and sorted(perm(ids)) == sorted(ids)
     assert perm(ids, 1) != perm(ids, 0)
     assert _ids(permute([_S(i) for i in ids], Order(FILE))) == ids
-    assert _ids(permute([_S(i) for i in ids], Order(RANDOM, legacy=True))) == ids  # a stored run before --order
 
 
 def test_adding_or_removing_other_ids_keeps_the_rest_in_order() -> None:
@@ -61,18 +60,6 @@ def test_adding_or_removing_other_ids_keeps_the_rest_in_order() -> None:
         assert perm(ids)[:n] == full[:n]
     assert rank(0, "x") == rank(0, "x") != rank(1, "x")
     assert perm(["é", "a\tb", "\ud800"]) == perm(["\ud800", "a\tb", "é"])  # any id, even a lone surrogate
-
-
-def test_a_stored_run_without_the_key_keeps_file_order(tmp_path: Path) -> None:
-    run = tmp_path / "run.json"
-    asked = Order(RANDOM, 3)
-    assert choose(asked, run, new_run=False) == asked  # no stored run
-    run.write_text(json.dumps({"sampling_params": {}}))
-    old = choose(asked, run, new_run=False)
-    assert old.legacy and old.mode == FILE and old.setting() is None
-    assert choose(asked, run, new_run=True) == asked  # --new-run starts over
-    run.write_text(json.dumps({"order": {"mode": "random", "seed": 3}}))
-    assert choose(asked, run, new_run=False) == asked
 
 
 # -- chunk sizes at the tail -------------------------------------------------------------------------------
@@ -199,26 +186,3 @@ def test_max_samples_takes_the_first_n_of_the_order(redis_url: str, r: "redis.Re
     assert sent == perm(ALL_IDS, 5)[:50]
     changed = produce([*base, "--max-samples", "50", "--detach"], redis_url)  # seed 0 now: another selection
     assert changed.returncode == 2 and "order: stored" in changed.stderr, changed.stderr
-
-
-@pytest.mark.e2e
-def test_a_run_stored_before_order_resumes_in_file_order(redis_url: str, r: "redis.Redis", tokenizer_dir: Path,
-                                                         tmp_path: Path) -> None:
-    data = topic_file(tmp_path / "topics.jsonl")
-    out = tmp_path / "out"
-    base = [str(data), "--tokenizer", str(tokenizer_dir), "--max-tokens", "64", "--chunk-size", "8", "--out",
-            str(out), "--max-samples", "12"]
-    res = produce([*base, "--detach"], redis_url)
-    assert res.returncode == 0, res.stderr
-    run_json = out / "topics" / "run.json"
-    old = json.loads(run_json.read_text())
-    old.pop("order")
-    r.flushall()  # the run as an older budgetq left it: no order in run.json, nothing in Redis
-    run_json.write_text(json.dumps(old, indent=2, sort_keys=True) + "\n")
-    res = produce([*base, "--detach"], redis_url)
-    assert res.returncode == 0, res.stderr
-    assert "order: file (the stored run predates --order)" in res.stderr
-    assert [s["id"] for p in job_payloads(r) for s in p["samples"]] == ALL_IDS[:12]
-    assert "order" not in json.loads(run_json.read_text())  # still an old run: not a settings change
-    named = produce([*base, "--detach", "--order", "random"], redis_url)
-    assert named.returncode == 2 and "order: stored None" in named.stderr, named.stderr

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
+from budget.payload import OTHER_VERSION, VERSION
 from tests.families import FAMILIES, build_family_tokenizer
-from worker.reasoning import PARSERS, ParsedTurn, parse_turn, skip_special_tokens_for, split_reasoning
+from worker.reasoning import PARSERS, ParsedTurn, parse_turn, skip_special_tokens_for
 from worker.toolcalls import call_id
 
 SEED = "ds\0sample-1"
@@ -58,20 +59,33 @@ def test_interface() -> None:
 
 def test_a_chunk_naming_an_unknown_parser_is_refused_before_generating() -> None:
     from worker.jobs import run_chunk
-    chunk: Any = {"v": 1, "dataset": "ds", "chunk": "c", "sampling_params": {}, "think": None, "samples": [],
+    chunk: Any = {"v": VERSION, "dataset": "ds", "chunk": "c", "sampling_params": {}, "think": None, "samples": [],
                   "reasoning_parser": "qwen4"}
     with pytest.raises(ValueError, match="reasoning_parser 'qwen4' is not one this worker knows"):
         run_chunk(chunk)
 
 
-def test_old_split_unchanged() -> None:
-    split = split_reasoning("a</think>b", start="<think>", end="</think>", opens_think=True, finish_reason="stop")
-    assert (split.reasoning, split.content, split.reasoning_truncated) == ("a", "b", False)
+@pytest.mark.parametrize("version", [None, 1, 2, 3, VERSION + 1])
+def test_a_chunk_of_another_version_is_refused_before_generating(version: int | None) -> None:
+    from worker.jobs import run_chunk
+    chunk: Any = {"v": version, "dataset": "ds", "chunk": "c", "sampling_params": {}, "think": None,
+                  "samples": [], "reasoning_parser": "qwen3"}
+    with pytest.raises(ValueError, match=f"version {version!r}, this worker runs {VERSION}: {OTHER_VERSION}"):
+        run_chunk(chunk)
+
+
+def test_a_multi_turn_sample_without_a_conversation_block_is_refused() -> None:
+    from worker.jobs import run_chunk
+    chunk: Any = {"v": VERSION, "dataset": "ds", "chunk": "c", "sampling_params": {}, "think": None,
+                  "reasoning_parser": "qwen3", "samples": [{"id": "a", "input_ids": [1], "opens_think": False,
+                                                            "messages": [], "turns": 2}]}
+    with pytest.raises(ValueError, match="multi-turn samples without a conversation block"):
+        run_chunk(chunk)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_tokenizer_builds(tmp_path: Path, family: str) -> None:
-    from producer.render import Renderer, load_tokenizer
+    from render.chat import Renderer, load_tokenizer
     tok = load_tokenizer(build_family_tokenizer(tmp_path / family, family))
     rendered = Renderer(tok).render([{"role": "user", "content": "Hi"}])
     assert rendered.input_ids

@@ -1,5 +1,5 @@
 """`produce run --reasoning-parser`: detection from the tokenizer, refusal when ambiguous, storage in run.json,
-the manifest and each chunk, and the resume of a run stored before parsers (the think-marker split it began with).
+the manifest and each chunk, and another parser on a rerun refused as a settings change.
 """
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from budget import keys
 from producer.cli import main
 from producer.parsers import AmbiguousParser, Evidence, detect, mismatches
 from producer.prepare import resolve_parser
-from producer.render import Renderer, load_tokenizer
+from render.chat import Renderer, load_tokenizer
 from tests.demo_data import TRACES
 from tests.exactly_once import check_exact
 from tests.families import FAMILIES, build_family_tokenizer
-from tests.procs import produce, read_jsonl
+from tests.procs import produce
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -76,7 +76,7 @@ def _queued_payloads(r: "redis.Redis") -> list[dict[str, Any]]:
 
 
 @pytest.mark.e2e
-def test_stored_in_run_json_chunks_and_records_and_an_old_run_resumes_as_it_began(
+def test_stored_in_run_json_chunks_and_records_and_another_parser_is_a_settings_change(
         redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
         workers: Any) -> None:
     out = tmp_path / "out"
@@ -100,21 +100,10 @@ def test_stored_in_run_json_chunks_and_records_and_an_old_run_resumes_as_it_bega
     manifest = json.loads((out / "agent_traces" / "manifest.json").read_text())
     assert manifest["reasoning_parser"] == "qwen3-thinking"
 
-    # What a run stored before parsers looks like: settings without the key, in Redis and in run.json.
-    meta = keys.DatasetKeys("agent_traces").meta
-    old = json.loads(r.hget(meta, "settings") or b"{}")
-    old.pop("reasoning_parser")
-    r.hset(meta, "settings", json.dumps(old, sort_keys=True))
-    run_json.write_text(json.dumps(old, indent=2, sort_keys=True) + "\n")
-
-    res = produce([*base, "--max-samples", "8"], redis_url)  # auto: resumes, not refused
-    assert res.returncode == 0, res.stderr
-    assert "stored before reasoning parsers" in res.stderr
-    assert "reasoning_parser" not in json.loads(run_json.read_text())
-    recs = read_jsonl(out / "agent_traces" / "raw_responses.jsonl")
-    assert len(recs) == 8
-    assert all(x["reasoning_parser"] is None for x in recs[4:])  # the old split (record version 2, no parser)
-
-    named = produce([*base, "--max-samples", "8", "--reasoning-parser", "qwen3-thinking"], redis_url)
+    named = produce([*base, "--max-samples", "8", "--reasoning-parser", "qwen3"], redis_url)
     assert named.returncode == 2, named.stderr
-    assert "reasoning_parser: stored None, now 'qwen3-thinking'" in named.stderr
+    assert "reasoning_parser: stored 'qwen3-thinking', now 'qwen3'" in named.stderr
+    res = produce([*base, "--max-samples", "8"], redis_url)  # auto detects the stored parser again: resumes
+    assert res.returncode == 0, res.stderr
+    recs = check_exact(r, out, "agent_traces")
+    assert len(recs) == 8 and all(x["reasoning_parser"] == "qwen3-thinking" for x in recs)

@@ -9,11 +9,10 @@ from typing import Any
 import pytest
 
 from budget import record, serverinfo
-from budget.payload import ChunkPayload, SamplePayload
+from budget.payload import VERSION, ChunkPayload, SamplePayload
 from producer.output import FIELD_ORDER
 from producer.parsers import skip_special_tokens_default
 from producer.preflight import seed_warning
-from producer.runjson import resume_settings
 from worker.trip import result_record
 from worker.sglang import GenerateError, parse_generation
 
@@ -23,8 +22,8 @@ V1 = {"id": "s1", "dataset": "ds", "messages": [{"role": "user", "content": "hi"
 
 
 def chunk(**extra: Any) -> ChunkPayload:
-    return {"v": 1, "dataset": "ds", "chunk": "c1", "sampling_params": {"max_new_tokens": 64},  # type: ignore
-            "think": {"start": "<think>", "end": "</think>"}, "samples": [], **extra}
+    return {"v": VERSION, "dataset": "ds", "chunk": "c1", "sampling_params": {"max_new_tokens": 64},  # type: ignore
+            "think": {"start": "<think>", "end": "</think>"}, "reasoning_parser": "qwen3", "samples": [], **extra}
 
 
 def sample(ids: list[int]) -> SamplePayload:
@@ -91,24 +90,6 @@ def test_output_ids_that_break_the_contract_are_retried(ids: list[Any]) -> None:
     with pytest.raises(GenerateError, match="output_ids") as err:
         parse_generation(body("abc", [1, 2, 3], {"type": "stop", "matched": 2}) | {"output_ids": ids}, 64, "u")
     assert err.value.retryable
-
-
-def test_a_stored_run_without_the_new_settings_resumes_as_it_ran() -> None:
-    old = {"tokenizer": "t", "sampling_params": {"max_new_tokens": 64}, "think": None}
-    new = {"tokenizer": "t", "sampling_params": {"max_new_tokens": 64, "skip_special_tokens": True},
-           "think": None, "reasoning_parser": "qwen3"}
-    effective, notes = resume_settings(old, new)
-    # nothing new sent: the old behaviour (reasoning_parser is Attacher._settings_for's, tests/test_parsers.py)
-    assert effective == {**old, "reasoning_parser": "qwen3"} and notes == []
-    harmony = {**new, "sampling_params": {"max_new_tokens": 64, "skip_special_tokens": False}}
-    effective, notes = resume_settings(old, harmony)
-    assert effective["sampling_params"] == old["sampling_params"]
-    assert notes == ["skip_special_tokens: False not applied, the run predates it (kept: not sent, SGLang's "
-                     "default True)"]
-    # a run that stored them compares them as any other setting
-    assert resume_settings(new, harmony)[0] == harmony
-    changed = {**old, "sampling_params": {"max_new_tokens": 128}}
-    assert resume_settings(old, changed)[0] != old
 
 
 def test_skip_special_tokens_default_is_the_parsers_rule() -> None:

@@ -42,6 +42,7 @@ def _chunk(r: "redis.Redis", dataset: str, n: int) -> ChunkPayload:
     (cid,) = enqueue_chunks(r, make_queue(r), dataset, [items], sampling_params=params, think=None,
                             settings=JobSettings())
     return {"v": VERSION, "dataset": dataset, "chunk": cid, "sampling_params": params, "think": None,
+            "reasoning_parser": "none",
             "samples": [{"id": it.id, "input_ids": list(it.input_ids), "opens_think": False} for it in items]}
 
 

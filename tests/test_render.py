@@ -1,4 +1,4 @@
-"""producer.render against the three demo tokenizer variants, built once per session in a temp directory."""
+"""render.chat against the three demo tokenizer variants, built once per session in a temp directory."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from demo.sample_data import agent_traces_records, code_instruct_records, glaive_fc_records
 from demo.tokenizer import BOS_TOKEN, IM_END, PAD_TOKEN, build_tokenizer
-from producer.render import (
+from render.chat import (
     Rendered,
     Renderer,
     RenderError,

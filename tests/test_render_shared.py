@@ -15,7 +15,7 @@ import redis
 
 from budget import keys, tokstore
 from demo.tokenizer import build_tokenizer
-from producer.render import Renderer, load_tokenizer
+from render.chat import Renderer, load_tokenizer
 from producer.tokenizer_files import ShareError, share_tokenizer
 from render import tokfiles
 from tests.families import build_family_tokenizer

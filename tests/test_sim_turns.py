@@ -41,7 +41,7 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 def test_later_turns_answer_with_their_own_lengths(tokenizer_dir: Path, sim_factory: Any) -> None:
     """Fixed drawn lengths, scale 1 for turn 0 and 4 from turn 1 on: a second turn's answers are about 4x the
     first's, whatever the prompt's other content."""
-    from producer.render import Renderer, load_tokenizer
+    from render.chat import Renderer, load_tokenizer
     renderer = Renderer(load_tokenizer(str(tokenizer_dir)))
     sim = sim_factory("--tokenizer", str(tokenizer_dir), "--turn-length-scale", "1,4", "--length-dist", "fixed",
                       "--mean-tokens", "60", "--reasoning-fraction", "0", "--tokens-per-second-per-request",

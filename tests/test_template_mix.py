@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from budget import keys
-from budget.payload import CONVERSATION_VERSION, TEMPLATE_KWARGS_VERSION, VERSION
+from budget.payload import VERSION
 from producer.generations import sample_key, split_key
 from producer.templatemix import MixError, TemplateMix, labels, variant
 from tests import sim_log
@@ -111,9 +111,9 @@ def test_dry_run_says_the_mix(tmp_path: Path, hybrid_dir: Path, redis_url: str) 
 def test_chunks_carry_each_samples_kwargs_and_its_rendering(tmp_path: Path, hybrid_dir: Path, redis_url: str,
                                                             r: "redis.Redis") -> None:
     """Turn 0 is rendered with the drawn kwargs; a conversation carries their fingerprint for its later turns;
-    such chunks are version 3; run.json stores the mix."""
+    run.json stores the mix."""
     from producer.prepare import first_turn
-    from producer.render import Renderer, load_tokenizer
+    from render.chat import Renderer, load_tokenizer
     out = tmp_path / "out"
     res = produce([str(write_dataset(tmp_path)), "--tokenizer", str(hybrid_dir), "--max-tokens", "16",
                    "--out", str(out), "--generations", "3", "--template-kwargs-mix", "enable_thinking=true,false",
@@ -125,7 +125,7 @@ def test_chunks_carry_each_samples_kwargs_and_its_rendering(tmp_path: Path, hybr
     tok = load_tokenizer(str(hybrid_dir))
     seen = 0
     for payload in job_payloads(r):
-        assert payload["v"] == TEMPLATE_KWARGS_VERSION
+        assert payload["v"] == VERSION
         for sample in payload["samples"]:
             pid, k = split_key(sample["id"])
             drawn = mix.draw(pid, k)
@@ -141,7 +141,7 @@ def test_chunks_carry_each_samples_kwargs_and_its_rendering(tmp_path: Path, hybr
 
 
 @pytest.mark.e2e  # runs produce as a process (several for some): seconds each on a loaded machine
-def test_without_a_mix_chunks_are_as_before(tmp_path: Path, hybrid_dir: Path, redis_url: str,
+def test_without_a_mix_chunks_carry_no_kwargs(tmp_path: Path, hybrid_dir: Path, redis_url: str,
                                             r: "redis.Redis") -> None:
     out = tmp_path / "out"
     res = produce([str(write_dataset(tmp_path)), "--tokenizer", str(hybrid_dir), "--max-tokens", "16",
@@ -149,7 +149,7 @@ def test_without_a_mix_chunks_are_as_before(tmp_path: Path, hybrid_dir: Path, re
     assert res.returncode == 0, res.stderr
     assert "template_kwargs_mix" not in json.loads((out / DS / "run.json").read_text())
     for payload in job_payloads(r):
-        assert payload["v"] in (VERSION, CONVERSATION_VERSION)
+        assert payload["v"] == VERSION
         assert all("chat_template_kwargs" not in s and "tokenizer" not in s for s in payload["samples"])
 
 
@@ -176,7 +176,7 @@ def test_every_turn_is_rendered_with_the_kwargs_its_sample_drew(redis_url: str, 
     log, every request of every turn ends its prompt with the empty think block exactly when its sample drew
     false (turn 0 rendered by produce, later turns by a worker); the records say what they drew, the manifest
     counts it, and the token export re-renders every turn's prompt with the record's kwargs (0 mismatches)."""
-    from producer.render import load_tokenizer
+    from render.chat import load_tokenizer
     log = tmp_path / "requests.jsonl"
     sim = sim_factory(*SIM_ARGS, "--request-log", str(log))
     workers(sim.url).start("w0")
@@ -230,24 +230,22 @@ def test_a_record_produce_writes_in_a_workers_stead_says_what_its_sample_was_sen
     and the kwargs it drew, not the chunks' (what a worker's record of it would say)."""
     from budget.ledger import Ledger
     from producer.prepare import load_inputs
-    from producer.runjson import ALL
-    from producer.records import FieldMapping
     from producer.run import Producer
     from tests.chats import options, turn
+    from tests.producers import run_settings
     mix = TemplateMix.parse("enable_thinking=true,false", seed=0)
-    inputs = load_inputs([str(write_dataset(tmp_path))], tokenizer=str(hybrid_dir), max_tokens=16, max_context=None,
-                         max_samples=None, sampling_params={"max_new_tokens": 16, "temperature": [0.2, 0.9]},
-                         chat_template_kwargs={}, skip_invalid=False, echo=lambda m: None, warn=lambda m: None,
-                         mapping=FieldMapping(system_prompt="Be brief."), reasoning_parser="qwen3", turns=ALL,
-                         mix=mix, generations=2)
-    generations = inputs.set_generations(2)
+    inputs = load_inputs(run_settings(str(write_dataset(tmp_path)), "--tokenizer", str(hybrid_dir), "--max-tokens",
+                                      "16", "--order", "file", "--temperature", "0.2,0.9", "--system-prompt",
+                                      "Be brief.", "--reasoning-parser", "qwen3", "--turns", "all",
+                                      "--template-kwargs-mix", "enable_thinking=true,false", "--generations", "2"),
+                         echo=lambda m: None, warn=lambda m: None)
     ledger = Ledger(r)
     ledger.set_budget(DS, None)
     key = sample_key("two", 1)
     assert ledger.commit_turn(DS, key, 0, 4, turn(key, 0, 4) | {"content": "hi", "reasoning": None},
                               chunk="bq-chats-dead").committed
     producer = Producer(r, inputs.prepared, options(tmp_path, inputs, hybrid_dir, budgets={DS: 4},
-                                                    generations=generations, variants=inputs.variants),
+                                                    variants=inputs.variants),
                         echo=lambda m: None)
     producer.attach()
     producer.run()

@@ -13,7 +13,7 @@ import redis
 
 from budget import keys
 from budget.ledger import Ledger
-from producer.render import load_tokenizer
+from render.chat import load_tokenizer
 from tests import sim_log
 from tests.procs import produce_cmd, read_jsonl, wait_for
 

@@ -22,21 +22,22 @@ from producer.manifest import Stats
 from producer.output import RESULTS, RUN
 from producer.plan import plan_dataset, sequential_eta
 from producer.prepare import Inputs, load_inputs
-from producer.runjson import ALL, LAST, choose_turns
-from producer.render import Renderer, load_tokenizer
+from producer.runjson import ALL, LAST
+from render.chat import Renderer, load_tokenizer
 from producer.run import Producer
 from producer.status import all_status, status_table
 from tests.chats import DS, MESSAGES, SIM_ARGS, SYSTEM, options, turn, write_dataset
+from tests.producers import run_settings
 from tests.rq_jobs import job_payloads
 
 
 def inputs_for(tmp_path: Path, tokenizer: Path, turns: str, max_context: int | None = None,
                system_prompt: str | None = "Be brief.") -> Inputs:
-    from producer.records import FieldMapping
-    return load_inputs([str(write_dataset(tmp_path))], tokenizer=str(tokenizer), max_tokens=16,
-                       max_context=max_context, max_samples=None, sampling_params={"max_new_tokens": 16},
-                       chat_template_kwargs={}, skip_invalid=False, echo=lambda m: None, warn=lambda m: None,
-                       mapping=FieldMapping(system_prompt=system_prompt), reasoning_parser="qwen3", turns=turns)
+    args = [str(write_dataset(tmp_path)), "--tokenizer", str(tokenizer), "--max-tokens", "16", "--order", "file",
+            "--reasoning-parser", "qwen3", "--turns", turns]
+    args += ["--max-context", str(max_context)] if max_context is not None else []
+    args += ["--system-prompt", system_prompt] if system_prompt is not None else []
+    return load_inputs(run_settings(*args), echo=lambda m: None, warn=lambda m: None)
 
 
 def attach(r: "redis.Redis", inputs: Inputs, opts: RunOptions, echoed: list[str] | None = None) -> Producer:
@@ -51,29 +52,29 @@ def test_all_sends_turn_zero_of_a_conversation_and_one_turn_samples_as_last_does
     [p], [q] = every.prepared, last.prepared
     renderer = Renderer(load_tokenizer(str(tokenizer_dir)))
     sample = {s.id: s for s in p.samples}
-    assert p.turns == {"two": 2, "three": 3} and q.turns == {} and p.turns_mode == ALL
+    assert p.turns == {"two": 2, "three": 3} and q.turns == {} and p.settings.turns == ALL
     assert (p.conversations, p.conversation_turns, p.turns_total) == (2, 5, 6)
     for sid in ("two", "three"):
         # System prompt applied, trailing assistant dropped: the messages as --turns last sends them.
         assert sample[sid].messages[0] == SYSTEM and sample[sid].messages[-1]["role"] == "user"
         turn0 = [SYSTEM, MESSAGES[sid][0]]
         assert plan(sample[sid].messages)[0].context == turn0
-        assert list(p.input_ids[sid]) == renderer.render(turn0).input_ids
-        assert list(q.input_ids[sid]) == renderer.render(sample[sid].messages).input_ids
-    assert list(p.input_ids["one"]) == list(q.input_ids["one"]) and p.turns_of("one") == 1
-    assert every.settings["turns"] == ALL and last.settings["turns"] == LAST
-    assert {k: v for k, v in every.settings.items() if k != "turns"} == \
-        {k: v for k, v in last.settings.items() if k != "turns"}
-    block = every.conversation()
-    assert block == {"tokenizer": every.settings["tokenizer"], "chat_template_kwargs": {},
+        assert list(p.prompts[sid].input_ids) == renderer.render(turn0).input_ids
+        assert list(q.prompts[sid].input_ids) == renderer.render(sample[sid].messages).input_ids
+    assert list(p.prompts["one"].input_ids) == list(q.prompts["one"].input_ids) and p.turns_of("one") == 1
+    assert every.settings.stored["turns"] == ALL and last.settings.stored["turns"] == LAST
+    assert {k: v for k, v in every.settings.stored.items() if k != "turns"} == \
+        {k: v for k, v in last.settings.stored.items() if k != "turns"}
+    block = every.conversation(every.context)
+    assert block == {"tokenizer": every.settings.stored["tokenizer"], "chat_template_kwargs": {},
                      "max_context": every.context.tokens, "open_markers": None}
-    assert last.conversation() is None
+    assert last.conversation(last.context) is None
 
 
 def test_the_context_check_of_a_conversation_is_its_turn_zero(tmp_path: Path, tokenizer_dir: Path) -> None:
     renderer = Renderer(load_tokenizer(str(tokenizer_dir)))
     [q] = inputs_for(tmp_path, tokenizer_dir, LAST).prepared
-    whole = len(q.input_ids["three"])
+    whole = len(q.prompts["three"].input_ids)
     first = len(renderer.render([SYSTEM, MESSAGES["three"][0]]).input_ids)
     assert first < whole
     context = first + 16  # turn 0 + --max-tokens fits exactly; the whole conversation does not
@@ -114,10 +115,10 @@ def test_a_chunk_of_conversations_carries_messages_turns_and_the_conversation_bl
     for sid, k in (("two", 2), ("three", 3)):
         [sample] = by_id[sid]["samples"]
         assert sample["turns"] == k and sample["messages"] == messages[sid]
-        assert sample["input_ids"] == list(p.input_ids[sid])
-        assert by_id[sid]["conversation"] == inputs.conversation()
+        assert sample["input_ids"] == list(p.prompts[sid].input_ids)
+        assert by_id[sid]["conversation"] == inputs.conversation(inputs.context)
     # The tokenizer files are in Redis once, under the run's fingerprint.
-    fp = inputs.settings["tokenizer"]
+    fp = inputs.settings.stored["tokenizer"]
     assert set(tokstore.fetch_files(r, fp)) >= {"tokenizer.json", "tokenizer_config.json"}
     assert r.keys("bq:tok:*") == [keys.tokenizer_files(fp).encode()]
     stored = json.loads((tmp_path / "out" / DS / RUN).read_text())
@@ -132,7 +133,8 @@ def test_last_enqueues_what_it_always_did(r: "redis.Redis", tmp_path: Path, toke
     [payload] = job_payloads(r)
     assert "conversation" not in payload
     assert [s for s in payload["samples"]] == [
-        {"id": s.id, "input_ids": list(p.input_ids[s.id]), "opens_think": p.opens_think[s.id]} for s in p.samples]
+        {"id": s.id, "input_ids": list(p.prompts[s.id].input_ids), "opens_think": p.prompts[s.id].opens_think}
+        for s in p.samples]
     assert not r.keys("bq:tok:*")
 
 
@@ -148,35 +150,17 @@ def test_a_tokenizer_that_cannot_be_shared_is_exit_2_before_anything_is_written(
     assert r.dbsize() == 0
 
 
-def test_a_run_stored_before_turns_resumes_as_last_and_all_is_a_settings_change(
+def test_a_run_stored_as_last_is_refused_under_all_before_anything_is_written(
         r: "redis.Redis", tmp_path: Path, tokenizer_dir: Path) -> None:
-    inputs = inputs_for(tmp_path, tokenizer_dir, LAST)
-    old = {k: v for k, v in inputs.settings.items() if k != "turns"}
+    last = inputs_for(tmp_path, tokenizer_dir, LAST)
+    attach(r, last, options(tmp_path, last, None)).release()
     run_file = tmp_path / "out" / DS / RUN
-    run_file.parent.mkdir(parents=True)
-    run_file.write_text(json.dumps(old))
-    # prepare's choice: the default resumes it as last; --turns given is taken as asked (attach decides).
-    assert choose_turns(ALL, False, run_file, new_run=False) == LAST
-    assert choose_turns(ALL, True, run_file, new_run=False) == ALL
-    assert choose_turns(ALL, False, run_file, new_run=True) == ALL
-    assert choose_turns(ALL, False, tmp_path / "none" / RUN, new_run=False) == ALL
-    # Not explicit (the default all, prepared as last), or --turns last: the stored settings as they were.
-    for explicit in (False, True):
-        every = inputs_for(tmp_path, tokenizer_dir, LAST)
-        every.settings["turns"] = LAST if explicit else ALL
-        producer = attach(r, every, options(tmp_path, every, None, turns_explicit=explicit))
-        producer.release()
-        assert json.loads(run_file.read_text()) == old
-        assert json.loads(r.hget(keys.DatasetKeys(DS).meta, "settings") or "{}") == old
+    before = (run_file.read_bytes(), r.dbsize())
     every = inputs_for(tmp_path, tokenizer_dir, ALL)
     with pytest.raises(ProduceError) as err:
-        attach(r, every, options(tmp_path, every, tokenizer_dir, turns_explicit=True))
-    assert err.value.exit_code == 2 and "turns: stored None, now 'all'" in str(err.value)
-    # Redis holds the run but run.json says otherwise (prepared as all): refused, naming the option to give.
-    run_file.write_text(json.dumps(every.settings))
-    with pytest.raises(ProduceError) as err:
         attach(r, every, options(tmp_path, every, tokenizer_dir))
-    assert err.value.exit_code == 2 and "give --turns last" in str(err.value)
+    assert err.value.exit_code == 2 and "turns: stored 'last', now 'all'" in str(err.value)
+    assert (run_file.read_bytes(), r.dbsize()) == before
 
 
 def record(sid: str, turns: list[dict[str, Any]], stopped_by: str | None) -> dict[str, Any]:
@@ -309,7 +293,7 @@ def test_produce_regenerates_every_turn_on_real_workers(redis_url: str, r: "redi
     answer and none of the dataset's."""
     import subprocess
 
-    from producer.render import load_tokenizer
+    from render.chat import load_tokenizer
     from tests import sim_log
     from tests.procs import produce_cmd, read_jsonl
     log = tmp_path / "requests.jsonl"

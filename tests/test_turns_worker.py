@@ -15,11 +15,11 @@ import redis
 from budget import keys
 from budget.history import plan, turn_prompts
 from budget.ledger import Ledger
-from budget.payload import CONVERSATION_VERSION, ChunkPayload
+from budget.payload import VERSION, ChunkPayload
 from budget.record import make_turn, prompt_digest
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from producer.output import entry_record
-from producer.render import Renderer, load_tokenizer
+from render.chat import Renderer, load_tokenizer
 from producer.tokenizer_files import share_tokenizer
 from tests.dispatcher import dispatcher, until
 from tests.procs import sim_stats
@@ -68,7 +68,7 @@ def enqueue(r: "redis.Redis", rend: Renderer, convs: dict[str, list[dict[str, An
                         "messages": messages, "turns": len(plan(messages))})
     (cid,) = enqueue_chunks(r, make_queue(r), DS, [items], sampling_params=SAMPLING, think=None,
                             settings=JobSettings())
-    return {"v": CONVERSATION_VERSION, "dataset": DS, "chunk": cid, "sampling_params": SAMPLING,
+    return {"v": VERSION, "dataset": DS, "chunk": cid, "sampling_params": SAMPLING,
             "think": {"start": "<think>", "end": "</think>"}, "reasoning_parser": "qwen3",
             "samples": samples,  # type: ignore[typeddict-item]
             "conversation": {"tokenizer": rend.fingerprint(), "chat_template_kwargs": {}, "max_context": max_context,

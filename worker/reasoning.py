@@ -1,17 +1,14 @@
 """Split a response into reasoning, answer and tool calls, per model family, as SGLang's parsers do.
 
-Two ways in, for two kinds of chunk payload:
-
-- ``parse_turn(parser, ...)``: a chunk that names its ``reasoning_parser`` (``--reasoning-parser`` of
-  ``produce``, the word a user passes to ``sglang.launch_server --reasoning-parser``). Reasoning is split as
-  sglang 0.5.23 ``sglang/srt/parser/reasoning_parser.py`` splits it, tool calls parsed as its
-  ``sglang/srt/function_call/`` detectors parse them (worker/toolcalls.py, worker/harmony.py).
-- ``split_reasoning``: an old queued chunk that carries only the ``think`` markers: the behaviour before parsers.
+``parse_turn(parser, ...)`` parses with the chunk's ``reasoning_parser`` (``--reasoning-parser`` of ``produce``,
+the word a user passes to ``sglang.launch_server --reasoning-parser``). Reasoning is split as sglang 0.5.23
+``sglang/srt/parser/reasoning_parser.py`` splits it, tool calls parsed as its ``sglang/srt/function_call/``
+detectors parse them (worker/toolcalls.py, worker/harmony.py).
 
 SGLang applies its parser on the chat-completions path and guesses whether the prompt opened a thinking block
 ("force_reasoning", from the template and request kwargs). budgetq calls raw ``/generate`` and knows: the producer
 renders the prompt and tells, per sample, whether it ends inside an open thinking tag (``opens_think``,
-producer/render.py ``Renderer._opens_think``). Where that is better it is used (``_FORCED`` below says where);
+render/chat.py ``Renderer._opens_think``). Where that is better it is used (``_FORCED`` below says where);
 docs/models.md lists every difference from SGLang.
 """
 from __future__ import annotations
@@ -120,30 +117,3 @@ def _split(text: str, family: _Family, *, forced: bool) -> tuple[str, str, bool]
         # Never closed: everything is reasoning (SGLang too, sgl-project/sglang#37645), and flagged.
         return _strip_start(text, family.start), "", True
     return _strip_start(text[:end], family.start), text[end + len(family.end):], False
-
-
-@dataclass(frozen=True)
-class Split:
-    """What ``split_reasoning`` returns (an old chunk payload: think markers only, no parser)."""
-
-    reasoning: str | None  # None: the template has no thinking markers
-    content: str
-    reasoning_truncated: bool
-
-
-def split_reasoning(text: str, *, start: str | None, end: str | None, opens_think: bool,
-                    finish_reason: str) -> Split:
-    if not start or not end:
-        return Split(None, text, False)
-    if opens_think:
-        body, sep, answer = text.partition(end)
-        if sep:
-            return Split(body.strip(), answer.strip(), False)
-        return Split(text.strip(), "", finish_reason == "length")
-    stripped = text.lstrip()
-    if stripped.startswith(start):
-        body, sep, answer = stripped[len(start):].partition(end)
-        if sep:
-            return Split(body.strip(), answer.strip(), False)
-        return Split(body.strip(), "", finish_reason == "length")
-    return Split("", text.strip(), False)

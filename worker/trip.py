@@ -26,7 +26,7 @@ from budget.serverinfo import public_url
 from worker.batch import Batcher, in_thread_until_answered
 from worker.config import WorkerConfig
 from worker.estimate import LengthModels
-from worker.reasoning import parse_turn, split_reasoning
+from worker.reasoning import parse_turn
 from worker.running import ChunkReport, Flight, RunningChunk
 from worker.sglang import Generation, GenerateError, SGLangClient
 
@@ -84,20 +84,12 @@ async def generate_sample(client: SGLangClient, config: WorkerConfig, dataset: s
 
 
 def parse_response(dataset: str, chunk: ChunkPayload, sample: SamplePayload, gen: Generation) -> dict[str, Any]:
-    """The turn's parse: the run's reasoning parser when the chunk names one, else the think-marker split that
-    runs made before parsers existed used (an old chunk, or a resumed old run: the old behaviour)."""
-    parser = chunk.get("reasoning_parser")
-    if parser is not None:
-        turn = parse_turn(parser, gen.text, opens_think=sample["opens_think"], finish_reason=gen.finish_reason,
-                          call_id_seed=f"{dataset}\0{sample['id']}")
-        return {"reasoning": turn.reasoning, "content": turn.content,
-                "reasoning_truncated": turn.reasoning_truncated, "reasoning_unclosed": turn.reasoning_unclosed,
-                "tool_calls": list(turn.tool_calls), "tool_call_errors": turn.tool_call_errors}
-    think = chunk["think"]
-    split = split_reasoning(gen.text, start=think["start"] if think else None, end=think["end"] if think else None,
-                            opens_think=sample["opens_think"], finish_reason=gen.finish_reason)
-    return {"reasoning": split.reasoning, "content": split.content, "reasoning_truncated": split.reasoning_truncated,
-            "reasoning_unclosed": False, "tool_calls": [], "tool_call_errors": 0}
+    """The turn's parse by the run's reasoning parser (the chunk's ``reasoning_parser``)."""
+    turn = parse_turn(chunk["reasoning_parser"], gen.text, opens_think=sample["opens_think"],
+                      finish_reason=gen.finish_reason, call_id_seed=f"{dataset}\0{sample['id']}")
+    return {"reasoning": turn.reasoning, "content": turn.content,
+            "reasoning_truncated": turn.reasoning_truncated, "reasoning_unclosed": turn.reasoning_unclosed,
+            "tool_calls": list(turn.tool_calls), "tool_call_errors": turn.tool_call_errors}
 
 
 def result_record(dataset: str, sample: SamplePayload, gen: Generation, chunk: ChunkPayload) -> dict[str, Any]:
