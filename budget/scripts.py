@@ -19,6 +19,14 @@ and the fragment it relies on in different files.
 """
 from __future__ import annotations
 
+from budget.keys import TURN_BUCKETS
+
+# The last turn bucket (budget/keys.py TURN_BUCKETS): turn j's lengths go to lengths:min(j, LAST_BUCKET), one list
+# per bucket. Pasted as a Lua local into the scripts that pick a bucket, so the count is written in one place.
+_BUCKETS = f"""
+local LAST_BUCKET = {TURN_BUCKETS - 1}
+"""
+
 # Shared by the scripts that change ``used``. ``spent``: may nothing more start? In drain and predict a dataset
 # is spent when used reaches the budget; in strict when even one more request of max_new_tokens would not fit.
 # ``close_if_spent`` closes an open dataset that is spent and returns 1 if it closed it now.
@@ -135,12 +143,12 @@ return 1
 
 # The progress hash's fields of one chunk: its own (one-turn requests) and one per turn bucket of its conversations
 # (refresh_chunk); whoever drops a chunk's progress drops them all.
-_PROGRESS_FIELDS = """
+_PROGRESS_FIELDS = _BUCKETS + """
 local function progress_fields(ids)
   local out = {}
   for _, id in ipairs(ids) do
     out[#out + 1] = id
-    for b = 0, 3 do out[#out + 1] = id .. '\\31' .. b end
+    for b = 0, LAST_BUCKET do out[#out + 1] = id .. '\\31' .. b end
   end
   return out
 end
@@ -156,14 +164,14 @@ redis.call('HSET', KEYS[1], 'meta', ARGV[1])
 return 1
 """
 
-LENGTH_SAMPLE = """
+LENGTH_SAMPLE = _BUCKETS + """
 -- length_sample: what predict's length model learns from, read at one instant (a script, not a pipeline, so
 -- that it rides in the worker's batches like every other ledger call: worker/batch.py).
 -- KEYS[1] lengths list, KEYS[2] progress hash, KEYS[3] meta hash, KEYS[4..] optional: the per-turn lengths lists
--- (lengths:0 .. lengths:3) then the stats hash
+-- (lengths:0 .. lengths:LAST_BUCKET) then the stats hash
 -- returns {the recent completion lengths, the progress hash's values (JSON lists),
 --          {prior_mean, max_new_tokens, mode} (nil where unset)[, each per-turn list, the stats hash's
---          reached:{j} and offered:{j} fields for j = 1..3 as a flat field/value list, the progress hash's
+--          reached:{j} and offered:{j} fields for j = 1..LAST_BUCKET as a flat field/value list, the progress hash's
 --          fields and values as a flat list (a field '{chunk}\\31{b}' holds turn bucket b's running turns)]};
 -- reads only
 local out = {redis.call('LRANGE', KEYS[1], 0, -1), redis.call('HVALS', KEYS[2]),
@@ -171,7 +179,7 @@ local out = {redis.call('LRANGE', KEYS[1], 0, -1), redis.call('HVALS', KEYS[2]),
 if #KEYS > 3 then
   for i = 4, #KEYS - 1 do out[#out + 1] = redis.call('LRANGE', KEYS[i], 0, -1) end
   local names = {}
-  for j = 1, 3 do
+  for j = 1, LAST_BUCKET do
     names[#names + 1] = 'reached:' .. j
     names[#names + 1] = 'offered:' .. j
   end
@@ -328,8 +336,9 @@ local out = {}
 local t = redis.call('TIME')
 local bucket = 't:' .. math.floor(tonumber(t[1]) / 10)
 for g = 0, #ARGV / 6 - 1 do
-  local sample, tokens, chunk = ARGV[g * 6 + 1], tonumber(ARGV[g * 6 + 2]), ARGV[g * 6 + 4]
-  local late = settle(KEYS[7], KEYS[8], chunk, ARGV[g * 6 + 5])
+  local sample, tokens, result, chunk, reserved, finish = unpack(ARGV, g * 6 + 1, g * 6 + 6)
+  tokens = tonumber(tokens)
+  local late = settle(KEYS[7], KEYS[8], chunk, reserved)
   if redis.call('HEXISTS', KEYS[3], sample) == 1 then
     reply(out, 0, tonumber(redis.call('GET', KEYS[2]) or '0'), 0, late)
   else
@@ -337,9 +346,9 @@ for g = 0, #ARGV / 6 - 1 do
     local used = redis.call('INCRBY', KEYS[2], tokens)
     redis.call('HDEL', KEYS[4], sample)
     redis.call('HDEL', KEYS[6], sample)
-    redis.call('XADD', KEYS[5], '*', 'id', sample, 'r', ARGV[g * 6 + 3])
+    redis.call('XADD', KEYS[5], '*', 'id', sample, 'r', result)
     redis.call('HINCRBY', KEYS[1], 'committed', 1)
-    record(KEYS[9], KEYS[10], tokens, ARGV[g * 6 + 6], bucket, late)
+    record(KEYS[9], KEYS[10], tokens, finish, bucket, late)
     reply(out, 1, used, close_if_spent(KEYS[1], used), late)
   end
 end
@@ -347,14 +356,14 @@ redis.call('LTRIM', KEYS[9], 0, 4095)
 return out
 """
 
-COMMIT_TURN = _CLOSE_IF_SPENT + _SETTLE + _RECORD + _REPLY + """
+COMMIT_TURN = _BUCKETS + _CLOSE_IF_SPENT + _SETTLE + _RECORD + _REPLY + """
 -- commit_turn: record one turn of a multi-turn conversation exactly once, keyed by (sample, turn); count its
 -- tokens; settle its reservation (docs/multiturn.md). The conversation's record is written when it ends: until
 -- then the turn's record stays here, durable, and counts in used (used = sum of done + sum of turns).
 -- KEYS[1] meta hash, KEYS[2] used counter, KEYS[3] done hash, KEYS[4] turns hash, KEYS[5] turn records hash,
 -- KEYS[6] conversations hash, KEYS[7] reservations hash, KEYS[8] in-flight hash, KEYS[9] lengths list,
--- KEYS[10] stats hash, KEYS[11..14] optional: the per-turn lengths lists lengths:0 .. lengths:3 (turn i's length
--- goes to lengths:min(i, 3) too: predict's per-turn model, worker/estimate.py TurnModels)
+-- KEYS[10] stats hash, KEYS[11 ..] optional: the per-turn lengths lists lengths:0 .. lengths:LAST_BUCKET (turn i's
+-- length goes to lengths:min(i, LAST_BUCKET) too: predict's per-turn model, worker/estimate.py TurnModels)
 -- ARGV: one group of 7 per turn, committed in order, each as if alone: sample key, turn index (0-based),
 -- completion tokens, turn record JSON, chunk id, tokens the request reserved, finish reason
 -- returns per turn {verdict, used after, closed now (1/0), late (1/0)}, flattened. verdict 1: committed;
@@ -370,9 +379,9 @@ local out = {}
 local t = redis.call('TIME')
 local bucket = 't:' .. math.floor(tonumber(t[1]) / 10)
 for g = 0, #ARGV / 7 - 1 do
-  local sample, turn, tokens = ARGV[g * 7 + 1], tonumber(ARGV[g * 7 + 2]), tonumber(ARGV[g * 7 + 3])
-  local chunk = ARGV[g * 7 + 5]
-  local late = settle(KEYS[7], KEYS[8], chunk, ARGV[g * 7 + 6])
+  local sample, turn, tokens, turn_record, chunk, reserved, finish = unpack(ARGV, g * 7 + 1, g * 7 + 7)
+  turn, tokens = tonumber(turn), tonumber(tokens)
+  local late = settle(KEYS[7], KEYS[8], chunk, reserved)
   local field = string.format('%d', turn) .. '\\31' .. sample
   local verdict = 1
   if redis.call('HEXISTS', KEYS[3], sample) == 1 or redis.call('HEXISTS', KEYS[4], field) == 1 then
@@ -384,13 +393,13 @@ for g = 0, #ARGV / 7 - 1 do
     reply(out, verdict, tonumber(redis.call('GET', KEYS[2]) or '0'), 0, late)
   else
     redis.call('HSET', KEYS[4], field, tokens)
-    redis.call('HSET', KEYS[5], field, ARGV[g * 7 + 4])
+    redis.call('HSET', KEYS[5], field, turn_record)
     redis.call('HSET', KEYS[6], sample, turn + 1)
     local used = redis.call('INCRBY', KEYS[2], tokens)
     redis.call('HINCRBY', KEYS[10], 'turns', 1)
-    record(KEYS[9], KEYS[10], tokens, ARGV[g * 7 + 7], bucket, late)
-    if #KEYS >= 14 then
-      local per_turn = KEYS[11 + math.min(turn, 3)]
+    record(KEYS[9], KEYS[10], tokens, finish, bucket, late)
+    if #KEYS >= 11 + LAST_BUCKET then
+      local per_turn = KEYS[11 + math.min(turn, LAST_BUCKET)]
       redis.call('LPUSH', per_turn, tokens)
       redis.call('LTRIM', per_turn, 0, 4095)
     end
@@ -444,7 +453,7 @@ redis.call('HINCRBY', KEYS[8], ARGV[1], 1)
 return {1, res}
 """
 
-END_CONVERSATION = """
+END_CONVERSATION = _BUCKETS + """
 -- end_conversation: a conversation is over; hand its record to the collector, once (docs/multiturn.md).
 -- KEYS[1] meta hash, KEYS[2] done hash, KEYS[3] turns hash, KEYS[4] turn records hash, KEYS[5] conversations
 -- hash, KEYS[6] pending hash, KEYS[7] results stream, KEYS[8] stats hash
@@ -460,7 +469,7 @@ END_CONVERSATION = """
 -- used = sum of done + sum of turns holds before and after. A resend, an RQ retry or a racing zombie hits the
 -- done guard, so a conversation is written once.
 -- With ARGV[4] = P planned turns, the share of conversations that go on is counted for predict's per-turn model:
--- for each later turn j = 1 .. P-1 (bucket min(j, 3)), offered:{b} += 1 when it reached turn j-1 (k >= j),
+-- for each later turn j = 1 .. P-1 (bucket min(j, LAST_BUCKET)), offered:{b} += 1 when it reached turn j-1 (k >= j),
 -- reached:{b} += 1 when it reached turn j (k >= j + 1), in the stats hash.
 local sample, k = ARGV[1], tonumber(ARGV[2])
 local prior = redis.call('HGET', KEYS[2], sample)
@@ -489,7 +498,7 @@ redis.call('HINCRBY', KEYS[8], 'conversations', 1)
 local planned = tonumber(ARGV[4] or '0') or 0
 for j = 1, planned - 1 do
   if k < j then break end
-  local b = math.min(j, 3)
+  local b = math.min(j, LAST_BUCKET)
   redis.call('HINCRBY', KEYS[8], 'offered:' .. b, 1)
   if k >= j + 1 then redis.call('HINCRBY', KEYS[8], 'reached:' .. b, 1) end
 end
