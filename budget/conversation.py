@@ -22,14 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from budget.history import Step, history_message, tool_names
+from budget.record import BUDGET, LENGTH, TOOL_MISMATCH
 
-LENGTH = "length"
-TOOL_MISMATCH = "tool_mismatch"
-CONTEXT = "context"
-BUDGET = "budget"
-FAILED = "failed"
-#: Why a conversation ended before its last planned turn: ``stopped_by`` of its record.
-STOPPED: tuple[str, ...] = (LENGTH, BUDGET, FAILED, CONTEXT, TOOL_MISMATCH)
 
 
 @dataclass

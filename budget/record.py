@@ -34,9 +34,15 @@ TURN_FIELDS: Final = ("response", "reasoning", "content", "reasoning_truncated",
 #: The field order of version 1 records (producer/output.py wrote them in this order).
 V1_FIELDS: Final = ("id", "dataset", "messages", "response", "reasoning", "content", "reasoning_truncated",
                     "prompt_tokens", "completion_tokens", "finish_reason", "sampling_params")
-#: stopped_by values: why the conversation ended before its planned end (null: it did not).
-STOPPED_BY_LENGTH: Final = "max_new_tokens"  # the last turn was cut by max_new_tokens
-STOPPED_BY_UNCLOSED: Final = "reasoning_unclosed"  # the model stopped (EOS) inside an unclosed thinking block
+#: The one vocabulary of ``stopped_by``: why a record's conversation ended before its planned end (null: it did
+#: not), whether it has one turn or many (docs/multiturn.md "Stopping rules").
+LENGTH: Final = "length"  # a turn was cut by max_new_tokens (SGLang's finish_reason "length")
+REASONING_UNCLOSED: Final = "reasoning_unclosed"  # the model stopped (EOS) inside an unclosed thinking block
+BUDGET: Final = "budget"  # the dataset closed before the conversation's next turn
+FAILED: Final = "failed"  # a turn's every attempt failed; the record keeps the turns before it
+CONTEXT: Final = "context"  # the next turn's prompt leaves no room for a completion
+TOOL_MISMATCH: Final = "tool_mismatch"  # the model's tool calls do not match the dataset's tool results
+STOPPED_BY: Final = (LENGTH, REASONING_UNCLOSED, BUDGET, FAILED, CONTEXT, TOOL_MISMATCH)
 
 
 def prompt_digest(ids: Sequence[int]) -> str:
@@ -85,9 +91,9 @@ def _ending(turns: Sequence[Mapping[str, Any]]) -> tuple[bool, str | None]:
         return True, None
     last = turns[-1]
     if last.get("finish_reason") == "length" or last.get("reasoning_truncated"):
-        return True, STOPPED_BY_LENGTH
+        return True, LENGTH
     if last.get("reasoning_unclosed"):
-        return True, STOPPED_BY_UNCLOSED
+        return True, REASONING_UNCLOSED
     return False, None
 
 

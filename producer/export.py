@@ -39,7 +39,7 @@ from producer.exportrows import SHAREGPT_FROM, conversation_row, generation, is_
 from producer.manifest import (Stats, budget_state, choose_servers, describe_servers, read_manifest, template_hash,
                                write_manifest, write_manifest_of)
 from producer.generations import record_key
-from producer.output import RESULTS, STOPPED_BY_FAILED
+from producer.output import RESULTS
 from render.chat import RenderError, Renderer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -221,7 +221,7 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
         for number, rec in results:
             key = record_key(rec)  # a sample: the prompt's id and the generation (producer/generations.py)
             superseded = held.pop(key, None) is not None
-            if rec.get("stopped_by") == STOPPED_BY_FAILED:
+            if rec.get("stopped_by") == record.FAILED:
                 held[key] = (number, rec)
                 continue
             if superseded:

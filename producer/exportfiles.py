@@ -13,7 +13,7 @@ from typing import IO, Any, Final, Iterator, Mapping
 from budget import record
 from producer.errors import UsageError
 from producer.generations import record_key
-from producer.output import FAILED, RESULTS, RUN, ReadEnd, iter_results
+from producer.output import FAILED_FILE, RESULTS, RUN, ReadEnd, iter_results
 
 MANIFEST: Final = "manifest.json"
 DEFAULT_THINK: Final = ("<think>", "</think>")
@@ -108,7 +108,7 @@ def markers(settings: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def failed_ids(dataset_dir: Path) -> set[str]:
-    path = dataset_dir / FAILED
+    path = dataset_dir / FAILED_FILE
     if not path.is_file():
         return set()
     ids: set[str] = set()
@@ -125,7 +125,7 @@ def failed_ids(dataset_dir: Path) -> set[str]:
 def check_dest(dest: Path, dataset_dir: Path) -> None:
     if dest.is_dir():
         raise ExportError(f"{dest} is a directory: give the path of the file to write")
-    own = {(dataset_dir / name).resolve() for name in (RESULTS, FAILED, RUN, MANIFEST)}
+    own = {(dataset_dir / name).resolve() for name in (RESULTS, FAILED_FILE, RUN, MANIFEST)}
     if dest.resolve() in own:
         raise ExportError(f"{dest} is one of the dataset's own files: export elsewhere")
 

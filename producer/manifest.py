@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Final, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import redis
 
@@ -30,8 +30,6 @@ from producer.output import RESULTS
 from producer.templatemix import SETTING as MIX_SETTING, TemplateMix, labels
 
 log = logging.getLogger("budgetq.produce")
-#: Why a conversation ends before its last user turn (``stopped_by``, docs/multiturn.md "Stopping rules").
-STOPPED_BY: Final = ("budget", "context", "failed", "length", "tool_mismatch")
 
 
 def write_manifest(dataset_dir: Path, *, servers: Sequence[Mapping[str, Any]] | None = None,
@@ -194,7 +192,7 @@ class Stats:
     def stopped(self) -> dict[str, int]:
         """Conversations by why they ended early: every reason (docs/multiturn.md), 0 when none did, and any other
         a record holds."""
-        counts = {reason: 0 for reason in STOPPED_BY}
+        counts = {reason: 0 for reason in record.STOPPED_BY}
         counts.update(self.stopped_by)
         return dict(sorted(counts.items()))
 

@@ -19,7 +19,7 @@ from budget.runstate import RESULTS_BATCH, RunState
 from producer.generations import record_key, split_key
 
 RESULTS = "raw_responses.jsonl"
-FAILED = "failed.jsonl"
+FAILED_FILE = "failed.jsonl"
 RUN = "run.json"
 
 #: Version 1's field order; records are written in budget.record's order (version 2, or 1 for an old record).
@@ -28,7 +28,6 @@ FIELD_ORDER = record.V1_FIELDS
 
 #: ``stopped_by`` of a conversation that ended because a later turn failed every attempt: the one record a later
 #: record of the same id supersedes (a rerun ``reopen``s it and carries it on: docs/multiturn.md).
-STOPPED_BY_FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,7 @@ class ResultsFile:
         if sid in self.tokens and self.superseded.get(sid, line) == line:
             return False
         self.tokens[sid] = tokens
-        if rec.get("stopped_by") == STOPPED_BY_FAILED:
+        if rec.get("stopped_by") == record.FAILED:
             self.superseded[sid] = line
         else:
             self.superseded.pop(sid, None)

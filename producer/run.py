@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import redis
 
+from budget import record
 from budget.conversation import end_as_is
 from budget.ledger import LEASE_MS, REDIS_DOWN, Ledger, default_prior_mean
 from budget.outcomes import DatasetState, EndVerdict
@@ -34,7 +35,7 @@ from producer.errors import ProduceError
 from producer.enqueue import (BATCH_CHUNKS, COMPRESS_THREADS, Item, chunk_size_for, enqueue_chunks,
                               listening_workers, make_queue)
 from producer.generations import record_key, split_key
-from producer.output import FAILED, STOPPED_BY_FAILED, collect, write_failed
+from producer.output import FAILED_FILE, collect, write_failed
 from producer.prepare import Prepared, Prompt
 from producer.progress import progress_bar
 from producer.report import DatasetSummary, progress_line, summaries
@@ -217,7 +218,7 @@ class Producer:
         if (state.status != "open" or not d.todo) and not d.chunk_samples and not live \
                 and self.store.unwritten(d.name) == 0:
             d.failed = self.ledger.failed(d.name)
-            write_failed(self.opt.out_dir / d.name / FAILED, d.failed)
+            write_failed(self.opt.out_dir / d.name / FAILED_FILE, d.failed)
             d.finished = True
 
     def _end_stranded(self, d: DatasetRun, released: list[str]) -> None:
@@ -285,7 +286,7 @@ class Producer:
                         outcome = end_as_is(self.ledger, d.name, sid, d.prepared.messages(split_key(sid)[0]),
                                             reasoning_parser=d.prepared.settings.reasoning_parser,
                                             sampling_params=params,
-                                            stopped_by=STOPPED_BY_FAILED, failed_reason=why,
+                                            stopped_by=record.FAILED, failed_reason=why,
                                             chat_template_kwargs=kwargs)
                         if outcome is not None and outcome.verdict is not EndVerdict.MISMATCH:
                             continue

@@ -96,7 +96,7 @@ def test_reasoning_split_from_open_think_prompt(redis_url: str, r: "redis.Redis"
             assert x["response"].startswith(x["reasoning"].split()[0])
         elif "</think>" not in x["response"]:
             assert x["reasoning_truncated"] and x["reasoning"] and x["content"] == ""
-            assert rec["incomplete"] and rec["stopped_by"] == "max_new_tokens"
+            assert rec["incomplete"] and rec["stopped_by"] == "length"
         assert rec["messages"][-1]["role"] != "assistant"  # the old answer was dropped
 
 

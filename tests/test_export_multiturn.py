@@ -378,7 +378,7 @@ def test_the_manifest_counts_turns_and_why_conversations_stopped(tmp_path: Path,
     assert manifest["counts"]["samples"] == 5 and manifest["counts"]["truncated"] == 3
     assert manifest["conversations"] == {"turns": 12, "multi_turn": 5, "incomplete": 2,
                                          "stopped_by": {"budget": 1, "context": 0, "failed": 0, "length": 1,
-                                                        "tool_mismatch": 0}}
+                                                        "reasoning_unclosed": 0, "tool_mismatch": 0}}
 
 
 def test_a_rerun_record_supersedes_the_failed_conversation_of_the_same_id(tmp_path: Path,

@@ -18,7 +18,7 @@ from producer.errors import ProduceError
 from producer.generations import (Generations, derived_seed, parse_temperatures, record_key, sample_key,
                                   split_key)
 from producer.manifest import Stats
-from producer.output import FAILED, RESULTS, RUN, ResultsFile, collect, write_failed
+from producer.output import FAILED_FILE, RESULTS, RUN, ResultsFile, collect, write_failed
 from producer.plan import plan_dataset
 from producer.prepare import Inputs, load_inputs
 from producer.run import Producer
@@ -169,8 +169,8 @@ def test_records_say_their_prompt_and_generation_and_resume_maps_them_back(r: "r
     assert again.summaries()[0].selected == 12
     again.release()
     # failed.jsonl names the prompt and the generation
-    write_failed(tmp_path / FAILED, {sample_key("p1", 2): {"id": sample_key("p1", 2), "reason": "x"}})
-    assert json.loads((tmp_path / FAILED).read_text()) == {"id": "p1", "generation": 2, "reason": "x"}
+    write_failed(tmp_path / FAILED_FILE, {sample_key("p1", 2): {"id": sample_key("p1", 2), "reason": "x"}})
+    assert json.loads((tmp_path / FAILED_FILE).read_text()) == {"id": "p1", "generation": 2, "reason": "x"}
 
 
 def test_an_old_file_without_generation_resumes_as_generation_zero(tmp_path: Path) -> None:

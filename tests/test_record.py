@@ -51,7 +51,7 @@ def test_a_version_1_record_reads_as_one_turn() -> None:
                     "cached_tokens": 0, "completion_tokens": 4, "finish_reason": "stop",
                     "prompt_ids_sha256": None, "output_ids": None}
     cut = record.as_v2({**V1, "finish_reason": "length", "extra_key": 1})
-    assert (cut["incomplete"], cut["stopped_by"], cut["extra_key"]) == (True, "max_new_tokens", 1)
+    assert (cut["incomplete"], cut["stopped_by"], cut["extra_key"]) == (True, "length", 1)
     assert record.ordered(V1) == V1 and list(record.ordered(V1)) == list(V1)  # an old line is written unchanged
 
 
@@ -77,7 +77,7 @@ def test_a_turn_cut_while_thinking_is_incomplete() -> None:
     gen = parse_generation(body("R R", [11, 11], {"type": "length", "length": 2}), 2, "u")
     rec = result_record("ds", sample([5]), gen, chunk())
     assert (rec["incomplete"], rec["stopped_by"], rec["turns"][0]["reasoning_truncated"]) == (
-        True, "max_new_tokens", True)
+        True, "length", True)
     unclosed = record.make_record(sample_id="x", dataset="d", turns=[{**rec["turns"][0], "finish_reason": "stop",
                                                                       "reasoning_truncated": False,
                                                                       "reasoning_unclosed": True}],

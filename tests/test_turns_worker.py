@@ -24,7 +24,8 @@ from producer.tokenizer_files import share_tokenizer
 from tests.dispatcher import dispatcher, until
 from tests.procs import sim_stats
 from worker import tokenizer_cache
-from budget.conversation import LENGTH, TOOL_MISMATCH, header, walk
+from budget.conversation import header, walk
+from budget.record import LENGTH, TOOL_MISMATCH
 
 DS = "conv"
 SIM_ARGS = ("--tokens-per-second-per-request", "2000", "--prefix-cache-pages", "0", "--prefill-tokens-per-second", "0",

@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from budget.conversation import BUDGET, CONTEXT, FAILED, Walk, header, walk
+from budget.conversation import Walk, header, walk
+from budget.record import BUDGET, CONTEXT, FAILED
 from budget.history import plan
 from budget.outcomes import EndVerdict, TurnAdmit, TurnVerdict
 from budget.payload import SamplePayload, sampling_params_of, turn_request_key
