@@ -23,7 +23,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench.harness import Stack, produce_cmd, save_results, scratch, sim_args, sim_stats_url
+from bench.harness import save_results, scratch, sim_args, sim_stats_url
+from demo.stack import Stack, produce_cmd
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud field metal "
          "paper glass light sound water").split()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from bench.harness import Stack
+from demo.stack import Stack
 
 DATASET = "prompts"
 

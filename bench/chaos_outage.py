@@ -14,7 +14,8 @@ from typing import Callable
 
 from bench.chaos_audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
 from bench.chaos_redis import REDIS_DOWN_TB, _done
-from bench.chaos_run import ChaosStack, Ctx, Watch, wait_until
+from bench.chaos_run import ChaosStack, Ctx, Watch
+from demo.stack import wait_until
 
 #: What a worker logs when a Redis connection went silent or away: budget/connection.py's timeout warning,
 #: the dispatcher's wait for Redis, or rq's own dequeue retry.

@@ -11,7 +11,8 @@ from typing import Any
 import redis
 
 from bench.chaos_audit import DATASET, Result, audit, log_files, read_jsonl, rounded as _r, sample_ids
-from bench.chaos_run import KEYS, ChaosStack, Ctx, Watch, wait_until
+from bench.chaos_run import ChaosStack, Ctx, KEYS, Watch
+from demo.stack import wait_until
 
 #: What a lost Redis connection looks like in rq's own log lines ("found an unhandled exception, quitting",
 #: with the traceback; worker.Worker then waits for Redis and starts its loop again).

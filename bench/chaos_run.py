@@ -13,25 +13,17 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import redis
 
 from bench.blackhole import BlackHole
 from bench.chaos_audit import DATASET, Result, read_jsonl
-from bench.harness import Stack, _wait, free_port, produce_cmd, write_prompts
+from bench.harness import write_prompts
+from demo.stack import Service, Stack, free_port, http_ok, produce_cmd, wait_until
 
 KEYS = f"bq:ds:{{{DATASET}}}"  # the dataset's key prefix (budget/keys.py DatasetKeys)
 QUEUE = "budgetq"
-
-
-def wait_until(pred: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
-    """Poll state owned by other processes (Redis keys, files): there is no event to await across them."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 @dataclass(frozen=True)
@@ -86,14 +78,12 @@ class ChaosStack(Stack):
         self.direct_url = ""  # Redis itself, for the audit; redis_url (workers, produce) may go through the proxy
         self.recorder_url = ""
         self.by_name: dict[str, subprocess.Popen[bytes]] = {}
-        self._redis_argv: list[str] = []
 
     def start(self) -> "ChaosStack":
         # Start workers ourselves, after the optional recorder: the base class starts them at once.
         n, self.n_workers = self.n_workers, 0
         super().start()
         self.n_workers = n
-        self._redis_argv = [str(a) for a in self.redis_proc().args]  # type: ignore[union-attr]
         self.direct_url = self.redis_url
         if self.use_blackhole:  # every client of the run reaches Redis through it; the audit does not
             port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
@@ -101,11 +91,11 @@ class ChaosStack(Stack):
             self.redis_url = f"redis://127.0.0.1:{self.blackhole.port}/0"
         if self.use_recorder:
             port = free_port()
-            self._spawn("recorder", [sys.executable, "-m", "bench.recorder", "--upstream", self.sim_urls[0],
-                                     "--port", str(port)])
+            recorder = self.spawn("recorder", [sys.executable, "-m", "bench.recorder", "--upstream",
+                                               self.sim_urls[0], "--port", str(port)])
             self.recorder_url = f"http://127.0.0.1:{port}"
-            _wait(lambda: urllib.request.urlopen(self.recorder_url + "/health", timeout=1).status == 200,
-                  "recorder")
+            wait_until(lambda: http_ok(self.recorder_url + "/health"), 30, "recorder",
+                       watch=[Service("recorder", recorder, self.workdir / "recorder.log")])
         for i in range(n):
             self.add_worker(f"w{i}")
         return self
@@ -128,29 +118,16 @@ class ChaosStack(Stack):
         self.by_name[name] = proc
         return proc
 
-    def redis_proc(self) -> subprocess.Popen[bytes] | None:
-        found = [p for p in self.procs if "redis-server" in str(p.args[0])]  # type: ignore[index]
-        return found[-1] if found else None
-
     @property
     def redis_dir(self) -> Path:
-        return self.workdir / "redis"
+        return self.redis.data_dir
 
     def freeze_redis(self, frozen: bool) -> None:
         """SIGSTOP (or SIGCONT) redis-server: a Redis that accepts connections and never answers."""
-        proc = self.redis_proc()
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
+        self.redis.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
 
     def kill_redis(self) -> None:
-        proc = self.redis_proc()
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
-
-    def start_redis(self) -> None:
-        self._spawn("redis", self._redis_argv)
-        _wait(self.client().ping, "redis-server", timeout=60)
+        self.redis.kill()
 
     def recorder_log(self) -> list[dict[str, Any]]:
         with urllib.request.urlopen(self.recorder_url + "/recorder/log", timeout=30) as resp:

@@ -11,7 +11,8 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from bench.chaos_audit import DATASET, Result, audit, log_files, read_jsonl, rounded as _r, sample_ids
-from bench.chaos_run import KEYS, Ctx, wait_until
+from bench.chaos_run import Ctx, KEYS
+from demo.stack import wait_until
 from budget import record
 
 RETRY_AFTER = 2.0

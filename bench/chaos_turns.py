@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos_audit import DATASET, Result, audit, log_files, read_jsonl, rounded as _r
-from bench.chaos_run import KEYS, ChaosStack, Ctx, Produce, Watch, produce_argv, wait_until
+from bench.chaos_run import ChaosStack, Ctx, KEYS, Produce, Watch, produce_argv
+from demo.stack import wait_until
 from bench.multiturn import PARSER, write_conversations
 from budget.payload import request_id, turn_request_key
 

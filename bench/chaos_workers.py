@@ -15,7 +15,8 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from bench.chaos_audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
-from bench.chaos_run import KEYS, QUEUE, ChaosStack, Ctx, Produce, Watch, wait_until
+from bench.chaos_run import ChaosStack, Ctx, KEYS, Produce, QUEUE, Watch
+from demo.stack import wait_until
 from producer.enqueue import BATCH_CHUNKS
 
 

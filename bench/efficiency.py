@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (CpuMeter, SimProbe, Stack, fmt_cpu, percentile, produce_cmd, save_results, scratch,
-                           sim_args, sim_stats_url, start_sim, window_rate, write_prompts)
+from bench.harness import (CpuMeter, SimProbe, fmt_cpu, percentile, save_results, scratch, sim_args, sim_stats_url,
+    window_rate, write_prompts)
+from demo.stack import Stack, produce_cmd, start_sim
 
 
 def render_bodies(tok: Path, data: Path) -> list[list[int]]:
@@ -92,7 +93,8 @@ def measure(url: str, args: argparse.Namespace, pids: dict[str, int], used: Any 
 
 
 def run_baseline(args: argparse.Namespace, work: Path, bodies: Path, sim: list[str]) -> dict[str, Any]:
-    proc, url = start_sim(work, "sim-baseline", sim)
+    sim_service, url = start_sim("sim-baseline", sim, work)
+    proc = sim_service.proc
     out = work / "baseline-done.json"
     try:
         client = subprocess.Popen([sys.executable, "-m", "bench.client", "--url", url, "--bodies", str(bodies),

@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (CpuMeter, RedisMonitor, Stack, admits_start, cpu_seconds, fmt_cpu, produce_cmd,
-                           save_results, scratch, sim_stats_url, write_prompts)
+from bench.harness import (CpuMeter, RedisMonitor, admits_start, cpu_seconds, fmt_cpu, save_results, scratch,
+    sim_stats_url, write_prompts)
+from demo.stack import Stack, produce_cmd
 
 SIM = ["--zero-latency", "--length-dist", "fixed", "--mean-tokens", "32", "--seed", "1"]
 

@@ -16,7 +16,8 @@ import subprocess
 import time
 from typing import Any
 
-from bench.harness import Stack, cpu_seconds, produce_cmd, rss_kb, save_results, scratch, write_prompts
+from bench.harness import cpu_seconds, rss_kb, save_results, scratch, write_prompts
+from demo.stack import Stack, produce_cmd
 
 
 def main() -> None:

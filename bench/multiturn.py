@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.efficiency import measure
-from bench.harness import Stack, fmt_cpu, produce_cmd, save_results, scratch, sim_args, sim_stats_url, start_sim
+from bench.harness import fmt_cpu, save_results, scratch, sim_args, sim_stats_url
+from demo.stack import Stack, produce_cmd, start_sim
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud field metal "
          "paper glass light sound water").split()
@@ -86,7 +87,8 @@ def produce_argv(data: Path, tok: Path, out: Path, redis_url: str, max_tokens: i
 
 
 def run_baseline(args: argparse.Namespace, work: Path, tok: Path, data: Path, sim: list[str]) -> dict[str, Any]:
-    proc, url = start_sim(work, "sim-baseline", sim)
+    sim_service, url = start_sim("sim-baseline", sim, work)
+    proc = sim_service.proc
     out = work / "baseline-done.json"
     try:
         client = subprocess.Popen([sys.executable, "-m", "bench.multiturn_client", "--url", url, "--data", str(data),

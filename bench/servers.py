@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (CpuMeter, Stack, fmt_cpu, produce_cmd, save_results, scratch, sim_args, sim_stats_url,
-                           window_rate, write_prompts)
+from bench.harness import CpuMeter, fmt_cpu, save_results, scratch, sim_args, sim_stats_url, window_rate, write_prompts
+from demo.stack import Stack, produce_cmd
 
 SPEEDS = (1.0, 0.5)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.redis_server import free_port
+from demo.stack import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 AUTH = {"RQ_DASHBOARD_USERNAME": "dash-test-user", "RQ_DASHBOARD_PASSWORD": "dash-test-password"}

@@ -23,7 +23,7 @@ import redis
 from tests.demo_data import CODE, GLAIVE
 from tests.exactly_once import check_exact
 from tests.procs import Workers, produce, produce_cmd, read_jsonl, wait_for
-from tests.redis_server import free_port
+from demo.stack import free_port
 
 PASSWORD = "budgetq-acl-test-pw"
 #: What docs/reliability.md recommends: budgetq's and RQ's keys and channels, every command but the dangerous

@@ -53,7 +53,7 @@ import pytest
 import redis
 
 from tests.procs import read_jsonl  # only newline-terminated lines: the stack may still be writing
-from tests.redis_server import free_port
+from demo.stack import free_port
 from tests.compose_file import (
     COMPOSE,
     DEPLOYMENT_DOC,

@@ -29,7 +29,7 @@ from budget.ledger import Ledger
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from tests.dashboard_proc import AUTH, BAD, GOOD, Dashboard
 from tests.procs import wait_for
-from tests.redis_server import RedisServer, free_port
+from demo.stack import RedisServer, free_port
 from worker.trip import CLOSE_REASON
 
 pytest.importorskip("rq_dashboard")

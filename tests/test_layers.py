@@ -1,5 +1,7 @@
 """The one-way flow of docs/architecture.md, checked on the source: producer/ and worker/ import budget/ and
-render/, never each other; budget/ and render/ import neither; no module of render/ or worker/ imports
+render/, never each other; budget/ and render/ import neither; none of them, nor the simulator, imports the dev
+tooling (demo/, whose demo/stack.py is the dev stack that tests, bench and the demo share; bench/; tests/), and
+demo/ imports neither bench/ nor tests/, so that the dev stack stays below both; no module of render/ or worker/ imports
 transformers at module level (a worker that never renders must never load it: tests/test_render_shared.py runs
 one and looks). In tests/, no module imports a test module: what tests share lives in support modules (procs.py,
 demo_data.py, chats.py...) or conftest.py fixtures, so a test module can be read, run and changed alone."""
@@ -9,9 +11,12 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The tooling around the product: the demo with the dev stack, the benchmarks, the tests.
+TOOLING = {"demo", "bench", "tests"}
 #: package -> the top-level packages of this repository it must not import.
-FORBIDDEN = {"producer": {"worker"}, "worker": {"producer"}, "budget": {"producer", "worker", "render"},
-             "render": {"producer", "worker", "budget"}}
+FORBIDDEN = {"producer": {"worker", *TOOLING}, "worker": {"producer", *TOOLING},
+             "budget": {"producer", "worker", "render", *TOOLING}, "render": {"producer", "worker", "budget", *TOOLING},
+             "sglang_sim": TOOLING, "demo": {"bench", "tests"}}
 NO_TOP_LEVEL_TRANSFORMERS = ("render", "worker")
 
 

@@ -23,7 +23,7 @@ from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from tests.procs import wait_for
-from tests.redis_server import RedisServer
+from demo.stack import RedisServer
 from worker import dispatch
 from worker.config import WorkerConfig
 from worker.runtime import Runtime

@@ -25,7 +25,7 @@ from sglang_sim.launch import SimProcess
 from sglang_sim.responses import MODEL_PATH, VERSION
 from tests.demo_data import GLAIVE
 from tests.procs import produce, produce_cmd, wait_for
-from tests.redis_server import free_port
+from demo.stack import free_port
 from worker.config import WorkerConfig
 from worker.serverinfo import ServerInfoReporter
 
