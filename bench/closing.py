@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (CpuMeter, RedisMonitor, admits_start, fmt_cpu, save_results, scratch, sim_args,
-    sim_stats_url, write_prompts)
+from bench.harness import CpuMeter, RedisMonitor, admits_start, fmt_cpu, save_results, scratch, sim_args, sim_stats_url
+from demo.synthetic import write_prompts
 from demo.stack import Stack, produce_cmd
 
 

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import (CpuMeter, SimProbe, fmt_cpu, percentile, save_results, scratch, sim_args, sim_stats_url,
-    window_rate, write_prompts)
+    window_rate)
+from demo.synthetic import write_prompts
 from demo.stack import Stack, produce_cmd, start_sim
 
 

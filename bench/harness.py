@@ -1,4 +1,4 @@
-"""What benchmarks measure with: synthetic prompts, CPU and memory meters, the simulator's counters, a Redis
+"""What benchmarks measure with: CPU and memory meters, the simulator's counters, a Redis
 MONITOR, and where results go. The processes (redis-server, sglang-sim, rq workers) come from the dev stack,
 demo/stack.py, the same the tests and the demo start; benchmarks measure the real system (the same commands
 users type) and never reach into budgetq's internals.
@@ -18,16 +18,6 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from demo.stack import wait_until
-
-
-def write_prompts(path: Path, n: int, prefix: str = "Write item", system: str | None = None) -> Path:
-    """A synthetic dataset of n short prompts (optionally sharing a long system prompt)."""
-    with open(path, "w") as fh:
-        for i in range(n):
-            messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": f"{prefix} {i}: explain step {i % 97} of the plan."}]
-            fh.write(json.dumps({"id": i, "messages": messages}) + "\n")
-    return path
 
 
 @contextmanager

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import (CpuMeter, RedisMonitor, admits_start, cpu_seconds, fmt_cpu, save_results, scratch,
-    sim_stats_url, write_prompts)
+    sim_stats_url)
+from demo.synthetic import write_prompts
 from demo.stack import Stack, produce_cmd
 
 SIM = ["--zero-latency", "--length-dist", "fixed", "--mean-tokens", "32", "--seed", "1"]

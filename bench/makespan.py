@@ -35,9 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.chaos_audit import read_jsonl
 from bench.efficiency import render_bodies
-from bench.harness import CpuMeter, RESULTS, fmt_cpu, save_results, scratch, sim_args, sim_stats_url, write_prompts
+from bench.harness import CpuMeter, RESULTS, fmt_cpu, save_results, scratch, sim_args, sim_stats_url
+from demo.synthetic import write_prompts
+from demo.appending import read_jsonl
 from demo.stack import Stack, produce_cmd, start_sim
 
 SAT = 256

@@ -11,12 +11,12 @@ from the 2,000th to the last sample (after start-up allocations settle).
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import time
 from typing import Any
 
-from bench.harness import cpu_seconds, rss_kb, save_results, scratch, write_prompts
+from bench.harness import cpu_seconds, rss_kb, save_results, scratch
+from demo.synthetic import write_prompts
 from demo.stack import Stack, produce_cmd
 
 

@@ -44,37 +44,13 @@ from typing import Any
 from bench.efficiency import measure
 from bench.harness import fmt_cpu, save_results, scratch, sim_args, sim_stats_url
 from demo.stack import Stack, produce_cmd, start_sim
+from demo.synthetic import CONVERSATIONS_PARSER, DATASET_MARK, write_conversations
 
-WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud field metal "
-         "paper glass light sound water").split()
-SYSTEM = "You are a careful assistant. Answer the user's questions one by one, and keep to the point."
-#: In every dataset answer: none of the dataset's answers is ever sent, so none may reach a prompt.
-DATASET_MARK = "Dataset-answer"
-PARSER = "none"  # the demo tokenizer without thinking: produce's auto detection says none too
+PARSER = CONVERSATIONS_PARSER  # bench/budget_modes.py reads it here
 DATASET = "convs"
 #: Seconds the baseline client runs past the window's planned end: on a loaded machine the window's last snapshot
 #: comes seconds late (64 s instead of 60 once), and a client that stopped before it shows a false idle tail.
 DURATION_MARGIN = 15.0
-
-
-def conversation(c: int, context_words: int) -> list[dict[str, str]]:
-    """One 3-turn conversation: system, u1 (with ``context_words`` words of its own), a1, u2, a2, u3."""
-    own = " ".join(f"{WORDS[(c * 7 + i * 3) % len(WORDS)]}{(c * 31 + i) % 1000}" for i in range(context_words))
-    answer = [f"{DATASET_MARK} {t} of conversation {c}: " + " ".join(WORDS[(c + t + i) % len(WORDS)] for i in range(40))
-              for t in (1, 2)]
-    return [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"Conversation {c}. {own} Explain step {c % 97} of the plan."},
-            {"role": "assistant", "content": answer[0]},
-            {"role": "user", "content": f"Follow-up 1 of {c}: go on with the next point."},
-            {"role": "assistant", "content": answer[1]},
-            {"role": "user", "content": f"Follow-up 2 of {c}: and how does it end?"}]
-
-
-def write_conversations(path: Path, n: int, context_words: int = 0) -> Path:
-    with open(path, "w") as fh:
-        for c in range(n):
-            fh.write(json.dumps({"id": f"c{c:05d}", "messages": conversation(c, context_words)}) + "\n")
-    return path
 
 
 def produce_argv(data: Path, tok: Path, out: Path, redis_url: str, max_tokens: int, extra: list[str]) -> list[str]:

@@ -31,7 +31,8 @@ from typing import Any
 
 import redis
 
-from bench.harness import CpuMeter, fmt_cpu, save_results, scratch, thread_cpu, write_prompts
+from bench.harness import CpuMeter, fmt_cpu, save_results, scratch, thread_cpu
+from demo.synthetic import write_prompts
 from demo.stack import Stack, produce_cmd
 
 SIM = ["--zero-latency", "--length-dist", "fixed", "--mean-tokens", "32", "--seed", "1"]

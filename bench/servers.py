@@ -18,7 +18,7 @@ Phases, all in one command:
    ``--revive-after`` seconds after the kill the server is started again on the same port: a recovered
    server should get requests again (worker/sglang.py's breaker says within 30 s).
 3. router: one SGLANG_URL pointing at SGLang's real router (SGLang Model Gateway, sglang-router 0.3.2's
-   ``smg launch``, bench/smg.py, with docs/deployment.md's settings) in front of the same two servers, once per
+   ``smg launch``, demo/smg.py, with docs/deployment.md's settings) in front of the same two servers, once per
    policy (``--policies``, default cache_aware, round_robin, power_of_two): the same throughput figure over a
    shorter window, and the cached_tokens share of each server, against phase 1's budgetq dispatch to the list.
    The stand-in least-connections router (bench/router.py) serves only when sglang-router is not installed
@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import CpuMeter, fmt_cpu, save_results, scratch, sim_args, sim_stats_url, window_rate, write_prompts
+from bench.harness import CpuMeter, fmt_cpu, save_results, scratch, sim_args, sim_stats_url, window_rate
+from demo.synthetic import write_prompts
 from demo.stack import Stack, produce_cmd
 
 SPEEDS = (1.0, 0.5)
@@ -199,7 +200,7 @@ def phase_router(args: argparse.Namespace, work: Path, tok: Path, data: Path, po
         if policy == "stand-in":
             router = _StandIn(stack.sim_urls)
         else:
-            from bench.smg import Router
+            from demo.smg import Router
             router = Router(stack.sim_urls, where, policy=policy).start()
         try:
             env = {"BUDGETQ_CONCURRENCY": str(args.in_flight // args.workers), "SGLANG_URL": router.url}
@@ -226,7 +227,7 @@ def phase_router(args: argparse.Namespace, work: Path, tok: Path, data: Path, po
 
 def default_policies() -> list[str]:
     try:
-        from bench.smg import POLICIES, smg_command
+        from demo.smg import POLICIES, smg_command
         smg_command()
     except RuntimeError as exc:
         print(f"sglang-router is not usable here ({exc}): the stand-in router serves figure 2's router rows",

@@ -70,7 +70,7 @@ class Service:
 
 
 def spawn(name: str, argv: Sequence[str], logs: Path, env: dict[str, str] | None = None, *,
-          own_session: bool = False) -> Service:
+          own_session: bool = False, cwd: Path | None = None) -> Service:
     """Start ARGV with stdout and stderr appended to LOGS/NAME.log and no stdin. ``env`` is the whole
     environment (None: this one's). ``own_session``: a Ctrl-C at the terminal reaches only the caller, which
     decides what to stop and in which order (the demo)."""
@@ -78,7 +78,7 @@ def spawn(name: str, argv: Sequence[str], logs: Path, env: dict[str, str] | None
     log = logs / f"{name}.log"
     with open(log, "ab") as fh:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=own_session)
+                                env=env, start_new_session=own_session, cwd=cwd)
     return Service(name, proc, log)
 
 

@@ -8,6 +8,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from demo.appending import complete_lines, read_jsonl
 from demo.stack import produce_cmd, spawn, terminate, wait_until, worker_argv, worker_env
 
 __all__ = ["Workers", "complete_lines", "produce", "produce_cmd", "read_jsonl", "sim_stats", "wait_for"]
@@ -53,23 +54,3 @@ class Workers:
 def sim_stats(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url + "/sim/stats", timeout=5) as resp:
         return dict(json.loads(resp.read()))
-
-
-def complete_lines(path: Path) -> list[str]:
-    """The lines of ``path`` that end in a newline, decoded: what a reader of a file another process is still
-    appending to may use. The last line of such a file can be half written (no trailing newline yet, perhaps cut
-    inside a UTF-8 sequence), so everything after the last newline is left for the next read. A writer that has
-    finished ends its file with a newline, so nothing of a finished file is lost."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    end = data.rfind(b"\n")
-    return data[:end + 1].decode("utf-8", errors="replace").splitlines() if end >= 0 else []
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSONL file, which ``produce`` may still be appending to: an unterminated last line is
-    not read yet (see `complete_lines`); a torn line in a finished file shows up as a missing record."""
-    return [json.loads(line) for line in complete_lines(path) if line.strip()]
-

@@ -14,8 +14,8 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from bench.chaos_audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
-from bench.chaos_run import ChaosStack, Ctx, KEYS, Produce, QUEUE, Watch
+from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
+from tests.chaos.run import ChaosStack, Ctx, KEYS, Produce, QUEUE, Watch
 from demo.stack import wait_until
 from producer.enqueue import BATCH_CHUNKS
 
@@ -83,7 +83,7 @@ def worker_restart(ctx: Ctx) -> Result:
         refused = "There exists an active worker named" in log
         res.figures["same_name_restart"] = "refused by rq" if refused else f"accepted (rc {rc_same})"
         # How long the dead worker's registration keeps its name taken (rq: worker_ttl + 60 s from birth,
-        # refreshed by heartbeats). bench.harness names workers NAME-<bench pid>.
+        # refreshed by heartbeats). demo.stack.Stack names workers NAME-<pid>.
         res.figures["name_blocked_for_s"] = r.ttl(f"rq:worker:{name}-{os.getpid()}")
         res.check("same-name restart: rq refuses it with a clear message and exits", refused and rc_same == 1,
                   f"rc {rc_same}")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
-from bench.chaos_audit import Result, audit, log_files, sample_ids
-from bench.chaos_run import KEYS, Ctx
+from tests.chaos.audit import Result, audit, log_files, sample_ids
+from tests.chaos.run import KEYS, Ctx
 
 KEY, WRONG = "sk-chaos-right-4d1f", "sk-chaos-wrong-70aa"
 FAULT_S = 20.0

@@ -2,7 +2,6 @@
 from a copy of the AOF taken earlier in the run (a stale backup)."""
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import time
@@ -10,8 +9,9 @@ from typing import Any
 
 import redis
 
-from bench.chaos_audit import DATASET, Result, audit, log_files, read_jsonl, rounded as _r, sample_ids
-from bench.chaos_run import ChaosStack, Ctx, KEYS, Watch
+from demo.appending import read_jsonl
+from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
+from tests.chaos.run import ChaosStack, Ctx, KEYS, Watch
 from demo.stack import wait_until
 
 #: What a lost Redis connection looks like in rq's own log lines ("found an unhandled exception, quitting",

@@ -7,12 +7,12 @@ injected faults justify (the "wasted" figure).
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from demo.appending import read_jsonl
 from demo.stack import Stack
 
 DATASET = "prompts"
@@ -56,22 +56,6 @@ class Result:
     def as_dict(self) -> dict[str, Any]:
         return {"scenario": self.scenario, "scale": self.scale, "ok": self.ok, "wall_s": round(self.wall_s, 1),
                 "figures": self.figures, "checks": [c.__dict__ for c in self.checks], "note": self.note}
-
-
-def complete_lines(path: Path) -> list[str]:
-    """The newline-terminated lines of ``path``: a file that produce or a worker is still appending to may end
-    in half a line (no newline yet, perhaps cut inside a UTF-8 sequence); that part is left for the next read."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    end = data.rfind(b"\n")
-    return data[:end + 1].decode("utf-8", errors="replace").splitlines() if end >= 0 else []
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSONL file that may still be growing (an unterminated last line is not read yet)."""
-    return [json.loads(line) for line in complete_lines(path) if line.strip()]
 
 
 TRACEBACK = "Traceback (most recent call last):"
@@ -133,7 +117,7 @@ def audit(res: Result, stack: Stack, out: Path, ids: Sequence[str], logs: Iterab
 
 
 def sample_ids(n: int) -> list[str]:
-    """The ids bench.harness.write_prompts gives its n prompts."""
+    """The ids demo.synthetic.write_prompts gives its n prompts."""
     return [str(i) for i in range(n)]
 
 

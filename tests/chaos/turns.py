@@ -1,10 +1,10 @@
 """Chaos on multi-turn runs (issue 14, bench 4): kill -9 a worker every few seconds while ``produce --turns all``
 carries 3-turn conversations, a replacement started at once, and check the promise per turn.
 
-    python -m bench.chaos --scenario worker-kill-turns          # no budget: every conversation to its end
-    python -m bench.chaos --scenario worker-kill-turns-budget   # a budget of 30% of the run: kills go on for 60 s past the close
+    python -m tests.chaos --scenario worker-kill-turns          # no budget: every conversation to its end
+    python -m tests.chaos --scenario worker-kill-turns-budget   # a budget of 30% of the run: kills go on for 60 s past the close
 
-Checks, beyond bench/chaos_audit.py's (every conversation once, none lost, no traceback):
+Checks, beyond tests/chaos/audit.py's (every conversation once, none lost, no traceback):
 - the invariant (docs/multiturn.md): Redis ``used`` = Σ completion_tokens in the file + Σ committed turns not yet
   written (``Ledger.unwritten_turn_tokens``), drift 0; each record's ``completion_tokens`` = Σ of its turns;
 - 0 turns counted twice: the dataset's ``stats.turns`` (one HINCRBY per committed turn in ``commit_turn``) = the
@@ -28,10 +28,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.chaos_audit import DATASET, Result, audit, log_files, read_jsonl, rounded as _r
-from bench.chaos_run import ChaosStack, Ctx, KEYS, Produce, Watch, produce_argv
+from demo.appending import read_jsonl
+from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r
+from tests.chaos.run import ChaosStack, Ctx, KEYS, Produce, Watch, produce_argv
 from demo.stack import wait_until
-from bench.multiturn import PARSER, write_conversations
+from demo.synthetic import CONVERSATIONS_PARSER as PARSER, write_conversations
 from budget.payload import request_id, turn_request_key
 
 TURNS = 3
@@ -44,7 +45,7 @@ PREFIX = 28  # the rid's characters that name the (sample, turn); the last 4 cou
 
 
 def conv_ids(n: int) -> list[str]:
-    """The ids bench.multiturn.write_conversations gives its n conversations."""
+    """The ids demo.synthetic.write_conversations gives its n conversations."""
     return [f"c{c:05d}" for c in range(n)]
 
 

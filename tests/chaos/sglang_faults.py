@@ -1,7 +1,7 @@
 """Chaos scenarios on SGLang (the simulator's fault injection, driven live through /sim/faults): errors, 429
 with Retry-After, resets, hangs past the client timeout, 400s, a full outage; and malformed bodies.
 
-The workers talk to the simulator through bench.recorder, whose per-request log (rid, arrival, answer,
+The workers talk to the simulator through tests/chaos/recorder.py, whose per-request log (rid, arrival, answer,
 status, Retry-After) shows what the server cannot: when each sample was retried."""
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
-from bench.chaos_audit import DATASET, Result, audit, log_files, read_jsonl, rounded as _r, sample_ids
-from bench.chaos_run import Ctx, KEYS
+from demo.appending import read_jsonl
+from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
+from tests.chaos.run import Ctx, KEYS
 from demo.stack import wait_until
 from budget import record
 

@@ -1,6 +1,6 @@
 """What every chaos scenario runs on: its scale, a stack it may break (Redis restartable, workers replaceable,
 an optional recording proxy before SGLang), a produce it may kill, and a watch on the commits. The audit of
-the outcome is bench/chaos_audit.py."""
+the outcome is tests/chaos/audit.py."""
 from __future__ import annotations
 
 import json
@@ -17,9 +17,10 @@ from typing import Any, Sequence
 
 import redis
 
-from bench.blackhole import BlackHole
-from bench.chaos_audit import DATASET, Result, read_jsonl
-from bench.harness import write_prompts
+from tests.chaos.blackhole import BlackHole
+from demo.appending import read_jsonl
+from tests.chaos.audit import DATASET, Result
+from demo.synthetic import write_prompts
 from demo.stack import Service, Stack, free_port, http_ok, produce_cmd, wait_until
 
 KEYS = f"bq:ds:{{{DATASET}}}"  # the dataset's key prefix (budget/keys.py DatasetKeys)
@@ -68,7 +69,7 @@ SCALES = {
 
 class ChaosStack(Stack):
     """A Stack whose redis-server can be killed and started again (same port, same directory), and whose
-    workers can be killed and replaced by name. Optionally the workers talk to SGLang through bench.recorder."""
+    workers can be killed and replaced by name. Optionally the workers talk to SGLang through tests/chaos/recorder.py."""
 
     def __init__(self, workdir: Path, *, recorder: bool = False, blackhole: bool = False, **kwargs: Any) -> None:
         super().__init__(workdir, **kwargs)
@@ -91,7 +92,7 @@ class ChaosStack(Stack):
             self.redis_url = f"redis://127.0.0.1:{self.blackhole.port}/0"
         if self.use_recorder:
             port = free_port()
-            recorder = self.spawn("recorder", [sys.executable, "-m", "bench.recorder", "--upstream",
+            recorder = self.spawn("recorder", [sys.executable, "-m", "tests.chaos.recorder", "--upstream",
                                                self.sim_urls[0], "--port", str(port)])
             self.recorder_url = f"http://127.0.0.1:{port}"
             wait_until(lambda: http_ok(self.recorder_url + "/health"), 30, "recorder",
