@@ -28,6 +28,7 @@ from typing import Any
 
 from bench.harness import (CpuMeter, SimProbe, fmt_cpu, percentile, save_results, scratch, sim_args, sim_stats_url,
     window_rate)
+from budget.keys import DatasetKeys
 from demo.synthetic import write_prompts
 from demo.stack import Stack, produce_cmd, start_sim
 
@@ -125,7 +126,7 @@ def run_budgetq(args: argparse.Namespace, work: Path, tok: Path, data: Path, sim
                                    stdout=subprocess.DEVNULL, stderr=open(work / "produce.log", "wb"))
         try:
             pids = {**stack.pids(), "produce": produce.pid}
-            w = measure(stack.sim_urls[0], args, pids, used=lambda: int(r.get("bq:ds:{prompts}:used") or 0))
+            w = measure(stack.sim_urls[0], args, pids, used=lambda: int(r.get(DatasetKeys("prompts").used) or 0))
             w["workers"] = args.workers
             w["concurrency_per_worker"] = args.in_flight // args.workers
             return w

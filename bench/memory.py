@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from bench.harness import cpu_seconds, rss_kb, save_results, scratch
+from budget.keys import DatasetKeys
 from demo.synthetic import write_prompts
 from demo.stack import Stack, produce_cmd
 
@@ -49,11 +50,11 @@ def main() -> None:
             cpu0 = cpu_seconds(worker.pid)
             try:
                 while produce.poll() is None and time.time() - t0 < args.timeout:
-                    committed = int(r.hget("bq:ds:{prompts}", "committed") or 0)
+                    committed = int(r.hget(DatasetKeys("prompts").meta, "committed") or 0)
                     series.append((time.time() - t0, committed, rss_kb(worker.pid)[0]))
                     time.sleep(0.25)
                 rss_now, peak = rss_kb(worker.pid)
-                committed = int(r.hget("bq:ds:{prompts}", "committed") or 0)
+                committed = int(r.hget(DatasetKeys("prompts").meta, "committed") or 0)
                 series.append((time.time() - t0, committed, rss_now))
                 wall, cpu = time.time() - t0, cpu_seconds(worker.pid) - cpu0
                 # newline-terminated lines only: produce may be writing one (killed at the timeout)

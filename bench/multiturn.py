@@ -43,6 +43,7 @@ from typing import Any
 
 from bench.efficiency import measure
 from bench.harness import fmt_cpu, save_results, scratch, sim_args, sim_stats_url
+from budget.keys import DatasetKeys
 from demo.stack import Stack, produce_cmd, start_sim
 from demo.synthetic import CONVERSATIONS_PARSER, DATASET_MARK, write_conversations
 
@@ -99,11 +100,11 @@ def run_budgetq(args: argparse.Namespace, work: Path, tok: Path, data: Path, sim
                                    stdout=subprocess.DEVNULL, stderr=open(work / "produce.log", "wb"))
         try:
             pids = {**stack.pids(), "produce": produce.pid}
-            w = measure(stack.sim_urls[0], args, pids, used=lambda: int(r.get(f"bq:ds:{{{DATASET}}}:used") or 0))
+            w = measure(stack.sim_urls[0], args, pids, used=lambda: int(r.get(DatasetKeys(DATASET).used) or 0))
             w["loadavg_1_5_15"] = os.getloadavg()
             w["workers"] = args.workers
             w["concurrency_per_worker"] = args.in_flight // args.workers
-            stats: dict[bytes, bytes] = r.hgetall(f"bq:ds:{{{DATASET}}}:stats")  # type: ignore[assignment]
+            stats: dict[bytes, bytes] = r.hgetall(DatasetKeys(DATASET).stats)  # type: ignore[assignment]
             w["stats"] = {k.decode(): v.decode() for k, v in stats.items()}
             if produce.poll() is not None:
                 w["produce_exit"] = produce.returncode

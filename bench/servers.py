@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import CpuMeter, fmt_cpu, save_results, scratch, sim_args, sim_stats_url, window_rate
+from budget.keys import DatasetKeys
 from demo.synthetic import write_prompts
 from demo.stack import Stack, produce_cmd
 
@@ -98,11 +99,12 @@ def verify(stack: Stack, work: Path, n_prompts: int, name: str) -> dict[str, Any
     tokens = sum(json.loads(x)["completion_tokens"] for x in lines)
     failed = (out / "failed.jsonl").read_text().splitlines() if (out / "failed.jsonl").exists() else []
     r = stack.client()
+    keys = DatasetKeys("prompts")
     return {"lines": len(lines), "unique_ids": len(set(ids)), "prompts": n_prompts,
             "duplicates": len(ids) - len(set(ids)), "failed": len(failed),
-            "redis_done": int(r.hlen("bq:ds:{prompts}:done")), "redis_used": int(r.get("bq:ds:{prompts}:used") or 0),
+            "redis_done": int(r.hlen(keys.done)), "redis_used": int(r.get(keys.used) or 0),
             "tokens_on_disk": tokens, "ok": len(lines) == len(set(ids)) == n_prompts and not failed
-            and int(r.get("bq:ds:{prompts}:used") or 0) == tokens}
+            and int(r.get(keys.used) or 0) == tokens}
 
 
 def worker_failures(work: Path, dead_url: str) -> dict[str, Any]:
@@ -125,13 +127,13 @@ def phase_lists(args: argparse.Namespace, work: Path, tok: Path, data: Path, n_p
         r = stack.client()
         produce = start_produce(stack, work / "lists", tok, data, args, "lists")
         try:
-            used = lambda: int(r.get("bq:ds:{prompts}:used") or 0)  # noqa: E731
+            used = lambda: int(r.get(DatasetKeys("prompts").used) or 0)  # noqa: E731
             thr = measure(stack.sim_urls, args, {**stack.pids(), "produce": produce.pid}, used, args.warm,
                           args.window)
             print("throughput", json.dumps(thr), flush=True)
             victim = 1 if args.kill == "slow" else 0
             before = sim_stats_url(stack.sim_urls[victim])
-            committed_before = int(r.hget("bq:ds:{prompts}", "committed") or 0)
+            committed_before = int(r.hget(DatasetKeys("prompts").meta, "committed") or 0)
             stack.sims[victim].kill()
             t_kill = time.time()
             revived = None
@@ -209,7 +211,7 @@ def phase_router(args: argparse.Namespace, work: Path, tok: Path, data: Path, po
             r = stack.client()
             produce = start_produce(stack, where, tok, data, args, "router")
             try:
-                used = lambda: int(r.get("bq:ds:{prompts}:used") or 0)  # noqa: E731
+                used = lambda: int(r.get(DatasetKeys("prompts").used) or 0)  # noqa: E731
                 assert router.proc is not None
                 pids = {**stack.pids(), "produce": produce.pid, "router": router.proc.pid}
                 res = measure(stack.sim_urls, args, pids, used, args.router_warm, args.router_window)

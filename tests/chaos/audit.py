@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from budget.keys import DatasetKeys
 from demo.appending import read_jsonl
 from demo.stack import Stack
 
@@ -88,8 +89,8 @@ def audit(res: Result, stack: Stack, out: Path, ids: Sequence[str], logs: Iterab
     written = [str(x["id"]) for x in recs]
     unique = set(written)
     r = stack.client()
-    used = int(r.get(f"bq:ds:{{{dataset}}}:used") or 0)
-    done = int(r.hlen(f"bq:ds:{{{dataset}}}:done"))
+    used = int(r.get(DatasetKeys(dataset).used) or 0)
+    done = int(r.hlen(DatasetKeys(dataset).done))
     tokens = sum(int(x["completion_tokens"]) for x in recs)
     lost = [sid for sid in ids if sid not in unique and sid not in failed]
     stats = stack.sim_stats()
@@ -98,7 +99,7 @@ def audit(res: Result, stack: Stack, out: Path, ids: Sequence[str], logs: Iterab
         "duplicates": len(written) - len(unique), "drift": used - tokens, "redis_used": used, "file_tokens": tokens,
         "sim_completed": stats["completed"], "sim_aborted": stats["aborted"],
         "wasted": stats["completed"] + stats["aborted"] - len(unique),
-        "chunk_jobs": int(r.get(f"bq:ds:{{{dataset}}}:seq") or 0),
+        "chunk_jobs": int(r.get(DatasetKeys(dataset).seq) or 0),
     }
     res.figures.update(figures)
     res.check("lost = 0", not lost, f"{len(lost)} lost, e.g. {lost[:5]}")

@@ -45,8 +45,8 @@ def wrong_key(ctx: Ctx) -> Result:
             time.sleep(0.05)  # polling other processes' exits: there is no event to await across them
         fault_s = time.monotonic() - t0
         refused = st.sim_stats()["unauthorized"]
-        failed_during = int(r.hlen(KEYS + ":failed"))
-        used_during = int(r.get(KEYS + ":used") or 0)
+        failed_during = int(r.hlen(KEYS.failed))
+        used_during = int(r.get(KEYS.used) or 0)
         logs = "".join(p.read_text(errors="replace") for p in st.workdir.glob("w*.log"))
         res.check("samples failed while the key was wrong = 0", failed_during == 0, failed_during)
         res.check("tokens counted while the key was wrong = 0", used_during == 0, used_during)

@@ -22,7 +22,7 @@ REDIS_DOWN_TB = (r"redis\.exceptions\.(ConnectionError|TimeoutError|BusyLoadingE
 
 def _done(st: ChaosStack) -> int:
     try:
-        return int(st.client().hlen(KEYS + ":done"))
+        return int(st.client().hlen(KEYS.done))
     except redis.RedisError:  # down: being killed or restarted
         return 0
 
@@ -174,6 +174,6 @@ def _mismatches(st: ChaosStack) -> int:
     """Samples whose record on disk and whose count in Redis' done hash disagree (generated twice)."""
     path = st.workdir / "out" / DATASET / "raw_responses.jsonl"
     on_disk = {str(rec["id"]): int(rec["completion_tokens"]) for rec in read_jsonl(path)}
-    raw: Any = st.client().hgetall(KEYS + ":done")
+    raw: Any = st.client().hgetall(KEYS.done)
     done = {k.decode(): int(v) for k, v in raw.items()}
     return sum(1 for sid, n in on_disk.items() if sid in done and done[sid] != n)

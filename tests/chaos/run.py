@@ -17,13 +17,14 @@ from typing import Any, Sequence
 
 import redis
 
+from budget.keys import DatasetKeys
 from tests.chaos.blackhole import BlackHole
 from demo.appending import read_jsonl
 from tests.chaos.audit import DATASET, Result
 from demo.synthetic import write_prompts
 from demo.stack import Service, Stack, free_port, http_ok, produce_cmd, wait_until
 
-KEYS = f"bq:ds:{{{DATASET}}}"  # the dataset's key prefix (budget/keys.py DatasetKeys)
+KEYS = DatasetKeys(DATASET)  # the scenarios' dataset's keys
 QUEUE = "budgetq"
 
 
@@ -147,7 +148,7 @@ class Watch(threading.Thread):
     def __init__(self, redis_url: str, output: Path | None = None, dataset: str = DATASET) -> None:
         super().__init__(daemon=True)
         self.r = redis.Redis.from_url(redis_url, socket_timeout=1, socket_connect_timeout=1)
-        self.key = f"bq:ds:{{{dataset}}}:done"
+        self.key = DatasetKeys(dataset).done
         self.output = output
         self.samples: list[tuple[float, int | None]] = []  # (monotonic time, committed or None: Redis down)
         self.written: list[tuple[float, int]] = []  # (monotonic time, bytes in raw_responses.jsonl)
@@ -214,7 +215,7 @@ class Produce:
                dataset: str = DATASET) -> int:
         """Wait for produce to exit. A produce still running while nothing was committed or written for
         ``stall_s`` seconds is stalled: it is killed, the stall recorded in ``res``, and -998 returned."""
-        done_key = f"bq:ds:{{{dataset}}}:done"
+        done_key = DatasetKeys(dataset).done
         output = stack.workdir / "out" / dataset / "raw_responses.jsonl"
         deadline = time.monotonic() + timeout
         last: tuple[int, int] | None = None
@@ -228,7 +229,7 @@ class Produce:
             if state != last:
                 last, since = state, now
             elif now - since > stall_s or now > deadline:
-                seq = stack.client().get(f"bq:ds:{{{dataset}}}:seq")
+                seq = stack.client().get(DatasetKeys(dataset).seq)
                 if res is not None:
                     res.check("produce finished (no stall)", False,
                               f"still running after {now - since:.0f} s without a commit or a write: "
