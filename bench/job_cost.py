@@ -49,11 +49,7 @@ def latency_runs(stack: Stack, kind: str, jobs: int, size: int) -> dict[str, Any
     name = f"lat_{kind}"
     Ledger(r).set_budget(name, None)
     worker = stack.start_worker(f"{kind}", worker_class="worker.Worker" if kind == "nofork" else None)
-    deadline = time.monotonic() + 30
-    while not any(b"nofork" in w or b"fork" in w for w in r.smembers("rq:workers")):
-        if time.monotonic() > deadline:
-            raise RuntimeError("worker did not register")
-        time.sleep(0.05)
+    stack.wait_for_workers()
     time.sleep(1.0)
     infl = DatasetKeys(name).inflight
     mon = RedisMonitor(stack.redis_url, grep=DatasetKeys(name).meta,

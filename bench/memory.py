@@ -37,9 +37,7 @@ def main() -> None:
         with Stack(work / "stack", sim_args=sim, workers=1) as stack:
             r = stack.client()
             worker = stack.workers[0]
-            deadline = time.monotonic() + 30
-            while not r.smembers("rq:workers") and time.monotonic() < deadline:
-                time.sleep(0.05)
+            stack.wait_for_workers()
             base_rss = rss_kb(worker.pid)[0]
             produce = subprocess.Popen([*produce_cmd(), f"prompts={data}", "--tokenizer", str(tok), "--max-tokens",
                                         str(args.max_tokens), "--max-context", "65536", "--out", str(work / "out"),

@@ -38,8 +38,8 @@ from typing import Any
 
 from bench.harness import CpuMeter, fmt_cpu, save_results, scratch, sim_args, sim_stats_url, window_rate
 from budget.keys import DatasetKeys
+from demo.stack import Stack, produce_cmd, spawn_sim
 from demo.synthetic import write_prompts
-from demo.stack import Stack, produce_cmd
 
 SPEEDS = (1.0, 0.5)
 
@@ -143,8 +143,7 @@ def phase_lists(args: argparse.Namespace, work: Path, tok: Path, data: Path, n_p
                     rc = produce.wait(args.revive_after)
                 except subprocess.TimeoutExpired:
                     port = int(stack.sim_urls[victim].rsplit(":", 1)[1])
-                    revived = subprocess.Popen([sys.executable, "-m", "sglang_sim", "--port", str(port),
-                                                *sims[victim]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    revived = spawn_sim(f"sim{victim}-revived", sims[victim], stack.workdir, port=port)[0].proc
                     stack.procs.append(revived)
                     t_revive = time.time()
             try:

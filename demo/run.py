@@ -27,14 +27,12 @@ from types import FrameType
 from typing import Final, Sequence
 
 import click
-import redis
-from rq import Worker as RQWorker
 
 import demo
 from budget.keys import QUEUE_NAME
 from budget.record import as_v2
-from demo.stack import (HOST, NotReady, RedisServer, Service, find_redis_server, produce_cmd, spawn, spawn_sim, wait_for_sim,
-                        wait_until, worker_argv, worker_env)
+from demo.stack import (HOST, NotReady, RedisServer, Service, find_redis_server, produce_cmd, spawn, spawn_sim,
+                        wait_for_sim, wait_for_workers, worker_argv, worker_env)
 from demo.tokenizer import build_tokenizer
 from producer.attach import pid_alive
 
@@ -84,15 +82,6 @@ def start_workers(into: list[Service], n: int, redis_url: str, sim_url: str, log
     env.pop("SGLANG_API_KEY", None)  # the simulator asks for none; a real server's key stays home
     for i in range(1, n + 1):
         into.append(spawn(f"worker-{i}", worker_argv(f"demo-w{i}"), logs, env, own_session=True))
-
-
-def wait_for_workers(workers: list[Service], redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        wait_until(lambda: RQWorker.count(connection=client) >= len(workers), STARTUP_TIMEOUT_S, "rq workers",
-                   watch=workers)
-    finally:
-        client.close()
 
 
 def prepare_workdir(workdir: Path) -> None:
@@ -217,7 +206,7 @@ def run_demo(workdir: Path, n_workers: int, budgets: Sequence[str], keep_running
         sim_url = start_sim(services, logs)
         start_workers(workers, n_workers, redis_url, sim_url, logs)
         tokenizer = build_tokenizer(workdir / "tokenizer", thinking="open")
-        wait_for_workers(workers, redis_url)
+        wait_for_workers(redis_url, workers, STARTUP_TIMEOUT_S)
         click.echo(f"demo: redis {redis_url}  sglang-sim {sim_url}  queue {QUEUE_NAME!r}")
         click.echo(f"demo: to watch it (pip install rq-dashboard, then open http://{HOST}:9181):\n"
                    f"  rq-dashboard --bind {HOST} --port 9181 --redis-url {redis_url}\n"

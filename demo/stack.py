@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any, Callable, Final, Sequence
 
 import redis
+from rq import Worker as RQWorker
 
 from sglang_sim.launch import free_port
 
 __all__ = ["HOST", "NotReady", "RedisServer", "Service", "Stack", "find_redis_server", "free_port", "http_ok",
-           "produce_cmd", "redis_answers", "spawn", "spawn_sim", "start_sim", "terminate", "wait_for_sim", "wait_until",
+           "produce_cmd", "redis_answers", "spawn", "spawn_sim", "start_sim", "terminate", "wait_for_sim", "wait_for_workers", "wait_until",
            "worker_argv", "worker_env"]
 
 HOST: Final = "127.0.0.1"
@@ -204,9 +205,11 @@ class RedisServer:
             proc.wait(timeout)
 
 
-def spawn_sim(name: str, args: Sequence[str], logs: Path, *, own_session: bool = False) -> tuple[Service, str]:
-    """The simulator (``python -m sglang_sim``) on a free loopback port, not waited for: (its service, its URL)."""
-    port = free_port(HOST)
+def spawn_sim(name: str, args: Sequence[str], logs: Path, *, own_session: bool = False,
+              port: int | None = None) -> tuple[Service, str]:
+    """The simulator (``python -m sglang_sim``) on ``port`` (default: a free loopback port), not waited for:
+    (its service, its URL)."""
+    port = port or free_port(HOST)
     service = spawn(name, [sys.executable, "-m", "sglang_sim", "--host", HOST, "--port", str(port), *args], logs,
                     own_session=own_session)
     return service, f"http://{HOST}:{port}"
@@ -233,6 +236,16 @@ def worker_argv(name: str, worker_class: str | None = "worker.Worker") -> list[s
 def worker_env(redis_url: str, sim_url: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """This environment with the worker's two URLs (``SGLANG_URL`` may list several) and ``extra`` on top."""
     return {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": sim_url, **(extra or {})}
+
+
+def wait_for_workers(redis_url: str, workers: Sequence[Service], timeout: float = 30.0) -> None:
+    """Until RQ counts at least as many registered workers as ``workers`` (a worker registers once it listens
+    on its queue); NotReady at once if one of them exits."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        wait_until(lambda: RQWorker.count(connection=client) >= len(workers), timeout, "rq workers", watch=workers)
+    finally:
+        client.close()
 
 
 def terminate(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 15.0) -> None:
@@ -262,6 +275,7 @@ class Stack:
         self.sim_args_each = [list(a) for a in sim_args_each] if sim_args_each else [self.sim_args] * sim_count
         self.redis = RedisServer(workdir / "redis", logs=workdir)
         self.procs: list[subprocess.Popen[bytes]] = []  # every process started, in order
+        self.services: list[Service] = []  # the same, with their names and logs
         self.workers: list[subprocess.Popen[bytes]] = []
         self.sims: list[subprocess.Popen[bytes]] = []
         self.sim_urls: list[str] = []
@@ -269,9 +283,12 @@ class Stack:
 
     def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Another process of the stack (a proxy, a router), stopped with it; ``env`` on top of this one's."""
-        proc = spawn(name, argv, self.workdir, {**os.environ, **(env or {})}).proc
-        self.procs.append(proc)
-        return proc
+        return self._add(spawn(name, argv, self.workdir, {**os.environ, **(env or {})}))
+
+    def _add(self, service: Service) -> subprocess.Popen[bytes]:
+        self.services.append(service)
+        self.procs.append(service.proc)
+        return service.proc
 
     def start(self) -> "Stack":
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -279,8 +296,7 @@ class Stack:
         self.redis_url = self.redis.url
         for i, args in enumerate(self.sim_args_each):
             service, url = start_sim(f"sim{i}", args, self.workdir)
-            self.procs.append(service.proc)
-            self.sims.append(service.proc)
+            self.sims.append(self._add(service))
             self.sim_urls.append(url)
         for i in range(self.n_workers):
             self.start_worker(f"w{i}")
@@ -289,17 +305,21 @@ class Stack:
     def start_redis(self, timeout: float = 60.0) -> None:
         """Start redis-server, or start it again (same port, same directory) after a kill: reading back a
         big AOF on a loaded machine can take tens of seconds."""
-        self.procs.append(self.redis.start(timeout).proc)
+        self._add(self.redis.start(timeout))
 
     def start_worker(self, name: str, env: dict[str, str] | None = None,
                      worker_class: str | None = "worker.Worker") -> subprocess.Popen[bytes]:
         """An ``rq worker`` (see `worker_argv`) on this stack's Redis and simulators, named NAME-PID so
         that two stacks on one machine never share a worker name."""
         full = worker_env(self.redis_url, ",".join(self.sim_urls), {**self.worker_env, **(env or {})})
-        proc = spawn(name, worker_argv(f"{name}-{os.getpid()}", worker_class), self.workdir, full).proc
-        self.procs.append(proc)
+        proc = self._add(spawn(name, worker_argv(f"{name}-{os.getpid()}", worker_class), self.workdir, full))
         self.workers.append(proc)
         return proc
+
+    def wait_for_workers(self, timeout: float = 30.0) -> None:
+        """Until every running worker of the stack has registered with RQ (see `wait_for_workers`)."""
+        running = [s for s in self.services if s.proc in self.workers and s.alive()]
+        wait_for_workers(self.redis_url, running, timeout)
 
     def sim_stats(self, i: int = 0) -> dict[str, Any]:
         with urllib.request.urlopen(self.sim_urls[i] + "/sim/stats", timeout=5) as resp:

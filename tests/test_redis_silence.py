@@ -22,8 +22,8 @@ from budget import connection, keys
 from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
-from tests.procs import wait_for
 from demo.stack import RedisServer
+from tests.procs import wait_for
 from worker import dispatch
 from worker.config import WorkerConfig
 from worker.runtime import Runtime
