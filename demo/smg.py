@@ -1,6 +1,7 @@
 """SGLang's real router (SGLang Model Gateway, ``pip install sglang-router``, 0.3.2: ``smg launch``) on loopback.
 
-Part of the dev stack (demo/stack.py); used by tests/test_router.py and bench/servers.py in front of simulators. What it needs here, learnt by running it:
+Part of the dev stack (demo/stack.py); tests/test_router.py and bench/servers.py put it in front of simulators.
+What it needs here, learnt by running it:
 
 - it binds 0.0.0.0 unless told otherwise, and so does its Prometheus exporter (default port 29000, so a second
   router on the host fails): both get 127.0.0.1 and a free port of their own;

@@ -5,9 +5,10 @@ the wait for each to come up.
 Everything binds 127.0.0.1 and is a child of the caller, started the way a user starts it (the same binaries
 and commands), with its output in LOGS/NAME.log. A caller stops what it started and only that: no function here
 touches a Redis it did not start. This module lives in demo/ because the demo ships in the package and needs it;
-it imports budgetq's packages only to name the worker class on a command line, never its internals, so tests
-and benchmarks that use it measure the real system (tests/test_layers.py checks that no package module and no
-test imports bench, and that nothing under budget/, producer/, render/ or worker/ imports demo).
+it names budgetq's packages only on command lines (``worker.Worker``, ``producer.cli``), never imports their
+internals, so the tests and benchmarks that use it run the real system. tests/test_layers.py keeps it in its
+layer: nothing of budget/, producer/, render/, worker/ or sglang_sim/ imports demo/, demo/ imports neither
+bench/ nor tests/, and no test imports bench/.
 
     stack = Stack(workdir, sim_args=["--time-scale", "50"], workers=2).start()
     ... stack.redis_url, stack.sim_urls ...
@@ -34,8 +35,8 @@ from rq import Worker as RQWorker
 from sglang_sim.launch import free_port
 
 __all__ = ["HOST", "NotReady", "RedisServer", "Service", "Stack", "find_redis_server", "free_port", "http_ok",
-           "produce_cmd", "redis_answers", "spawn", "spawn_sim", "start_sim", "terminate", "wait_for_sim", "wait_for_workers", "wait_until",
-           "worker_argv", "worker_env"]
+           "produce_cmd", "redis_answers", "spawn", "spawn_sim", "start_sim", "terminate", "wait_for_sim",
+           "wait_for_workers", "wait_until", "worker_argv", "worker_env"]
 
 HOST: Final = "127.0.0.1"
 #: The worker command: ``rq worker`` run by this interpreter, so the workers see the packages the caller sees.

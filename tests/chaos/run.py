@@ -70,7 +70,8 @@ SCALES = {
 
 class ChaosStack(Stack):
     """A Stack whose redis-server can be killed and started again (same port, same directory), and whose
-    workers can be killed and replaced by name. Optionally the workers talk to SGLang through tests/chaos/recorder.py."""
+    workers can be killed and replaced by name. Optionally the workers talk to SGLang through
+    tests/chaos/recorder.py."""
 
     def __init__(self, workdir: Path, *, recorder: bool = False, blackhole: bool = False, **kwargs: Any) -> None:
         super().__init__(workdir, **kwargs)
