@@ -38,9 +38,10 @@ test:
 typecheck:
 	$(PYTHON) -m mypy
 
-# Fault injection, full form (20,000 prompts, 4 workers; heavy: ~30 min). See docs/reliability.md.
+# Fault injection, full form (20,000 prompts, 4 workers; heavy: ~30 min): tests/chaos/, whose "ci" form
+# tests/test_chaos.py runs in `make test`. See docs/reliability.md.
 chaos:
-	$(PYTHON) -m bench.chaos --full
+	$(PYTHON) -m tests.chaos --full
 
 # docker-compose.yml with real containers (rootful podman + podman-compose, installed when missing): build,
 # sim profile, the deployment doc's quick start, output and dashboard-auth checks, teardown. Opt-in, not CI:

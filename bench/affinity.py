@@ -11,7 +11,7 @@ Samples are in file order, conversation after conversation, so a chunk holds the
 Two simulators of the same speed with their prefix cache on; 2 workers x 16 in flight; an attached
 ``produce`` on the whole dataset (short answers: the figure is about prompts). Dispatch:
 - ``list``: SGLANG_URL lists both servers (budgetq's least-in-flight dispatch);
-- ``cache_aware``, ``round_robin``: one SGLANG_URL, SGLang's real router (bench/smg.py) in front of both;
+- ``cache_aware``, ``round_robin``: one SGLANG_URL, SGLang's real router (demo/smg.py) in front of both;
 - ``one server``: SGLANG_URL is one server: the most any dispatch could find cached.
 Figure: sum of cached_tokens / sum of prompt_tokens over both servers. Counts, so not CPU-sensitive.
 """
@@ -23,7 +23,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench.harness import Stack, produce_cmd, save_results, scratch, sim_args, sim_stats_url
+from bench.harness import save_results, scratch, sim_args, sim_stats_url
+from demo.stack import Stack, produce_cmd
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud field metal "
          "paper glass light sound water").split()
@@ -52,7 +53,7 @@ def run(mode: str, args: argparse.Namespace, work: Path, tok: Path, data: Path, 
     with Stack(where, sim_args_each=sims, workers=0) as stack:
         router = None
         if mode in ("cache_aware", "round_robin"):
-            from bench.smg import Router
+            from demo.smg import Router
             router = Router(stack.sim_urls, where, policy=mode).start()
             url = router.url
         elif mode == "one server":

@@ -41,7 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import Stack, produce_cmd, scratch, write_prompts
+from bench.harness import scratch
+from demo.synthetic import write_prompts
+from demo.stack import Stack, produce_cmd
 from bench.multiturn import DATASET as CONV_DATASET, PARSER, write_conversations
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -29,8 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (CpuMeter, RedisMonitor, Stack, admits_start, fmt_cpu, produce_cmd, save_results, scratch,
-                           sim_args, sim_stats_url, write_prompts)
+from bench.harness import CpuMeter, RedisMonitor, admits_start, fmt_cpu, save_results, scratch, sim_args, sim_stats_url
+from budget.keys import DatasetKeys
+from demo.synthetic import write_prompts
+from demo.stack import Stack, produce_cmd
 
 
 class ArrivalWatch(threading.Thread):
@@ -46,7 +48,7 @@ class ArrivalWatch(threading.Thread):
         self.stop_flag = threading.Event()
 
     def run(self) -> None:
-        meta = f"bq:ds:{{{self.name}}}"
+        meta = DatasetKeys(self.name).meta
         while not self.stop_flag.is_set() and self.r.hget(meta, "status") != b"closed":
             time.sleep(0.002)
         if self.stop_flag.is_set():
@@ -74,7 +76,7 @@ def close_runs(args: argparse.Namespace, work: Path, tok: Path, data: Path) -> l
             for rep in range(args.repeats):
                 name = f"close{run}"
                 run += 1
-                key = f"bq:ds:{{{name}}}:inflight"
+                key = DatasetKeys(name).inflight
                 mon = RedisMonitor(stack.redis_url, grep=key, workdir=work,
                                    keep=lambda c, key=key: admits_start(c, key)).start()
                 watch = ArrivalWatch(stack, name)
@@ -91,7 +93,7 @@ def close_runs(args: argparse.Namespace, work: Path, tok: Path, data: Path) -> l
                 events = mon.stop()
                 if res.returncode != 0:
                     raise RuntimeError(f"produce failed: {res.stderr[-2000:]}")
-                closed_at = float(r.hget(f"bq:ds:{{{name}}}", "closed_at") or 0)
+                closed_at = float(r.hget(DatasetKeys(name).meta, "closed_at") or 0)
                 starts = [t for t, kind, _ in events if kind == "lua"]
                 last_start = max(starts) if starts else None
                 arrival = watch.last_growth if watch.last_growth is not None else watch.detected
@@ -100,7 +102,7 @@ def close_runs(args: argparse.Namespace, work: Path, tok: Path, data: Path) -> l
                        "ms_close_to_last_arrival_upper_bound": (arrival - closed_at) * 1000 if arrival else None,
                        "ms_close_to_detection": (watch.detected - closed_at) * 1000 if watch.detected else None,
                        "arrivals_after_detection": watch.arrivals_after_detection,
-                       "used": int(r.get(f"bq:ds:{{{name}}}:used") or 0), "budget": args.budget, "cpu": shares}
+                       "used": int(r.get(DatasetKeys(name).used) or 0), "budget": args.budget, "cpu": shares}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     return rows

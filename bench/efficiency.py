@@ -26,8 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (CpuMeter, SimProbe, Stack, fmt_cpu, percentile, produce_cmd, save_results, scratch,
-                           sim_args, sim_stats_url, start_sim, window_rate, write_prompts)
+from bench.harness import (CpuMeter, SimProbe, fmt_cpu, percentile, save_results, scratch, sim_args, sim_stats_url,
+    window_rate)
+from budget.keys import DatasetKeys
+from demo.synthetic import write_prompts
+from demo.stack import Stack, produce_cmd, start_sim
 
 
 def render_bodies(tok: Path, data: Path) -> list[list[int]]:
@@ -92,7 +95,8 @@ def measure(url: str, args: argparse.Namespace, pids: dict[str, int], used: Any 
 
 
 def run_baseline(args: argparse.Namespace, work: Path, bodies: Path, sim: list[str]) -> dict[str, Any]:
-    proc, url = start_sim(work, "sim-baseline", sim)
+    sim_service, url = start_sim("sim-baseline", sim, work)
+    proc = sim_service.proc
     out = work / "baseline-done.json"
     try:
         client = subprocess.Popen([sys.executable, "-m", "bench.client", "--url", url, "--bodies", str(bodies),
@@ -122,7 +126,7 @@ def run_budgetq(args: argparse.Namespace, work: Path, tok: Path, data: Path, sim
                                    stdout=subprocess.DEVNULL, stderr=open(work / "produce.log", "wb"))
         try:
             pids = {**stack.pids(), "produce": produce.pid}
-            w = measure(stack.sim_urls[0], args, pids, used=lambda: int(r.get("bq:ds:{prompts}:used") or 0))
+            w = measure(stack.sim_urls[0], args, pids, used=lambda: int(r.get(DatasetKeys("prompts").used) or 0))
             w["workers"] = args.workers
             w["concurrency_per_worker"] = args.in_flight // args.workers
             return w

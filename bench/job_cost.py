@@ -24,8 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (CpuMeter, RedisMonitor, Stack, admits_start, cpu_seconds, fmt_cpu, produce_cmd,
-                           save_results, scratch, sim_stats_url, write_prompts)
+from bench.harness import (CpuMeter, RedisMonitor, admits_start, cpu_seconds, fmt_cpu, save_results, scratch,
+    sim_stats_url)
+from budget.keys import DatasetKeys
+from demo.synthetic import write_prompts
+from demo.stack import Stack, produce_cmd
 
 SIM = ["--zero-latency", "--length-dist", "fixed", "--mean-tokens", "32", "--seed", "1"]
 
@@ -46,23 +49,19 @@ def latency_runs(stack: Stack, kind: str, jobs: int, size: int) -> dict[str, Any
     name = f"lat_{kind}"
     Ledger(r).set_budget(name, None)
     worker = stack.start_worker(f"{kind}", worker_class="worker.Worker" if kind == "nofork" else None)
-    deadline = time.monotonic() + 30
-    while not any(b"nofork" in w or b"fork" in w for w in r.smembers("rq:workers")):
-        if time.monotonic() > deadline:
-            raise RuntimeError("worker did not register")
-        time.sleep(0.05)
+    stack.wait_for_workers()
     time.sleep(1.0)
-    infl = f"bq:ds:{{{name}}}:inflight"
-    mon = RedisMonitor(stack.redis_url, grep=f"bq:ds:{{{name}}}",
+    infl = DatasetKeys(name).inflight
+    mon = RedisMonitor(stack.redis_url, grep=DatasetKeys(name).meta,
                        keep=lambda c: c.startswith("HINCRBY " + infl) or c.startswith("HSET " + infl)
-                       or c.startswith("HINCRBY bq:ds:{" + name + "} committed")).start()
+                       or c.startswith(f"HINCRBY {DatasetKeys(name).meta} committed")).start()
     queue = make_queue(r)
     rows = []
     cpu0 = cpu_with_children(worker.pid)
     meter = CpuMeter({"sim": stack.sims[0].pid, "redis": stack.pids()["redis"]})
     t_all = time.time()
     for j in range(jobs):
-        before = int(r.hget(f"bq:ds:{{{name}}}", "committed") or 0)
+        before = int(r.hget(DatasetKeys(name).meta, "committed") or 0)
         items = [Item(f"{j}-{i}", [1, 2, 3, 4, 5], False) for i in range(size)]
         secs, usecs = r.time()
         t_enq = secs + usecs / 1e6
@@ -78,7 +77,7 @@ def latency_runs(stack: Stack, kind: str, jobs: int, size: int) -> dict[str, Any
         deadline = time.monotonic() + 15
         while True:  # done: the job ended and nothing more arrives
             st = r.hget("rq:job:" + cid, "status")
-            if st in (b"finished", b"failed") and r.zscore(f"bq:ds:{{{name}}}:chunks", cid) is None:
+            if st in (b"finished", b"failed") and r.zscore(DatasetKeys(name).chunks, cid) is None:
                 break
             if st in (b"finished", b"failed") and time.monotonic() > deadline - 10:
                 break  # a forked horse died with requests in flight: the chunk stays live, nothing more comes
@@ -86,7 +85,7 @@ def latency_runs(stack: Stack, kind: str, jobs: int, size: int) -> dict[str, Any
                 break
             time.sleep(0.005)
         time.sleep(0.05)
-        committed = int(r.hget(f"bq:ds:{{{name}}}", "committed") or 0) - before
+        committed = int(r.hget(DatasetKeys(name).meta, "committed") or 0) - before
         arrived = sim_stats_url(stack.sim_urls[0])["submitted"] - sim0
         rows.append({"chunk": cid, "t_enq": t_enq, "status": st.decode() if isinstance(st, bytes) else str(st),
                      "committed": committed, "lost_in_flight": size - committed,
@@ -137,7 +136,7 @@ def chunk_sweep(stack: Stack, work: Path, tok: Path, data: Path, sizes: list[int
                         "--max-context", "65536", "--chunk-size", str(size), "--out", str(work / "out"),
                         "--redis-url", stack.redis_url, "--detach", "--quiet"], check=True, capture_output=True)
         enqueue_s = time.time() - t0
-        committed = lambda: int(r.hget(f"bq:ds:{{{name}}}", "committed") or 0)  # noqa: E731
+        committed = lambda: int(r.hget(DatasetKeys(name).meta, "committed") or 0)  # noqa: E731
         deadline = time.monotonic() + 30
         while committed() == 0 and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -35,10 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.chaos_audit import read_jsonl
 from bench.efficiency import render_bodies
-from bench.harness import (RESULTS, CpuMeter, Stack, fmt_cpu, produce_cmd, save_results, scratch, sim_args,
-                           sim_stats_url, start_sim, write_prompts)
+from bench.harness import CpuMeter, RESULTS, fmt_cpu, save_results, scratch, sim_args, sim_stats_url
+from demo.synthetic import write_prompts
+from demo.appending import read_jsonl
+from demo.stack import Stack, produce_cmd, start_sim
 
 SAT = 256
 SERIES_STEP = 0.5  # seconds between saved points of the running-count series
@@ -96,7 +97,8 @@ def thin(points: list[tuple[float, int]], step: float) -> list[tuple[float, int]
 
 def run_baseline(args: argparse.Namespace, work: Path, bodies: Path, sim: list[str], timeout: float
                  ) -> dict[str, Any]:
-    proc, url = start_sim(work, "sim-baseline", sim)
+    sim_service, url = start_sim("sim-baseline", sim, work)
+    proc = sim_service.proc
     out = work / "baseline-done.json"
     try:
         client = subprocess.Popen([sys.executable, "-m", "bench.client", "--url", url, "--bodies", str(bodies),

@@ -11,12 +11,14 @@ from the 2,000th to the last sample (after start-up allocations settle).
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import time
 from typing import Any
 
-from bench.harness import Stack, cpu_seconds, produce_cmd, rss_kb, save_results, scratch, write_prompts
+from bench.harness import cpu_seconds, rss_kb, save_results, scratch
+from budget.keys import DatasetKeys
+from demo.synthetic import write_prompts
+from demo.stack import Stack, produce_cmd
 
 
 def main() -> None:
@@ -35,9 +37,7 @@ def main() -> None:
         with Stack(work / "stack", sim_args=sim, workers=1) as stack:
             r = stack.client()
             worker = stack.workers[0]
-            deadline = time.monotonic() + 30
-            while not r.smembers("rq:workers") and time.monotonic() < deadline:
-                time.sleep(0.05)
+            stack.wait_for_workers()
             base_rss = rss_kb(worker.pid)[0]
             produce = subprocess.Popen([*produce_cmd(), f"prompts={data}", "--tokenizer", str(tok), "--max-tokens",
                                         str(args.max_tokens), "--max-context", "65536", "--out", str(work / "out"),
@@ -48,11 +48,11 @@ def main() -> None:
             cpu0 = cpu_seconds(worker.pid)
             try:
                 while produce.poll() is None and time.time() - t0 < args.timeout:
-                    committed = int(r.hget("bq:ds:{prompts}", "committed") or 0)
+                    committed = int(r.hget(DatasetKeys("prompts").meta, "committed") or 0)
                     series.append((time.time() - t0, committed, rss_kb(worker.pid)[0]))
                     time.sleep(0.25)
                 rss_now, peak = rss_kb(worker.pid)
-                committed = int(r.hget("bq:ds:{prompts}", "committed") or 0)
+                committed = int(r.hget(DatasetKeys("prompts").meta, "committed") or 0)
                 series.append((time.time() - t0, committed, rss_now))
                 wall, cpu = time.time() - t0, cpu_seconds(worker.pid) - cpu0
                 # newline-terminated lines only: produce may be writing one (killed at the timeout)

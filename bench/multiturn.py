@@ -42,38 +42,16 @@ from pathlib import Path
 from typing import Any
 
 from bench.efficiency import measure
-from bench.harness import Stack, fmt_cpu, produce_cmd, save_results, scratch, sim_args, sim_stats_url, start_sim
+from bench.harness import fmt_cpu, save_results, scratch, sim_args, sim_stats_url
+from budget.keys import DatasetKeys
+from demo.stack import Stack, produce_cmd, start_sim
+from demo.synthetic import CONVERSATIONS_PARSER, DATASET_MARK, write_conversations
 
-WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud field metal "
-         "paper glass light sound water").split()
-SYSTEM = "You are a careful assistant. Answer the user's questions one by one, and keep to the point."
-#: In every dataset answer: none of the dataset's answers is ever sent, so none may reach a prompt.
-DATASET_MARK = "Dataset-answer"
-PARSER = "none"  # the demo tokenizer without thinking: produce's auto detection says none too
+PARSER = CONVERSATIONS_PARSER  # bench/budget_modes.py reads it here
 DATASET = "convs"
 #: Seconds the baseline client runs past the window's planned end: on a loaded machine the window's last snapshot
 #: comes seconds late (64 s instead of 60 once), and a client that stopped before it shows a false idle tail.
 DURATION_MARGIN = 15.0
-
-
-def conversation(c: int, context_words: int) -> list[dict[str, str]]:
-    """One 3-turn conversation: system, u1 (with ``context_words`` words of its own), a1, u2, a2, u3."""
-    own = " ".join(f"{WORDS[(c * 7 + i * 3) % len(WORDS)]}{(c * 31 + i) % 1000}" for i in range(context_words))
-    answer = [f"{DATASET_MARK} {t} of conversation {c}: " + " ".join(WORDS[(c + t + i) % len(WORDS)] for i in range(40))
-              for t in (1, 2)]
-    return [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"Conversation {c}. {own} Explain step {c % 97} of the plan."},
-            {"role": "assistant", "content": answer[0]},
-            {"role": "user", "content": f"Follow-up 1 of {c}: go on with the next point."},
-            {"role": "assistant", "content": answer[1]},
-            {"role": "user", "content": f"Follow-up 2 of {c}: and how does it end?"}]
-
-
-def write_conversations(path: Path, n: int, context_words: int = 0) -> Path:
-    with open(path, "w") as fh:
-        for c in range(n):
-            fh.write(json.dumps({"id": f"c{c:05d}", "messages": conversation(c, context_words)}) + "\n")
-    return path
 
 
 def produce_argv(data: Path, tok: Path, out: Path, redis_url: str, max_tokens: int, extra: list[str]) -> list[str]:
@@ -86,7 +64,8 @@ def produce_argv(data: Path, tok: Path, out: Path, redis_url: str, max_tokens: i
 
 
 def run_baseline(args: argparse.Namespace, work: Path, tok: Path, data: Path, sim: list[str]) -> dict[str, Any]:
-    proc, url = start_sim(work, "sim-baseline", sim)
+    sim_service, url = start_sim("sim-baseline", sim, work)
+    proc = sim_service.proc
     out = work / "baseline-done.json"
     try:
         client = subprocess.Popen([sys.executable, "-m", "bench.multiturn_client", "--url", url, "--data", str(data),
@@ -121,11 +100,11 @@ def run_budgetq(args: argparse.Namespace, work: Path, tok: Path, data: Path, sim
                                    stdout=subprocess.DEVNULL, stderr=open(work / "produce.log", "wb"))
         try:
             pids = {**stack.pids(), "produce": produce.pid}
-            w = measure(stack.sim_urls[0], args, pids, used=lambda: int(r.get(f"bq:ds:{{{DATASET}}}:used") or 0))
+            w = measure(stack.sim_urls[0], args, pids, used=lambda: int(r.get(DatasetKeys(DATASET).used) or 0))
             w["loadavg_1_5_15"] = os.getloadavg()
             w["workers"] = args.workers
             w["concurrency_per_worker"] = args.in_flight // args.workers
-            stats: dict[bytes, bytes] = r.hgetall(f"bq:ds:{{{DATASET}}}:stats")  # type: ignore[assignment]
+            stats: dict[bytes, bytes] = r.hgetall(DatasetKeys(DATASET).stats)  # type: ignore[assignment]
             w["stats"] = {k.decode(): v.decode() for k, v in stats.items()}
             if produce.poll() is not None:
                 w["produce_exit"] = produce.returncode

@@ -59,7 +59,7 @@ print("bytes: messages", len(json.dumps(msgs)), "one turn record", len(json.dump
 # What committed-but-unwritten turns hold in Redis: 200 conversations x 2 turns through Ledger.commit_turn, on a
 # private redis-server (tests/redis_server.py: started here, stopped here).
 import redis
-from tests.redis_server import RedisServer
+from demo.stack import RedisServer
 from budget import keys
 from budget.ledger import Ledger
 srv = RedisServer(Path(tempfile.mkdtemp())); srv.start()

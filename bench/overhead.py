@@ -31,8 +31,10 @@ from typing import Any
 
 import redis
 
-from bench.harness import (CpuMeter, Stack, fmt_cpu, produce_cmd, save_results, scratch, thread_cpu,
-                           write_prompts)
+from bench.harness import CpuMeter, fmt_cpu, save_results, scratch, thread_cpu
+from budget.keys import DatasetKeys
+from demo.synthetic import write_prompts
+from demo.stack import Stack, produce_cmd
 
 SIM = ["--zero-latency", "--length-dist", "fixed", "--mean-tokens", "32", "--seed", "1"]
 
@@ -86,7 +88,7 @@ def alternate(stack: Stack, work: Path, bodies: Path, args: argparse.Namespace
     never compete, and drift of the shared machine hits both alike."""
     r = stack.client()
     worker = stack.start_worker("w0")
-    committed = lambda: int(r.hget("bq:ds:{prompts}", "committed") or 0)  # noqa: E731
+    committed = lambda: int(r.hget(DatasetKeys("prompts").meta, "committed") or 0)  # noqa: E731
     deadline = time.monotonic() + 60
     while committed() == 0:
         if time.monotonic() > deadline:

@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import Stack, cpu_seconds, produce_cmd, save_results, scratch
+from bench.harness import cpu_seconds, save_results, scratch
+from demo.stack import Stack, produce_cmd
 
 CACHE = Path("/tmp/budgetq-bench-cache")
 

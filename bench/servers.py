@@ -18,7 +18,7 @@ Phases, all in one command:
    ``--revive-after`` seconds after the kill the server is started again on the same port: a recovered
    server should get requests again (worker/sglang.py's breaker says within 30 s).
 3. router: one SGLANG_URL pointing at SGLang's real router (SGLang Model Gateway, sglang-router 0.3.2's
-   ``smg launch``, bench/smg.py, with docs/deployment.md's settings) in front of the same two servers, once per
+   ``smg launch``, demo/smg.py, with docs/deployment.md's settings) in front of the same two servers, once per
    policy (``--policies``, default cache_aware, round_robin, power_of_two): the same throughput figure over a
    shorter window, and the cached_tokens share of each server, against phase 1's budgetq dispatch to the list.
    The stand-in least-connections router (bench/router.py) serves only when sglang-router is not installed
@@ -36,8 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (CpuMeter, Stack, fmt_cpu, produce_cmd, save_results, scratch, sim_args, sim_stats_url,
-                           window_rate, write_prompts)
+from bench.harness import CpuMeter, fmt_cpu, save_results, scratch, sim_args, sim_stats_url, window_rate
+from budget.keys import DatasetKeys
+from demo.stack import Stack, produce_cmd, spawn_sim
+from demo.synthetic import write_prompts
 
 SPEEDS = (1.0, 0.5)
 
@@ -97,11 +99,12 @@ def verify(stack: Stack, work: Path, n_prompts: int, name: str) -> dict[str, Any
     tokens = sum(json.loads(x)["completion_tokens"] for x in lines)
     failed = (out / "failed.jsonl").read_text().splitlines() if (out / "failed.jsonl").exists() else []
     r = stack.client()
+    keys = DatasetKeys("prompts")
     return {"lines": len(lines), "unique_ids": len(set(ids)), "prompts": n_prompts,
             "duplicates": len(ids) - len(set(ids)), "failed": len(failed),
-            "redis_done": int(r.hlen("bq:ds:{prompts}:done")), "redis_used": int(r.get("bq:ds:{prompts}:used") or 0),
+            "redis_done": int(r.hlen(keys.done)), "redis_used": int(r.get(keys.used) or 0),
             "tokens_on_disk": tokens, "ok": len(lines) == len(set(ids)) == n_prompts and not failed
-            and int(r.get("bq:ds:{prompts}:used") or 0) == tokens}
+            and int(r.get(keys.used) or 0) == tokens}
 
 
 def worker_failures(work: Path, dead_url: str) -> dict[str, Any]:
@@ -124,13 +127,13 @@ def phase_lists(args: argparse.Namespace, work: Path, tok: Path, data: Path, n_p
         r = stack.client()
         produce = start_produce(stack, work / "lists", tok, data, args, "lists")
         try:
-            used = lambda: int(r.get("bq:ds:{prompts}:used") or 0)  # noqa: E731
+            used = lambda: int(r.get(DatasetKeys("prompts").used) or 0)  # noqa: E731
             thr = measure(stack.sim_urls, args, {**stack.pids(), "produce": produce.pid}, used, args.warm,
                           args.window)
             print("throughput", json.dumps(thr), flush=True)
             victim = 1 if args.kill == "slow" else 0
             before = sim_stats_url(stack.sim_urls[victim])
-            committed_before = int(r.hget("bq:ds:{prompts}", "committed") or 0)
+            committed_before = int(r.hget(DatasetKeys("prompts").meta, "committed") or 0)
             stack.sims[victim].kill()
             t_kill = time.time()
             revived = None
@@ -140,8 +143,7 @@ def phase_lists(args: argparse.Namespace, work: Path, tok: Path, data: Path, n_p
                     rc = produce.wait(args.revive_after)
                 except subprocess.TimeoutExpired:
                     port = int(stack.sim_urls[victim].rsplit(":", 1)[1])
-                    revived = subprocess.Popen([sys.executable, "-m", "sglang_sim", "--port", str(port),
-                                                *sims[victim]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    revived = spawn_sim(f"sim{victim}-revived", sims[victim], stack.workdir, port=port)[0].proc
                     stack.procs.append(revived)
                     t_revive = time.time()
             try:
@@ -199,7 +201,7 @@ def phase_router(args: argparse.Namespace, work: Path, tok: Path, data: Path, po
         if policy == "stand-in":
             router = _StandIn(stack.sim_urls)
         else:
-            from bench.smg import Router
+            from demo.smg import Router
             router = Router(stack.sim_urls, where, policy=policy).start()
         try:
             env = {"BUDGETQ_CONCURRENCY": str(args.in_flight // args.workers), "SGLANG_URL": router.url}
@@ -208,7 +210,7 @@ def phase_router(args: argparse.Namespace, work: Path, tok: Path, data: Path, po
             r = stack.client()
             produce = start_produce(stack, where, tok, data, args, "router")
             try:
-                used = lambda: int(r.get("bq:ds:{prompts}:used") or 0)  # noqa: E731
+                used = lambda: int(r.get(DatasetKeys("prompts").used) or 0)  # noqa: E731
                 assert router.proc is not None
                 pids = {**stack.pids(), "produce": produce.pid, "router": router.proc.pid}
                 res = measure(stack.sim_urls, args, pids, used, args.router_warm, args.router_window)
@@ -226,7 +228,7 @@ def phase_router(args: argparse.Namespace, work: Path, tok: Path, data: Path, po
 
 def default_policies() -> list[str]:
     try:
-        from bench.smg import POLICIES, smg_command
+        from demo.smg import POLICIES, smg_command
         smg_command()
     except RuntimeError as exc:
         print(f"sglang-router is not usable here ({exc}): the stand-in router serves figure 2's router rows",

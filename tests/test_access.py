@@ -20,10 +20,10 @@ from typing import Any, Iterator, Sequence
 import pytest
 import redis
 
+from demo.stack import free_port, spawn
 from tests.demo_data import CODE, GLAIVE
 from tests.exactly_once import check_exact
 from tests.procs import Workers, produce, produce_cmd, read_jsonl, wait_for
-from tests.redis_server import free_port
 
 PASSWORD = "budgetq-acl-test-pw"
 #: What docs/reliability.md recommends: budgetq's and RQ's keys and channels, every command but the dangerous
@@ -60,23 +60,22 @@ def test_the_docs_recommend_the_rules_tested_here() -> None:
 
 
 def start_redis(workdir: Path, args: Sequence[str], ping: "redis.Redis") -> subprocess.Popen[bytes]:
+    """A redis-server with this test's own settings (ACL users, TLS), logging to WORKDIR/redis.log, up once
+    ``ping`` gets an answer."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed")
     workdir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--dir", str(workdir), "--appendonly", "yes",
-                             "--save", "", "--maxmemory-policy", "noeviction", *args],
-                            stdout=open(workdir / "redis.log", "wb"), stderr=subprocess.STDOUT)
+    service = spawn("redis", [binary, "--bind", "127.0.0.1", "--dir", str(workdir), "--appendonly", "yes",
+                              "--save", "", "--maxmemory-policy", "noeviction", *args], workdir)
 
     def up() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"redis-server exited: {(workdir / 'redis.log').read_text()[-500:]}")
         try:
             return bool(ping.ping())
         except redis.ConnectionError:
             return False
-    wait_for(up, 15, "redis-server")
-    return proc
+    wait_for(up, 15, "redis-server", watch=[service])
+    return service.proc
 
 
 def whole_run(url: str, admin: "redis.Redis", tmp_path: Path, tokenizer_dir: Path, sim_url: str

@@ -1,4 +1,4 @@
-"""Fault injection, short forms: bench/chaos.py's scenarios at the "ci" scale (400 prompts, 2 workers x 16).
+"""Fault injection, short forms: tests/chaos/scenarios.py's scenarios at the "ci" scale (400 prompts, 2 workers x 16).
 
 Each runs on its own redis-server, sglang-sim and real ``rq worker`` processes and checks the promise (nothing
 lost, nothing twice, counter == Σ completion_tokens on disk, no unexpected traceback, failures only where
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import make_ctx, run_scenario
-from bench.chaos_run import SCALES
+from tests.chaos.scenarios import make_ctx, run_scenario
+from tests.chaos.run import SCALES
 
 pytestmark = pytest.mark.e2e
 
@@ -35,13 +35,13 @@ def test_chaos_ci(name: str, tmp_path: Path, tokenizer_dir: Path) -> None:
 
 def test_chaos_redis_connections_black_holed(tmp_path: Path, tokenizer_dir: Path) -> None:
     """Every open connection to Redis goes silent at once (no reset), workers' and produce's: nothing hangs,
-    nothing is generated twice (bench/chaos_outage.py; the long forms of the Redis outages are there too)."""
+    nothing is generated twice (tests/chaos/outage.py; the long forms of the Redis outages are there too)."""
     run_ci("redis-blackhole", tmp_path, tokenizer_dir)
 
 
 def test_chaos_redis_host_crash_loses_its_last_second(tmp_path: Path, tokenizer_dir: Path) -> None:
     """appendfsync everysec on a host crash: the last second of commits is lost; those samples are generated
-    again, nothing is counted twice, every sample ends on disk once (bench/chaos_redis.py redis_host_crash)."""
+    again, nothing is counted twice, every sample ends on disk once (tests/chaos/redis_faults.py redis_host_crash)."""
     run_ci("redis-host-crash", tmp_path, tokenizer_dir)
 
 

@@ -52,8 +52,8 @@ from typing import Any, Callable, Iterator, Mapping
 import pytest
 import redis
 
+from demo.stack import free_port
 from tests.procs import read_jsonl  # only newline-terminated lines: the stack may still be writing
-from tests.redis_server import free_port
 from tests.compose_file import (
     COMPOSE,
     DEPLOYMENT_DOC,

@@ -27,9 +27,9 @@ import redis
 
 from budget.ledger import Ledger
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from demo.stack import RedisServer, free_port
 from tests.dashboard_proc import AUTH, BAD, GOOD, Dashboard
 from tests.procs import wait_for
-from tests.redis_server import RedisServer, free_port
 from worker.trip import CLOSE_REASON
 
 pytest.importorskip("rq_dashboard")

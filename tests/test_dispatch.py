@@ -21,9 +21,9 @@ from budget import keys
 from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from demo.stack import RedisServer
 from tests.dispatcher import dispatcher, until
 from tests.procs import sim_stats
-from tests.redis_server import RedisServer
 from worker.config import WorkerConfig
 from worker.dispatch import Dispatcher
 from worker.running import ChunkReport

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from bench.taper_sim import run
+from tests.taper_sim import run
 from worker.estimate import LengthModel
 
 MU, SIGMA, CAP = math.log(3800) - 0.32, 0.8, 16384
@@ -52,7 +52,7 @@ def test_the_error_covers_the_early_mean_about_as_a_standard_error_should() -> N
 
 
 def test_the_model_error_margin_lands_a_2x_budget_the_plain_model_overshoots() -> None:
-    """The offline control loop (bench/taper_sim.py) with the worker's own model, a budget of 2x what is in
+    """The offline control loop (tests/taper_sim.py) with the worker's own model, a budget of 2x what is in
     flight: this seed overshoots by more than max_new_tokens without the error margin and lands with it."""
     budget = 2 * 256 * 3800
     plain, _ = run(budget, taper=2.0, seed=13, model="km", z=0.0)

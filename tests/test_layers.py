@@ -1,17 +1,25 @@
 """The one-way flow of docs/architecture.md, checked on the source: producer/ and worker/ import budget/ and
-render/, never each other; budget/ and render/ import neither; no module of render/ or worker/ imports
-transformers at module level (a worker that never renders must never load it: tests/test_render_shared.py runs
-one and looks). In tests/, no module imports a test module: what tests share lives in support modules (procs.py,
-demo_data.py, chats.py...) or conftest.py fixtures, so a test module can be read, run and changed alone."""
+render/, never each other; budget/ and render/ import neither; none of them, nor the simulator, imports the
+tooling (demo/, which holds the dev stack demo/stack.py that tests, bench and the demo share; bench/; tests/);
+demo/ imports neither bench/ nor tests/, so the dev stack stays below both; no test imports bench/. No module
+of render/ or worker/ imports transformers at module level (a worker that never renders must never load it:
+tests/test_render_shared.py runs one and looks). In tests/, no module imports a test module: what tests share
+lives in support modules (procs.py, demo_data.py, chats.py, chaos/...) or conftest.py fixtures, so a test module
+can be read, run and changed alone."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The tooling around the product: the demo with the dev stack, the benchmarks, the tests.
+TOOLING = {"demo", "bench", "tests"}
 #: package -> the top-level packages of this repository it must not import.
-FORBIDDEN = {"producer": {"worker"}, "worker": {"producer"}, "budget": {"producer", "worker", "render"},
-             "render": {"producer", "worker", "budget"}}
+FORBIDDEN = {"producer": {"worker", *TOOLING}, "worker": {"producer", *TOOLING},
+             "budget": {"producer", "worker", "render", *TOOLING}, "render": {"producer", "worker", "budget", *TOOLING},
+             "sglang_sim": TOOLING, "demo": {"bench", "tests"},
+             # bench/ is for measurements: what a test runs (the chaos scenarios, the dev stack) lives below it.
+             "tests": {"bench"}}
 NO_TOP_LEVEL_TRANSFORMERS = ("render", "worker")
 
 
@@ -49,7 +57,7 @@ def test_transformers_is_imported_only_inside_functions() -> None:
 
 def test_no_module_of_tests_imports_a_test_module() -> None:
     found = []
-    for path in sorted((ROOT / "tests").glob("*.py")):
+    for path in sorted((ROOT / "tests").rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):

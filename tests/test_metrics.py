@@ -25,7 +25,7 @@ from budget.outcomes import Admit
 from producer import metrics
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from producer.status import all_status
-from tests.redis_server import free_port
+from demo.stack import free_port
 
 SAMPLE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -22,8 +22,8 @@ from budget import connection, keys
 from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload
 from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from demo.stack import RedisServer
 from tests.procs import wait_for
-from tests.redis_server import RedisServer
 from worker import dispatch
 from worker.config import WorkerConfig
 from worker.runtime import Runtime
@@ -119,9 +119,9 @@ def test_the_loop_reads_responses_while_redis_is_frozen(tmp_path: Path, sim_fact
 
 
 def test_a_silent_connection_is_dropped_and_the_call_resent(redis_server: RedisServer) -> None:
-    """budget/connection.py's settings against a black hole (bench/blackhole.py): the call on the silenced
+    """budget/connection.py's settings against a black hole (tests/chaos/blackhole.py): the call on the silenced
     connection times out, is resent on a new one and succeeds, and the log says what happened."""
-    from bench.blackhole import BlackHole
+    from tests.chaos.blackhole import BlackHole
     with BlackHole(redis_server.port) as hole:
         url = f"redis://127.0.0.1:{hole.port}/0"
         client = connection.connect(url)

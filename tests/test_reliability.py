@@ -13,10 +13,10 @@ import pytest
 import redis
 
 from budget import keys
+from demo.stack import RedisServer
 from tests.demo_data import CODE, GLAIVE, TRACES
 from tests.exactly_once import check_exact
 from tests.procs import Workers, produce, produce_cmd, read_jsonl, sim_stats, wait_for
-from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.e2e
 

@@ -1,6 +1,6 @@
 """Through SGLang's real router (SGLang Model Gateway, sglang-router 0.3.2's `smg`) in front of two simulators.
 
-Real parts end to end: produce (CLI) -> Redis -> rq workers -> `smg launch` on a free loopback port (bench/smg.py,
+Real parts end to end: produce (CLI) -> Redis -> rq workers -> `smg launch` on a free loopback port (demo/smg.py,
 started with the settings docs/deployment.md recommends) -> two sglang-sim processes. Its readiness is awaited by
 polling its /readiness (another process); the simulators' /sim/stats say what the GPUs did.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 
-from bench.smg import Router
+from demo.smg import Router
 from budget import keys
 from tests.demo_data import CODE, GLAIVE
 from tests.exactly_once import check_exact

@@ -23,9 +23,9 @@ from budget import keys, serverinfo
 from budget.serverinfo import MAX_AGE_S
 from sglang_sim.launch import SimProcess
 from sglang_sim.responses import MODEL_PATH, VERSION
+from demo.stack import free_port
 from tests.demo_data import GLAIVE
 from tests.procs import produce, produce_cmd, wait_for
-from tests.redis_server import free_port
 from worker.config import WorkerConfig
 from worker.serverinfo import ServerInfoReporter
 

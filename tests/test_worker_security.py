@@ -13,7 +13,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from budget import keys
-from tests.procs import WORKER_CMD
+from demo.stack import worker_argv
 
 
 class Evil:
@@ -35,7 +35,7 @@ def test_pickle_and_foreign_functions_are_refused(r: "redis.Redis", redis_url: s
     Queue(keys.QUEUE_NAME, connection=r).enqueue("os.system", f"touch {tmp_path / 'default-ran'}",
                                                  job_id="default_pickle")
     env = {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": "http://127.0.0.1:9"}
-    res = subprocess.run([*WORKER_CMD, "--burst", "-n", "guard"], env=env, capture_output=True, text=True,
+    res = subprocess.run([*worker_argv("guard"), "--burst"], env=env, capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr  # the worker stayed up and drained the queue
     assert not list(tmp_path.iterdir()), "a refused job ran"

@@ -1,10 +1,10 @@
 """Chaos on multi-turn runs (issue 14, bench 4): kill -9 a worker every few seconds while ``produce --turns all``
 carries 3-turn conversations, a replacement started at once, and check the promise per turn.
 
-    python -m bench.chaos --scenario worker-kill-turns          # no budget: every conversation to its end
-    python -m bench.chaos --scenario worker-kill-turns-budget   # a budget of 30% of the run: kills go on for 60 s past the close
+    python -m tests.chaos --scenario worker-kill-turns          # no budget: every conversation to its end
+    python -m tests.chaos --scenario worker-kill-turns-budget   # a budget of 30% of the run: kills go on for 60 s past the close
 
-Checks, beyond bench/chaos_audit.py's (every conversation once, none lost, no traceback):
+Checks, beyond tests/chaos/audit.py's (every conversation once, none lost, no traceback):
 - the invariant (docs/multiturn.md): Redis ``used`` = Σ completion_tokens in the file + Σ committed turns not yet
   written (``Ledger.unwritten_turn_tokens``), drift 0; each record's ``completion_tokens`` = Σ of its turns;
 - 0 turns counted twice: the dataset's ``stats.turns`` (one HINCRBY per committed turn in ``commit_turn``) = the
@@ -28,9 +28,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.chaos_audit import DATASET, Result, audit, log_files, read_jsonl, rounded as _r
-from bench.chaos_run import KEYS, ChaosStack, Ctx, Produce, Watch, produce_argv, wait_until
-from bench.multiturn import PARSER, write_conversations
+from demo.appending import read_jsonl
+from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r
+from tests.chaos.run import ChaosStack, Ctx, KEYS, Produce, Watch, produce_argv
+from demo.stack import wait_until
+from demo.synthetic import CONVERSATIONS_PARSER as PARSER, write_conversations
 from budget.payload import request_id, turn_request_key
 
 TURNS = 3
@@ -43,7 +45,7 @@ PREFIX = 28  # the rid's characters that name the (sample, turn); the last 4 cou
 
 
 def conv_ids(n: int) -> list[str]:
-    """The ids bench.multiturn.write_conversations gives its n conversations."""
+    """The ids demo.synthetic.write_conversations gives its n conversations."""
     return [f"c{c:05d}" for c in range(n)]
 
 
@@ -62,12 +64,12 @@ def turn_audit(res: Result, st: ChaosStack, out: Path, log: Path, n: int) -> dic
     """The per-turn checks of the module docstring; adds them to ``res`` and returns the figures."""
     r = st.client()
     recs = read_jsonl(out / DATASET / "raw_responses.jsonl")
-    used = int(r.get(KEYS + ":used") or 0)
-    unwritten = sum(int(v) for v in r.hvals(KEYS + ":turns"))
+    used = int(r.get(KEYS.used) or 0)
+    unwritten = sum(int(v) for v in r.hvals(KEYS.turns))
     file_tokens = sum(int(x["completion_tokens"]) for x in recs)
-    stats_turns = int(r.hget(KEYS + ":stats", "turns") or 0)
-    unwritten_turns = int(r.hlen(KEYS + ":turns"))
-    stranded = [k.decode() for k in r.hkeys(KEYS + ":convs")]
+    stats_turns = int(r.hget(KEYS.stats, "turns") or 0)
+    unwritten_turns = int(r.hlen(KEYS.turns))
+    stranded = [k.decode() for k in r.hkeys(KEYS.convs)]
     disk_turns = sum(len(x.get("turns") or []) for x in recs)
     bad_sums = [x["id"] for x in recs if int(x["completion_tokens"]) != sum(int(t["completion_tokens"])
                                                                              for t in x.get("turns") or [])]
@@ -94,7 +96,7 @@ def turn_audit(res: Result, st: ChaosStack, out: Path, log: Path, n: int) -> dic
     figures = {
         "conversations": n, "turns_on_disk": disk_turns, "stats_turns": stats_turns,
         "redis_used": used, "unwritten_turn_tokens": unwritten, "turn_drift": used - file_tokens - unwritten,
-        "open_conversations": int(r.hlen(KEYS + ":convs")),
+        "open_conversations": int(r.hlen(KEYS.convs)),
         "log_answers": sum(len(v) for v in answers.values()), "answers_per_turn": dict(sorted(per_turn.items())),
         "committed_turns_regenerated": len(regenerated), "answered_not_committed_then_redone": redone,
         "answered_after_the_conversation_ended": beyond, "committed_turns_missing_from_log": len(missing),
@@ -145,7 +147,7 @@ def _kill_run(ctx: Ctx, scenario: str, budget_share: float | None) -> Result:
             extra += ["--budget", str(budget), "--budget-mode", "predict"]
         prod = Produce(st.workdir, "1", produce_argv(s, data, ctx.tokenizer, st.workdir / "out", st.redis_url,
                                                      *extra))
-        wait_until(lambda: r.hlen(KEYS + ":convs") >= s.in_flight // 2, 120, "conversations between turns")
+        wait_until(lambda: r.hlen(KEYS.convs) >= s.in_flight // 2, 120, "conversations between turns")
         names = list(st.by_name)
         kills, kills_after_close, t_last = 0, 0, 0.0
         loads = [os.getloadavg()[0]]
@@ -158,10 +160,10 @@ def _kill_run(ctx: Ctx, scenario: str, budget_share: float | None) -> Result:
             now = time.monotonic()
             if budget is not None:  # through the close: until KILL_PHASE_S after it (at most 3 x KILL_PHASE_S)
                 nonlocal t_closed
-                if t_closed is None and r.hget(KEYS, "status") != b"open":
+                if t_closed is None and r.hget(KEYS.meta, "status") != b"open":
                     t_closed = now
                 return now - t_first < 3 * KILL_PHASE_S and (t_closed is None or now - t_closed < KILL_PHASE_S)
-            return now - t_first < KILL_PHASE_S and r.hlen(KEYS + ":done") < 0.7 * n
+            return now - t_first < KILL_PHASE_S and r.hlen(KEYS.done) < 0.7 * n
 
         while going():
             slot = kills % len(names)
@@ -170,7 +172,7 @@ def _kill_run(ctx: Ctx, scenario: str, budget_share: float | None) -> Result:
             victim.wait(10)
             t_last = time.monotonic()
             kills += 1
-            kills_after_close += r.hget(KEYS, "status") == b"closed"
+            kills_after_close += r.hget(KEYS.meta, "status") == b"closed"
             names[slot] = f"w{slot}-k{kills}"  # rq refuses the dead worker's name for a while
             st.add_worker(names[slot])
             loads.append(os.getloadavg()[0])
@@ -181,7 +183,7 @@ def _kill_run(ctx: Ctx, scenario: str, budget_share: float | None) -> Result:
         # With a budget, a conversation never sent, or whose first turn was never committed, is not lost: the
         # audit's ids are those with a committed turn (on disk, or still in Redis' convs: stranded).
         on_disk = {str(x["id"]) for x in read_jsonl(st.workdir / "out" / DATASET / "raw_responses.jsonl")}
-        ids = conv_ids(n) if budget is None else sorted(on_disk | {k.decode() for k in r.hkeys(KEYS + ":convs")})
+        ids = conv_ids(n) if budget is None else sorted(on_disk | {k.decode() for k in r.hkeys(KEYS.convs)})
         figures = audit(res, st, st.workdir / "out", ids, log_files(st.workdir))
         turn_audit(res, st, st.workdir / "out", log, n)
         res.figures.pop("wasted", None)  # audit's is per sample; per turn below

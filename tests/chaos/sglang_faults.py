@@ -1,7 +1,7 @@
 """Chaos scenarios on SGLang (the simulator's fault injection, driven live through /sim/faults): errors, 429
 with Retry-After, resets, hangs past the client timeout, 400s, a full outage; and malformed bodies.
 
-The workers talk to the simulator through bench.recorder, whose per-request log (rid, arrival, answer,
+The workers talk to the simulator through tests/chaos/recorder.py, whose per-request log (rid, arrival, answer,
 status, Retry-After) shows what the server cannot: when each sample was retried."""
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
-from bench.chaos_audit import DATASET, Result, audit, log_files, read_jsonl, rounded as _r, sample_ids
-from bench.chaos_run import KEYS, Ctx, wait_until
+from demo.appending import read_jsonl
+from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
+from tests.chaos.run import Ctx, KEYS
+from demo.stack import wait_until
 from budget import record
 
 RETRY_AFTER = 2.0
@@ -32,20 +34,20 @@ def sglang_faults(ctx: Ctx) -> Result:
         r = st.client()
         n = s.faults_prompts
         prod = ctx.produce(st, "1", data=ctx.prompts(n))
-        wait_until(lambda: r.hlen(KEYS + ":done") >= n // 10, 120, "10% committed")
+        wait_until(lambda: r.hlen(KEYS.done) >= n // 10, 120, "10% committed")
         t_faults = time.time()
         st.set_faults(FAULTS)
         time.sleep(s.fault_s)
         st.set_faults({"clear": True, "retry_after": RETRY_AFTER})
         t_clear = time.time()
-        res.check("work was left after the fault phase", r.hlen(KEYS + ":done") < n, "the run ended too soon")
+        res.check("work was left after the fault phase", r.hlen(KEYS.done) < n, "the run ended too soon")
         if s.outage_s:
             time.sleep(SETTLE_S)  # steady again: the rate "just before" the outage
             t_out = time.time()
             st.set_faults({"outage_for": s.outage_s})
             time.sleep(s.outage_s)
             t_back = time.time()
-            left = n - r.hlen(KEYS + ":done")
+            left = n - r.hlen(KEYS.done)
         rc = prod.finish(st, 300 + n / 10, res=res)
         log = st.recorder_log()
         stats = st.sim_stats()
@@ -145,7 +147,7 @@ def malformed(ctx: Ctx) -> Result:
         bad = [x["id"] for x in recs if not _valid(x, s.max_tokens)]
         res.check("every record is valid (types, ranges, text matches its token count)", not bad, bad[:5])
         failed = read_jsonl(st.workdir / "out" / DATASET / "failed.jsonl")
-        done = st.client().hgetall(KEYS + ":done")
+        done = st.client().hgetall(KEYS.done)
         res.check("failed samples were never counted",
                   not [f for f in failed if f["id"].encode() in done], "a failed sample is in done")
         stats = st.sim_stats()

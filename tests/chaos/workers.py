@@ -14,8 +14,9 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from bench.chaos_audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
-from bench.chaos_run import KEYS, QUEUE, ChaosStack, Ctx, Produce, Watch, wait_until
+from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
+from tests.chaos.run import ChaosStack, Ctx, KEYS, Produce, QUEUE, Watch
+from demo.stack import wait_until
 from producer.enqueue import BATCH_CHUNKS
 
 
@@ -28,10 +29,10 @@ def worker_kill(ctx: Ctx) -> Result:
         watch = Watch(st.redis_url)
         watch.start()
         prod = ctx.produce(st, "1")
-        wait_until(lambda: r.hlen(KEYS + ":done") >= s.prompts // 20, 120, "5% committed")
+        wait_until(lambda: r.hlen(KEYS.done) >= s.prompts // 20, 120, "5% committed")
         names = list(st.by_name)
         kills, t_last = 0, 0.0
-        while r.hlen(KEYS + ":done") < 0.7 * s.prompts and prod.proc.poll() is None:
+        while r.hlen(KEYS.done) < 0.7 * s.prompts and prod.proc.poll() is None:
             slot = kills % len(names)
             victim = st.by_name[names[slot]]
             victim.send_signal(signal.SIGKILL)
@@ -67,7 +68,7 @@ def worker_restart(ctx: Ctx) -> Result:
         r = st.client()
         q = Queue(QUEUE, connection=r, serializer=JSONSerializer)
         prod = ctx.produce(st, "1")
-        wait_until(lambda: r.hlen(KEYS + ":done") >= s.prompts // 10, 120, "10% committed")
+        wait_until(lambda: r.hlen(KEYS.done) >= s.prompts // 10, 120, "10% committed")
         # 1. The same name at once: rq refuses it while the dead worker's registration lives (worker_ttl).
         name = "w0"
         victim = st.by_name[name]
@@ -82,14 +83,14 @@ def worker_restart(ctx: Ctx) -> Result:
         refused = "There exists an active worker named" in log
         res.figures["same_name_restart"] = "refused by rq" if refused else f"accepted (rc {rc_same})"
         # How long the dead worker's registration keeps its name taken (rq: worker_ttl + 60 s from birth,
-        # refreshed by heartbeats). bench.harness names workers NAME-<bench pid>.
+        # refreshed by heartbeats). demo.stack.Stack names workers NAME-<pid>.
         res.figures["name_blocked_for_s"] = r.ttl(f"rq:worker:{name}-{os.getpid()}")
         res.check("same-name restart: rq refuses it with a clear message and exits", refused and rc_same == 1,
                   f"rc {rc_same}")
         st.add_worker("w0-new")  # what a supervisor must do: a fresh name (rq's default name is a uuid)
         # 2. A live chunk enqueued again under a new job id: the same samples run in two jobs at once.
-        found: Any = (r.zrangebyscore(KEYS + ":chunks", "-inf", "(inf"),
-                      r.zrangebyscore(KEYS + ":chunks", "+inf", "+inf"))
+        found: Any = (r.zrangebyscore(KEYS.chunks, "-inf", "(inf"),
+                      r.zrangebyscore(KEYS.chunks, "+inf", "+inf"))
         running, queued = ([c.decode() for c in ids] for ids in found)
         copies = 0
         for cid in running[:1] + queued[:1]:
@@ -102,7 +103,7 @@ def worker_restart(ctx: Ctx) -> Result:
         # 3. Every finished chunk requeued after the end: nothing may run, nothing may change.
         before_stats = st.sim_stats()
         before_file = (st.workdir / "out" / DATASET / "raw_responses.jsonl").read_bytes()
-        used_before = r.get(KEYS + ":used")
+        used_before = r.get(KEYS.used)
         finished = list(q.finished_job_registry.get_job_ids())
         for jid in finished:
             q.enqueue_job(Job.fetch(jid, connection=r, serializer=JSONSerializer))
@@ -112,7 +113,7 @@ def worker_restart(ctx: Ctx) -> Result:
         res.check("requeued finished chunks send nothing",
                   st.sim_stats()["submitted"] == before_stats["submitted"], "requests were sent")
         res.check("requeued finished chunks change nothing",
-                  r.get(KEYS + ":used") == used_before
+                  r.get(KEYS.used) == used_before
                   and (st.workdir / "out" / DATASET / "raw_responses.jsonl").read_bytes() == before_file, "")
         figures = audit(res, st, st.workdir / "out", sample_ids(s.prompts), log_files(st.workdir),
                         allowed_tracebacks=r"ValueError: There exists an active worker named")
@@ -131,7 +132,7 @@ def sigterm_all(ctx: Ctx) -> Result:
     with ctx.stack("sigterm") as st:
         r = st.client()
         prod = ctx.produce(st, "1")
-        wait_until(lambda: r.hlen(KEYS + ":done") >= s.prompts // 3, 180, "a third committed")
+        wait_until(lambda: r.hlen(KEYS.done) >= s.prompts // 3, 180, "a third committed")
         procs = list(st.by_name.items())
         t0 = time.monotonic()
         for _, p in procs:
@@ -152,7 +153,7 @@ def sigterm_all(ctx: Ctx) -> Result:
                   and slowest <= s.request_s + 5, f"{_r(slowest)} s > {_r(s.request_s + 5)} s")
         aborted_at_stop = st.sim_stats()["aborted"]
         res.check("nothing aborted by the shutdown", aborted_at_stop == 0, aborted_at_stop)
-        live_running = r.zcount(KEYS + ":chunks", "-inf", "(inf")
+        live_running = r.zcount(KEYS.chunks, "-inf", "(inf")
         res.check("no chunk left running", live_running == 0, live_running)
         for i in range(s.workers):
             st.add_worker(f"w{i}-after")
@@ -172,7 +173,7 @@ def produce_races(ctx: Ctx) -> Result:
     with ctx.stack("produce-races", workers=0) as st:
         r = st.client()
         first = ctx.produce(st, "first")
-        wait_until(lambda: r.exists(KEYS + ":collector") == 1, 120, "the first produce attached")
+        wait_until(lambda: r.exists(KEYS.collector) == 1, 120, "the first produce attached")
         second = ctx.produce(st, "second")
         rc2 = second.wait(120)
         res.check("second produce refused with exit 1", rc2 == 1 and "another produce is attached" in second.stderr,
@@ -194,12 +195,12 @@ def produce_races(ctx: Ctx) -> Result:
         held_before = 0
         for i, (trigger, delay) in enumerate(points):
             cap = s.prompts * (i + 1) // len(points)
-            seq0 = int(r.get(KEYS + ":seq") or 0)
+            seq0 = int(r.get(KEYS.seq) or 0)
             p = ctx.produce(st, f"kill{i}", "--detach", "--max-samples", str(cap))
             if trigger == "attached":
                 _wait_attached(r, p)
             else:
-                wait_until(lambda: int(r.get(KEYS + ":seq") or 0) != seq0 or p.proc.poll() is not None, 300,
+                wait_until(lambda: int(r.get(KEYS.seq) or 0) != seq0 or p.proc.poll() is not None, 300,
                            "the chunk counter moved", interval=0.001)
             time.sleep(delay)
             p.kill()
@@ -241,7 +242,7 @@ def _detach_window(ctx: Ctx, st: ChaosStack, tag: str) -> tuple[float, float]:
 def _wait_attached(r: Any, p: Produce) -> None:
     """Until this produce holds the collector lock (its value names the pid), or has exited."""
     mark = f":{p.proc.pid}:".encode()
-    wait_until(lambda: mark in (r.get(KEYS + ":collector") or b"") or p.proc.poll() is not None, 300,
+    wait_until(lambda: mark in (r.get(KEYS.collector) or b"") or p.proc.poll() is not None, 300,
                "produce attached", interval=0.005)
 
 

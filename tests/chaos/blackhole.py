@@ -18,7 +18,7 @@ import asyncio
 import threading
 from types import TracebackType
 
-from bench.harness import free_port
+from demo.stack import free_port
 
 
 class _Pair:

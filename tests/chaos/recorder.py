@@ -1,6 +1,6 @@
 """A recording pass-through proxy in front of an SGLang server, for fault-injection benchmarks.
 
-    python -m bench.recorder --upstream http://127.0.0.1:30000 --port 0    # prints "recorder listening on URL"
+    python -m tests.chaos.recorder --upstream http://127.0.0.1:30000 --port 0    # prints "recorder listening on URL"
 
 Workers point ``SGLANG_URL`` at it. Every ``POST /generate`` is forwarded as is and logged with its rid, the
 wall times it arrived and was answered, the status and the ``Retry-After`` header; ``GET /recorder/log`` returns

@@ -1,6 +1,7 @@
 """SGLang's real router (SGLang Model Gateway, ``pip install sglang-router``, 0.3.2: ``smg launch``) on loopback.
 
-Used by tests/test_router.py and bench/servers.py in front of simulators. What it needs here, learnt by running it:
+Part of the dev stack (demo/stack.py); tests/test_router.py and bench/servers.py put it in front of simulators.
+What it needs here, learnt by running it:
 
 - it binds 0.0.0.0 unless told otherwise, and so does its Prometheus exporter (default port 29000, so a second
   router on the host fails): both get 127.0.0.1 and a free port of their own;
@@ -16,13 +17,12 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from sglang_sim.launch import free_port
+from demo.stack import NotReady, free_port, spawn, wait_until
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two")
 #: What budgetq wants of the router (docs/deployment.md): a request timeout above the worker's own deadline for a
@@ -73,18 +73,15 @@ class Router:
                "--worker-urls", *self.worker_urls, "--policy", self.policy,
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                "--log-level", "warn", *self.extra]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"smg exited with {self.proc.returncode}: {self.log_tail()}")
-            if self.healthy_workers() == len(self.worker_urls):
-                return self
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"smg not ready after {timeout:.0f} s: {self.log_tail()}")
-            time.sleep(0.1)
+        service = spawn(self.log_path.stem, cmd, self.workdir, cwd=self.workdir)
+        self.proc = service.proc
+        try:
+            wait_until(lambda: self.healthy_workers() == len(self.worker_urls), timeout, "smg's workers healthy",
+                       watch=[service], interval=0.1)
+        except NotReady:
+            self.stop()
+            raise
+        return self
 
     def healthy_workers(self) -> int | None:
         """``healthy_workers`` of GET /readiness; None while it does not answer."""

@@ -1,64 +1,67 @@
 """Fault injection ("chaos"): break workers, Redis, SGLang and produce mid-run, then check the promise.
 
-    python -m bench.chaos                                # every scenario, short form (2,000 prompts, 2 workers)
-    python -m bench.chaos --scenario worker-kill --full  # one scenario, full form (20,000 prompts, 4 workers)
-    python -m bench.chaos --list
+    python -m tests.chaos                                # every scenario, short form (2,000 prompts, 2 workers)
+    python -m tests.chaos --scenario worker-kill --full  # one scenario, full form (20,000 prompts, 4 workers)
+    python -m tests.chaos --list
 
 Each scenario runs on its own private redis-server, sglang-sim and ``rq worker -w worker.Worker`` processes on
-loopback (bench/harness.py), injects its fault, lets the run finish, and checks: nothing lost, nothing twice,
+loopback (demo/stack.py), injects its fault, lets the run finish, and checks: nothing lost, nothing twice,
 Redis' counter equal to the sum of ``completion_tokens`` on disk, no unexpected traceback in the logs, failed
 samples only where the fault makes them expected. It reports the requests the simulator did beyond the
 samples written (wasted GPU work) and the recovery time. Results go to bench/results/chaos-<form>.json;
-docs/reliability.md explains each scenario and its figures. The short CI forms are tests/test_chaos.py.
+docs/reliability.md explains each scenario and its figures. tests/test_chaos.py runs the "ci" forms;
+``make chaos`` the full ones.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Callable
 
-from bench import chaos_auth, chaos_outage, chaos_redis, chaos_sglang, chaos_turns, chaos_workers
-from bench.chaos_audit import Result
-from bench.chaos_run import SCALES, Ctx, Scale
-from bench.harness import scratch, write_prompts
+from demo.synthetic import write_prompts
+from tests.chaos import auth, outage, redis_faults, sglang_faults, turns, workers
+from tests.chaos.audit import Result
+from tests.chaos.run import SCALES, Ctx, Scale
 
-RESULTS = Path(__file__).resolve().parent / "results"
+#: Where the figures go: they are measurements, which docs/reliability.md cites, beside the benchmarks' own.
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 #: name -> (what is injected, the scenario)
 SCENARIOS: dict[str, tuple[str, Callable[[Ctx], Result]]] = {
     "worker-kill": ("kill -9 a whole worker every 5 s (ci: 3 s), a replacement started at once",
-                    chaos_workers.worker_kill),
+                    workers.worker_kill),
     "worker-kill-turns": ("kill -9 a worker every 5 s (ci: 3 s) during a produce --turns all run of 3-turn "
-                          "conversations; per-turn checks from the simulator's request log", chaos_turns.worker_kill_turns),
+                          "conversations; per-turn checks from the simulator's request log", turns.worker_kill_turns),
     "worker-kill-turns-budget": ("the same with a budget of 30% of the run: kills go on for 60 s past the close",
-                                 chaos_turns.worker_kill_turns_budget),
+                                 turns.worker_kill_turns_budget),
     "worker-restart": ("kill -9 + restart under the same name; a chunk run twice; finished chunks requeued",
-                       chaos_workers.worker_restart),
-    "sigterm": ("SIGTERM every worker mid-run", chaos_workers.sigterm_all),
-    "redis-kill": ("kill -9 redis-server three times (AOF everysec), restarted each time", chaos_redis.redis_kill),
-    "redis-empty": ("Redis restarted empty mid-run; produce rerun", chaos_redis.redis_empty),
+                       workers.worker_restart),
+    "sigterm": ("SIGTERM every worker mid-run", workers.sigterm_all),
+    "redis-kill": ("kill -9 redis-server three times (AOF everysec), restarted each time", redis_faults.redis_kill),
+    "redis-empty": ("Redis restarted empty mid-run; produce rerun", redis_faults.redis_empty),
     "redis-stale": ("Redis restarted from a copy of its AOF taken earlier in the run; produce rerun",
-                    chaos_redis.redis_stale),
+                    redis_faults.redis_stale),
     "redis-host-crash": ("Redis' host crashes under appendfsync everysec: its last second of writes lost",
-                         chaos_redis.redis_host_crash),
-    "redis-kill-20s": ("kill -9 redis-server once, restarted from its AOF 20 s later", chaos_outage.redis_kill_20),
+                         redis_faults.redis_host_crash),
+    "redis-kill-20s": ("kill -9 redis-server once, restarted from its AOF 20 s later", outage.redis_kill_20),
     "redis-kill-90s": ("kill -9 redis-server once, restarted from its AOF 90 s later (every lease lapsed)",
-                       chaos_outage.redis_kill_90),
+                       outage.redis_kill_90),
     "redis-freeze-45s": ("SIGSTOP redis-server for 45 s: connections open, nothing answered",
-                         chaos_outage.redis_freeze_45),
+                         outage.redis_freeze_45),
     "redis-blackhole": ("every open connection to Redis black-holed at once (no reset), new ones work",
-                        chaos_outage.redis_blackhole),
+                        outage.redis_blackhole),
     "sglang-faults": ("503, 429 + Retry-After, 500, resets, hangs past the timeout, 400s, then a full outage",
-                      chaos_sglang.sglang_faults),
-    "malformed": ("malformed SGLang bodies (every kind)", chaos_sglang.malformed),
+                      sglang_faults.sglang_faults),
+    "malformed": ("malformed SGLang bodies (every kind)", sglang_faults.malformed),
     "wrong-key": ("workers with a wrong SGLANG_API_KEY, restarted as they exit, for 20 s; then the right key",
-                  chaos_auth.wrong_key),
+                  auth.wrong_key),
     "produce-races": ("two produce at once; produce --detach killed -9 repeatedly while enqueueing",
-                      chaos_workers.produce_races),
+                      workers.produce_races),
 }
 
 
@@ -111,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     scale = SCALES[args.scale or ("full" if args.full else "short")]
     names = args.scenario or list(SCENARIOS)
     results: list[Result] = []
-    with scratch("chaos") as tmp:
-        work = args.keep or tmp
+    with tempfile.TemporaryDirectory(prefix="budgetq-chaos-") as tmp:
+        work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         ctx = make_ctx(scale, work)
         for name in names:

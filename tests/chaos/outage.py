@@ -1,6 +1,6 @@
 """Chaos scenarios of a Redis that goes away mid-run and comes back with its data (issue 12): killed -9 and
 started again from its AOF after 20 s or 90 s, frozen (SIGSTOP) for 45 s, and every open connection to it
-black-holed at once (bench/blackhole.py: what a crashed host or a replaced pod looks like, no reset ever sent).
+black-holed at once (tests/chaos/blackhole.py: what a crashed host or a replaced pod looks like, no reset ever sent).
 
 The promise under each: no worker hangs or exits, no request is generated twice (wasted = 0: a response that
 finished during the fault is committed once Redis answers again, before its chunk's lease is reclaimed),
@@ -12,9 +12,10 @@ import re
 import time
 from typing import Callable
 
-from bench.chaos_audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
-from bench.chaos_redis import REDIS_DOWN_TB, _done
-from bench.chaos_run import ChaosStack, Ctx, Watch, wait_until
+from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
+from tests.chaos.redis_faults import REDIS_DOWN_TB, _done
+from tests.chaos.run import ChaosStack, Ctx, Watch
+from demo.stack import wait_until
 
 #: What a worker logs when a Redis connection went silent or away: budget/connection.py's timeout warning,
 #: the dispatcher's wait for Redis, or rq's own dequeue retry.

@@ -7,13 +7,14 @@ injected faults justify (the "wasted" figure).
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from bench.harness import Stack
+from budget.keys import DatasetKeys
+from demo.appending import read_jsonl
+from demo.stack import Stack
 
 DATASET = "prompts"
 
@@ -58,22 +59,6 @@ class Result:
                 "figures": self.figures, "checks": [c.__dict__ for c in self.checks], "note": self.note}
 
 
-def complete_lines(path: Path) -> list[str]:
-    """The newline-terminated lines of ``path``: a file that produce or a worker is still appending to may end
-    in half a line (no newline yet, perhaps cut inside a UTF-8 sequence); that part is left for the next read."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    end = data.rfind(b"\n")
-    return data[:end + 1].decode("utf-8", errors="replace").splitlines() if end >= 0 else []
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSONL file that may still be growing (an unterminated last line is not read yet)."""
-    return [json.loads(line) for line in complete_lines(path) if line.strip()]
-
-
 TRACEBACK = "Traceback (most recent call last):"
 
 
@@ -104,8 +89,8 @@ def audit(res: Result, stack: Stack, out: Path, ids: Sequence[str], logs: Iterab
     written = [str(x["id"]) for x in recs]
     unique = set(written)
     r = stack.client()
-    used = int(r.get(f"bq:ds:{{{dataset}}}:used") or 0)
-    done = int(r.hlen(f"bq:ds:{{{dataset}}}:done"))
+    used = int(r.get(DatasetKeys(dataset).used) or 0)
+    done = int(r.hlen(DatasetKeys(dataset).done))
     tokens = sum(int(x["completion_tokens"]) for x in recs)
     lost = [sid for sid in ids if sid not in unique and sid not in failed]
     stats = stack.sim_stats()
@@ -114,7 +99,7 @@ def audit(res: Result, stack: Stack, out: Path, ids: Sequence[str], logs: Iterab
         "duplicates": len(written) - len(unique), "drift": used - tokens, "redis_used": used, "file_tokens": tokens,
         "sim_completed": stats["completed"], "sim_aborted": stats["aborted"],
         "wasted": stats["completed"] + stats["aborted"] - len(unique),
-        "chunk_jobs": int(r.get(f"bq:ds:{{{dataset}}}:seq") or 0),
+        "chunk_jobs": int(r.get(DatasetKeys(dataset).seq) or 0),
     }
     res.figures.update(figures)
     res.check("lost = 0", not lost, f"{len(lost)} lost, e.g. {lost[:5]}")
@@ -133,7 +118,7 @@ def audit(res: Result, stack: Stack, out: Path, ids: Sequence[str], logs: Iterab
 
 
 def sample_ids(n: int) -> list[str]:
-    """The ids bench.harness.write_prompts gives its n prompts."""
+    """The ids demo.synthetic.write_prompts gives its n prompts."""
     return [str(i) for i in range(n)]
 
 

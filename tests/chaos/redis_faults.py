@@ -2,7 +2,6 @@
 from a copy of the AOF taken earlier in the run (a stale backup)."""
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import time
@@ -10,8 +9,10 @@ from typing import Any
 
 import redis
 
-from bench.chaos_audit import DATASET, Result, audit, log_files, read_jsonl, rounded as _r, sample_ids
-from bench.chaos_run import KEYS, ChaosStack, Ctx, Watch, wait_until
+from demo.appending import read_jsonl
+from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
+from tests.chaos.run import ChaosStack, Ctx, KEYS, Watch
+from demo.stack import wait_until
 
 #: What a lost Redis connection looks like in rq's own log lines ("found an unhandled exception, quitting",
 #: with the traceback; worker.Worker then waits for Redis and starts its loop again).
@@ -21,7 +22,7 @@ REDIS_DOWN_TB = (r"redis\.exceptions\.(ConnectionError|TimeoutError|BusyLoadingE
 
 def _done(st: ChaosStack) -> int:
     try:
-        return int(st.client().hlen(KEYS + ":done"))
+        return int(st.client().hlen(KEYS.done))
     except redis.RedisError:  # down: being killed or restarted
         return 0
 
@@ -173,6 +174,6 @@ def _mismatches(st: ChaosStack) -> int:
     """Samples whose record on disk and whose count in Redis' done hash disagree (generated twice)."""
     path = st.workdir / "out" / DATASET / "raw_responses.jsonl"
     on_disk = {str(rec["id"]): int(rec["completion_tokens"]) for rec in read_jsonl(path)}
-    raw: Any = st.client().hgetall(KEYS + ":done")
+    raw: Any = st.client().hgetall(KEYS.done)
     done = {k.decode(): int(v) for k, v in raw.items()}
     return sum(1 for sid, n in on_disk.items() if sid in done and done[sid] != n)

@@ -1,8 +1,8 @@
 """Offline simulation of predict's control loop at the close: why the taper, and which t (docs/budget.md).
 
-    python -m bench.taper_sim                      # ~1 minute: budgets 10x, 2x, 1x; margin rule vs tapers
-    python -m bench.taper_sim --tapers 0,1,2,3 --seeds 10
-    python -m bench.taper_sim --models exact,km --model-errors 0,1 --tapers 2   # + the worker's own model
+    python -m tests.taper_sim                      # ~1 minute: budgets 10x, 2x, 1x; margin rule vs tapers
+    python -m tests.taper_sim --tapers 0,1,2,3 --seeds 10
+    python -m tests.taper_sim --models exact,km --model-errors 0,1 --tapers 2   # + the worker's own model
 
 No Redis, no simulator, no clock: a slot-level model of the loop, so the figures are not CPU-sensitive. Every
 simulated second each running request decodes ``--tps`` tokens; a request that reaches its length commits; the

@@ -1,6 +1,6 @@
 """What every chaos scenario runs on: its scale, a stack it may break (Redis restartable, workers replaceable,
 an optional recording proxy before SGLang), a produce it may kill, and a watch on the commits. The audit of
-the outcome is bench/chaos_audit.py."""
+the outcome is tests/chaos/audit.py."""
 from __future__ import annotations
 
 import json
@@ -13,25 +13,19 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import redis
 
-from bench.blackhole import BlackHole
-from bench.chaos_audit import DATASET, Result, read_jsonl
-from bench.harness import Stack, _wait, free_port, produce_cmd, write_prompts
+from budget.keys import DatasetKeys
+from tests.chaos.blackhole import BlackHole
+from demo.appending import read_jsonl
+from tests.chaos.audit import DATASET, Result
+from demo.synthetic import write_prompts
+from demo.stack import Service, Stack, free_port, http_ok, produce_cmd, wait_until
 
-KEYS = f"bq:ds:{{{DATASET}}}"  # the dataset's key prefix (budget/keys.py DatasetKeys)
+KEYS = DatasetKeys(DATASET)  # the scenarios' dataset's keys
 QUEUE = "budgetq"
-
-
-def wait_until(pred: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
-    """Poll state owned by other processes (Redis keys, files): there is no event to await across them."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 @dataclass(frozen=True)
@@ -76,7 +70,8 @@ SCALES = {
 
 class ChaosStack(Stack):
     """A Stack whose redis-server can be killed and started again (same port, same directory), and whose
-    workers can be killed and replaced by name. Optionally the workers talk to SGLang through bench.recorder."""
+    workers can be killed and replaced by name. Optionally the workers talk to SGLang through
+    tests/chaos/recorder.py."""
 
     def __init__(self, workdir: Path, *, recorder: bool = False, blackhole: bool = False, **kwargs: Any) -> None:
         super().__init__(workdir, **kwargs)
@@ -86,14 +81,12 @@ class ChaosStack(Stack):
         self.direct_url = ""  # Redis itself, for the audit; redis_url (workers, produce) may go through the proxy
         self.recorder_url = ""
         self.by_name: dict[str, subprocess.Popen[bytes]] = {}
-        self._redis_argv: list[str] = []
 
     def start(self) -> "ChaosStack":
         # Start workers ourselves, after the optional recorder: the base class starts them at once.
         n, self.n_workers = self.n_workers, 0
         super().start()
         self.n_workers = n
-        self._redis_argv = [str(a) for a in self.redis_proc().args]  # type: ignore[union-attr]
         self.direct_url = self.redis_url
         if self.use_blackhole:  # every client of the run reaches Redis through it; the audit does not
             port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
@@ -101,11 +94,11 @@ class ChaosStack(Stack):
             self.redis_url = f"redis://127.0.0.1:{self.blackhole.port}/0"
         if self.use_recorder:
             port = free_port()
-            self._spawn("recorder", [sys.executable, "-m", "bench.recorder", "--upstream", self.sim_urls[0],
-                                     "--port", str(port)])
+            recorder = self.spawn("recorder", [sys.executable, "-m", "tests.chaos.recorder", "--upstream",
+                                               self.sim_urls[0], "--port", str(port)])
             self.recorder_url = f"http://127.0.0.1:{port}"
-            _wait(lambda: urllib.request.urlopen(self.recorder_url + "/health", timeout=1).status == 200,
-                  "recorder")
+            wait_until(lambda: http_ok(self.recorder_url + "/health"), 30, "recorder",
+                       watch=[Service("recorder", recorder, self.workdir / "recorder.log")])
         for i in range(n):
             self.add_worker(f"w{i}")
         return self
@@ -128,29 +121,16 @@ class ChaosStack(Stack):
         self.by_name[name] = proc
         return proc
 
-    def redis_proc(self) -> subprocess.Popen[bytes] | None:
-        found = [p for p in self.procs if "redis-server" in str(p.args[0])]  # type: ignore[index]
-        return found[-1] if found else None
-
     @property
     def redis_dir(self) -> Path:
-        return self.workdir / "redis"
+        return self.redis.data_dir
 
     def freeze_redis(self, frozen: bool) -> None:
         """SIGSTOP (or SIGCONT) redis-server: a Redis that accepts connections and never answers."""
-        proc = self.redis_proc()
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
+        self.redis.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
 
     def kill_redis(self) -> None:
-        proc = self.redis_proc()
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
-
-    def start_redis(self) -> None:
-        self._spawn("redis", self._redis_argv)
-        _wait(self.client().ping, "redis-server", timeout=60)
+        self.redis.kill()
 
     def recorder_log(self) -> list[dict[str, Any]]:
         with urllib.request.urlopen(self.recorder_url + "/recorder/log", timeout=30) as resp:
@@ -169,7 +149,7 @@ class Watch(threading.Thread):
     def __init__(self, redis_url: str, output: Path | None = None, dataset: str = DATASET) -> None:
         super().__init__(daemon=True)
         self.r = redis.Redis.from_url(redis_url, socket_timeout=1, socket_connect_timeout=1)
-        self.key = f"bq:ds:{{{dataset}}}:done"
+        self.key = DatasetKeys(dataset).done
         self.output = output
         self.samples: list[tuple[float, int | None]] = []  # (monotonic time, committed or None: Redis down)
         self.written: list[tuple[float, int]] = []  # (monotonic time, bytes in raw_responses.jsonl)
@@ -236,7 +216,7 @@ class Produce:
                dataset: str = DATASET) -> int:
         """Wait for produce to exit. A produce still running while nothing was committed or written for
         ``stall_s`` seconds is stalled: it is killed, the stall recorded in ``res``, and -998 returned."""
-        done_key = f"bq:ds:{{{dataset}}}:done"
+        done_key = DatasetKeys(dataset).done
         output = stack.workdir / "out" / dataset / "raw_responses.jsonl"
         deadline = time.monotonic() + timeout
         last: tuple[int, int] | None = None
@@ -250,7 +230,7 @@ class Produce:
             if state != last:
                 last, since = state, now
             elif now - since > stall_s or now > deadline:
-                seq = stack.client().get(f"bq:ds:{{{dataset}}}:seq")
+                seq = stack.client().get(DatasetKeys(dataset).seq)
                 if res is not None:
                     res.check("produce finished (no stall)", False,
                               f"still running after {now - since:.0f} s without a commit or a write: "

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
-from bench.chaos_audit import Result, audit, log_files, sample_ids
-from bench.chaos_run import KEYS, Ctx
+from tests.chaos.audit import Result, audit, log_files, sample_ids
+from tests.chaos.run import KEYS, Ctx
 
 KEY, WRONG = "sk-chaos-right-4d1f", "sk-chaos-wrong-70aa"
 FAULT_S = 20.0
@@ -45,8 +45,8 @@ def wrong_key(ctx: Ctx) -> Result:
             time.sleep(0.05)  # polling other processes' exits: there is no event to await across them
         fault_s = time.monotonic() - t0
         refused = st.sim_stats()["unauthorized"]
-        failed_during = int(r.hlen(KEYS + ":failed"))
-        used_during = int(r.get(KEYS + ":used") or 0)
+        failed_during = int(r.hlen(KEYS.failed))
+        used_during = int(r.get(KEYS.used) or 0)
         logs = "".join(p.read_text(errors="replace") for p in st.workdir.glob("w*.log"))
         res.check("samples failed while the key was wrong = 0", failed_during == 0, failed_during)
         res.check("tokens counted while the key was wrong = 0", used_during == 0, used_during)
