@@ -57,7 +57,7 @@ print("bytes: messages", len(json.dumps(msgs)), "one turn record", len(json.dump
       "input_ids of turn 3", len(json.dumps(ids)))
 
 # What committed-but-unwritten turns hold in Redis: 200 conversations x 2 turns through Ledger.commit_turn, on a
-# private redis-server (tests/redis_server.py: started here, stopped here).
+# private redis-server (demo/stack.py RedisServer: started here, stopped here).
 import redis
 from demo.stack import RedisServer
 from budget import keys

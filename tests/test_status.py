@@ -17,7 +17,7 @@ from budget.runstate import RunState
 from producer.cli import main
 from producer.status import all_status, eta_seconds, status_table
 from tests.procs import produce_cmd
-from tests.redis_server import RedisServer
+from demo.stack import RedisServer
 
 
 def status(args: list[str], redis_url: str) -> tuple[int, str]:
