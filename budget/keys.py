@@ -85,6 +85,7 @@ documented layout, so a change of RQ's layout is a change of this module only.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 PREFIX = "bq:"
@@ -121,12 +122,27 @@ RQ_JOB_PREFIX = "rq:job:"
 RQ_CANCELED = "rq:canceled:" + QUEUE_NAME
 
 
+#: A dataset's name is part of its Redis keys (inside the ``{...}`` hash tag), RQ job ids and output paths, so it
+#: keeps to this alphabet: a name can never close the hash tag, hold the separator or climb out of OUT/.
+DATASET_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+DATASET_NAME_RULE = 'letters, digits, "_" and "-" only, 1 to 64 characters'
+
+
+def valid_dataset_name(name: str) -> bool:
+    return DATASET_NAME_RE.fullmatch(name) is not None
+
+
 @dataclass(frozen=True)
 class DatasetKeys:
-    """The keys of one dataset. Build it only from a validated dataset name. Each key is built once per
-    instance (the ledger keeps one instance per dataset: admit and commit run thousands of times a second)."""
+    """The keys of one dataset, whose name must be a valid dataset name (checked here: ValueError). Each key is
+    built once per instance (the ledger keeps one instance per dataset: admit and commit run thousands of times a
+    second)."""
 
     name: str
+
+    def __post_init__(self) -> None:
+        if not valid_dataset_name(self.name):
+            raise ValueError(f"invalid dataset name {self.name!r}: {DATASET_NAME_RULE}")
 
     @functools.cached_property
     def base(self) -> str:
@@ -236,10 +252,21 @@ def turn_bucket(turn: int) -> int:
     return min(max(turn, 0), TURN_BUCKETS - 1)
 
 
-#: Between a turn's index and its sample key in the fields of ``turns`` and ``turnrec``. Sample ids hold only
-#: printable characters, and the turn's digits come first, so a field splits at its first separator for any
-#: sample key (issue 15's keys of generations > 0 may hold the separator themselves).
-TURN_SEP = "\x1f"
+#: The one separator of budgetq's composite names, byte 0x1f. Ids hold no control characters (producer/records.py
+#: refuses them at read), so each encoding below parses back unambiguously; the Lua scripts write it as '\\31'.
+#:
+#: | encoding       | form                                   | built by                     | parsed at        |
+#: | -------------- | -------------------------------------- | ---------------------------- | ---------------- |
+#: | sample key     | ``{prompt id}SEP{generation}`` (k >= 1; | producer/generations.py      | its last SEP     |
+#: |                | generation 0 is the prompt id alone)   | ``sample_key``               | (``split_key``)  |
+#: | turn field     | ``{turn}SEP{sample key}``              | ``turn_field`` (below),      | its first SEP    |
+#: |                | (``turns``, ``turnrec`` hash fields)   | COMMIT_TURN and its kin      | (digits first)   |
+#: | turn request   | ``{turn}SEP{sample key}`` (turn >= 1;  | budget/payload.py            | never: hashed    |
+#: | key            | turn 0 is the sample key alone)        | ``turn_request_key``         | into the rid     |
+#: | progress field | ``{chunk}SEP{turn bucket}``            | REFRESH_CHUNK                | its last SEP     |
+#: |                | (the progress hash)                    |                              | (outcomes.py)    |
+SEP = "\x1f"
+TURN_SEP = SEP
 
 
 def turn_field(sample: str, turn: int) -> str:

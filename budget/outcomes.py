@@ -14,7 +14,7 @@ from typing import Any
 
 # LengthSample.per_turn[j] holds turn bucket j's lengths (turns 0, 1, 2; 3: the fourth and later). Re-exported for
 # the worker, which names no key: budget/keys.py owns the lists they come from.
-from budget.keys import TURN_BUCKETS as TURN_BUCKETS, turn_bucket as turn_bucket
+from budget.keys import SEP, TURN_BUCKETS as TURN_BUCKETS, turn_bucket as turn_bucket
 
 
 class Admit(enum.IntEnum):
@@ -185,7 +185,7 @@ def parse_length_sample(reply: Any) -> LengthSample:
         counts = {text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
         fields = reply[4 + TURN_BUCKETS]
         for i in range(0, len(fields), 2):
-            chunk, sep, b = text(fields[i]).rpartition("\x1f")
+            chunk, sep, b = text(fields[i]).rpartition(SEP)
             if sep and b.isdigit() and int(b) < TURN_BUCKETS:
                 turn_running[int(b)].extend(int(x) for x in json.loads(fields[i + 1]))
     return LengthSample([int(x) for x in lengths], running, float(prior) if prior else None,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Final, TypedDict
 
+from budget import keys
+
 #: The run format: every chunk payload (``v``), run.json and a dataset's settings in Redis (``version``) carry it.
 #: A producer or a worker refuses anything of another format (OTHER_VERSION says what to do).
 VERSION: Final = 4
@@ -90,7 +92,7 @@ def sampling_params_of(chunk: ChunkPayload, sample: SamplePayload) -> dict[str, 
 def turn_request_key(sample_id: str, turn: int) -> str:
     """What names turn ``turn`` of conversation ``sample_id`` in its rids and tool-call ids: the sample id for
     turn 0 (as a one-turn sample), ``"{turn}\x1f{sample}"`` after (ids hold no control characters: unambiguous)."""
-    return sample_id if turn == 0 else f"{turn}\x1f{sample_id}"
+    return sample_id if turn == 0 else f"{turn}{keys.SEP}{sample_id}"
 
 
 def request_id(dataset: str, sample_id: str, attempt: int) -> str:

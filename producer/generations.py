@@ -16,7 +16,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Final, Sequence
 
-SEP: Final = "\x1f"
+from budget import keys
+
+SEP: Final = keys.SEP  # budget/keys.py: the sample key is one of the encodings in its table
 #: The run.json key of ``--generations``, left out when it is 1.
 SETTING: Final = "generations"
 #: The sampling parameter that carries ``--seed`` (producer/settings.py).

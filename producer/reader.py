@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Callable
 
+from budget.keys import DATASET_NAME_RULE, valid_dataset_name
 from producer.jsonfiles import read_json, read_jsonl
 from producer.records import DEFAULT_MAPPING, FieldMapping
 from producer.samples import Collector, InputError, Problem, ReadResult, Sample, file_error
@@ -25,8 +26,6 @@ from producer.samples import Collector, InputError, Problem, ReadResult, Sample,
 __all__ = ["FieldMapping", "InputError", "Problem", "ReadResult", "Sample", "check_unique_names",
            "parse_dataset_arg", "read_all", "read_dataset", "valid_name"]
 
-NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
-"""Dataset names become parts of Redis keys, RQ job ids and output paths: keep them to a safe alphabet."""
 MAX_LISTED_PER_FILE = 50
 """Bad records listed per dataset in an InputError; a 100k-line file of the wrong format needs no 100k-line message."""
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -39,13 +38,13 @@ SPLIT_WORDS = {
     "test": "test", "testing": "test", "eval": "test", "evaluation": "test",
 }
 """Words naming a split in a data file's path, as the Hugging Face hub's folder convention reads them."""
-_NAME_RULE = 'letters, digits, "_" and "-" only, 1 to 64 characters'
+_NAME_RULE = DATASET_NAME_RULE
 _WORD_RE = re.compile(r"[a-z]+")
 
 
 def valid_name(name: str) -> bool:
     """True if ``name`` can be a dataset name (also used for ``--budget NAME=AMOUNT``)."""
-    return NAME_RE.fullmatch(name) is not None
+    return valid_dataset_name(name)
 
 
 def parse_dataset_arg(arg: str) -> tuple[str, Path]:

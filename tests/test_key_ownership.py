@@ -21,8 +21,9 @@ from tests.procs import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKED = ("producer", "render", "worker", "demo")
-#: What of budget/keys.py a module outside budget/ may use: they name no key.
-NOT_KEYS = {"QUEUE_NAME", "chunk_id"}
+#: What of budget/keys.py a module outside budget/ may use: they name no key (the queue, a chunk id, the separator of
+#: composite names, the dataset-name alphabet).
+NOT_KEYS = {"QUEUE_NAME", "chunk_id", "SEP", "DATASET_NAME_RULE", "valid_dataset_name"}
 #: Redis command methods of redis-py clients and pipelines. Outside budget/ none is called on anything (RQ's
 #: keys go through RQ's API). ``get``/``set``/``delete``/``exists``/``keys``/``unlink``/``rename`` are left out: dicts,
 #: paths and jobs have those too; the run below catches a call of them on a key.
