@@ -22,6 +22,7 @@ from render.chat import Renderer
 #: the answer to its last user turn on the dataset's own history (``last``).
 ALL: Final = "all"
 LAST: Final = "last"
+TURNS: Final = (ALL, LAST)  # producer/cli.py spells them out, to keep `produce --help` light (tests check it)
 #: The run.json key of the run format.
 VERSION_KEY: Final = "version"
 

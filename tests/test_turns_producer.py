@@ -370,3 +370,12 @@ def test_a_conversation_whose_workers_keep_dying_is_written_failed_unless_it_pro
     assert header["stopped_by"] == "failed" and header["failed_reason"] == "its chunk lost its worker 3 times"
     assert audit(r) == 10 and not r.hlen(keys.DatasetKeys(DS).convs)
     producer.release()
+
+
+def test_the_turns_option_offers_exactly_the_modes_runjson_knows() -> None:
+    """cli.py writes the --turns choices out (importing runjson would load jinja2 for ``produce --help``): they
+    must be runjson's, with its default."""
+    from producer.cli import run_cmd
+    from producer.runjson import ALL, TURNS
+    [option] = [p for p in run_cmd.params if p.name == "turns"]
+    assert tuple(option.type.choices) == TURNS and option.default == ALL  # type: ignore[attr-defined]
