@@ -183,3 +183,14 @@ def test_turns_all_renders_every_turn_with_the_records_tools_and_keeps_them(
                             tokenizer=load_tokenizer(str(tok_dir)))
     assert report.prompt_mismatch == 0, "every turn's prompt re-renders, with the record's tools, to what was sent"
     assert report.written > 12
+
+
+def test_a_parquet_tools_column_is_read_as_the_jsonl_one(tmp_path: Path) -> None:
+    """A struct column fills missing keys with null (dropped, as inside turns) and a row without tools has none."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    rows = [{"id": "a", "messages": ASK, "tools": WEATHER}, {"id": "b", "messages": ASK, "tools": None}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "fc.parquet")
+    read = read_dataset("fc", tmp_path / "fc.parquet")
+    assert not read.invalid
+    assert [s.tools for s in read.samples] == [WEATHER, None]
