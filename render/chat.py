@@ -268,7 +268,9 @@ class Renderer:
         each: Sequence[Tools] = tools if tools is not None else [None] * len(batch)
         groups: dict[str, list[int]] = {}
         for index, one in enumerate(each):
-            groups.setdefault("" if not one else _canonical_json(one), []).append(index)
+            # Key order kept: a template renders a schema in the order given, so two orders are two prompts.
+            key = "" if not one else json.dumps(one, ensure_ascii=False, separators=(",", ":"), default=repr)
+            groups.setdefault(key, []).append(index)
         rows: list[Any] = [None] * len(batch)
         try:
             for indexes in groups.values():

@@ -194,3 +194,13 @@ def test_a_parquet_tools_column_is_read_as_the_jsonl_one(tmp_path: Path) -> None
     read = read_dataset("fc", tmp_path / "fc.parquet")
     assert not read.invalid
     assert [s.tools for s in read.samples] == [WEATHER, None]
+
+
+def test_batched_rendering_keeps_each_records_key_order(tokenizer_dir: Path) -> None:
+    """Two records whose tools differ only in key order are two prompts (the template renders the order given)."""
+    renderer = Renderer(load_tokenizer(tokenizer_dir))
+    reordered = [{"function": WEATHER[0]["function"], "type": "function"}]
+    batch = renderer.render_many([ASK, ASK], [WEATHER, reordered])
+    assert [out.input_ids for out in batch] == [renderer.render(ASK, WEATHER).input_ids,
+                                                renderer.render(ASK, reordered).input_ids]
+    assert batch[0].input_ids != batch[1].input_ids
