@@ -389,7 +389,7 @@ class _TokenIds:
         for key, at in groups.items():
             renderer = self._renderer if not key else self._renderer_for(key)
             rendered = self._render_all(renderer, [conversations[i] for i in at], [each[i] for i in at])
-            for i, ids in zip(at, rendered):
+            for i, ids in zip(at, rendered, strict=True):
                 out[i] = ids
         return out
 
