@@ -99,14 +99,15 @@ def walk(steps: Sequence[Step], turns: Sequence[Mapping[str, Any]]) -> Walk:
 
 def header(*, sample_id: str, dataset: str, sent: list[dict[str, Any]], turns: Sequence[Mapping[str, Any]],
            stopped_by: str | None, reasoning_parser: str | None, sampling_params: Mapping[str, Any],
-           failed_reason: str | None = None, chat_template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+           failed_reason: str | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+           tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """The record of an ended conversation without its turns (``end_conversation`` adds the committed ones
     verbatim, in order; the collector sums ``completion_tokens``). A conversation that ran to its end is
     incomplete as a one-turn record is: when its last turn was cut or never closed its thinking block."""
     from budget.record import RECORD_VERSION, make_record
     rec = make_record(sample_id=sample_id, dataset=dataset, turns=[dict(t) for t in turns],
                       reasoning_parser=reasoning_parser, sampling_params=sampling_params, messages=sent,
-                      chat_template_kwargs=chat_template_kwargs)
+                      chat_template_kwargs=chat_template_kwargs, tools=tools)
     del rec["turns"]
     del rec["completion_tokens"]
     rec["record_version"] = RECORD_VERSION
@@ -121,7 +122,8 @@ def header(*, sample_id: str, dataset: str, sent: list[dict[str, Any]], turns: S
 def end_as_is(ledger: Any, name: str, sample_id: str, messages: Sequence[Mapping[str, Any]], *,
               reasoning_parser: str | None, sampling_params: Mapping[str, Any],
               stopped_by: str = BUDGET, failed_reason: str | None = None,
-              chat_template_kwargs: Mapping[str, Any] | None = None) -> Any:
+              chat_template_kwargs: Mapping[str, Any] | None = None,
+              tools: Sequence[Mapping[str, Any]] | None = None) -> Any:
     """End a started conversation with the turns it has (``stopped_by`` budget): for one no worker carries any
     more and none may pick up, because its dataset closed after the worker carrying it died (a closed dataset
     starts nothing, and its queued chunks are discarded); or ``failed`` with ``failed_reason`` for one whose
@@ -136,5 +138,5 @@ def end_as_is(ledger: Any, name: str, sample_id: str, messages: Sequence[Mapping
                  stopped_by=state.stopped_by if state.prompt is None else stopped_by,
                  reasoning_parser=reasoning_parser, sampling_params=sampling_params,
                  failed_reason=failed_reason if state.prompt is not None else None,
-                 chat_template_kwargs=chat_template_kwargs)
+                 chat_template_kwargs=chat_template_kwargs, tools=tools)
     return ledger.end_conversation(name, sample_id, len(turns), rec)

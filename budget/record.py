@@ -4,7 +4,8 @@ Version 2 is a conversation with a list of regenerated turns (one today; the mul
 that every reader walks ``turns`` from the first day and nothing has to be reshaped again when there are several:
 
 - record: ``record_version`` (2), ``id``, ``dataset``, ``messages`` (what was sent, the dataset's own assistant
-  answer removed), ``turns``, ``completion_tokens`` (the sum over turns: what the budget counted), ``incomplete``,
+  answer removed), ``tools`` (only on a record whose dataset record had tool definitions: every turn's prompt was
+  rendered with them), ``turns``, ``completion_tokens`` (the sum over turns: what the budget counted), ``incomplete``,
   ``stopped_by``, ``reasoning_parser``, ``sampling_params``;
 - turn: what SGLang answered (``response``, ``output_ids``, the counts, ``finish_reason``), the worker's parse of it
   (``reasoning``, ``content``, ``reasoning_truncated``, ``reasoning_unclosed``, ``tool_calls``, and
@@ -68,14 +69,16 @@ def make_turn(*, response: str, reasoning: str | None, content: str, reasoning_t
 
 def make_record(*, sample_id: str, dataset: str, turns: list[dict[str, Any]], reasoning_parser: str | None,
                 sampling_params: Mapping[str, Any], messages: Any = None,
-                chat_template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                chat_template_kwargs: Mapping[str, Any] | None = None,
+                tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """A version 2 record over ``turns``; ``messages`` is filled by the producer when it writes the line.
+    ``tools``: the sample's tool definitions, kept after ``messages`` (left out when it has none).
     ``chat_template_kwargs``: what a sample of a ``--template-kwargs-mix`` was rendered with (the field is left
     out otherwise: the run's, in run.json)."""
     incomplete, stopped_by = _ending(turns)
     rec = {
         "record_version": RECORD_VERSION, "id": sample_id, "dataset": dataset, "messages": messages,
-        "turns": turns, "completion_tokens": sum(int(t["completion_tokens"]) for t in turns),
+        **({"tools": [dict(t) for t in tools]} if tools else {}), "turns": turns, "completion_tokens": sum(int(t["completion_tokens"]) for t in turns),
         "incomplete": incomplete, "stopped_by": stopped_by, "reasoning_parser": reasoning_parser,
         "sampling_params": dict(sampling_params),
     }

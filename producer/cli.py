@@ -199,6 +199,8 @@ def main() -> None:
 @opt("--conversations-field", default="conversations", show_default=True,
      help="Field holding ShareGPT conversations.")
 @opt("--id-field", default="id", show_default=True, help="Field holding the sample id.")
+@opt("--tools-field", default="tools", show_default=True,
+     help="Field holding the record's tool definitions (a list, or a JSON string of one): rendered into its prompts.")
 @opt("--system-prompt", default=None, help="System turn added to conversations that have none.")
 @opt("--expect-mean", type=click.FloatRange(1), default=None,
      help="Expected completion length before results arrive (predict's prior; --dry-run's estimate).")

@@ -81,7 +81,7 @@ def read_saved(path: Path, sink: Collector, mapping: FieldMapping) -> None:
 
 def _columns(where: str, names: list[str], mapping: FieldMapping) -> list[str]:
     fields = mapping.record_fields
-    columns = [name for name in (*fields, mapping.id_field) if name in names]
+    columns = [name for name in (*fields, mapping.id_field, mapping.tools_field) if name in names]
     if not any(name in fields for name in columns):
         shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
         raise InputError([Problem(where, None, f'no "{fields[0]}", "{fields[1]}" or "{fields[2]}" column '
@@ -100,11 +100,11 @@ def _read_batches(batches: Iterable[pa.RecordBatch | pa.Table], where: str, sink
                 continue
             try:
                 # Arrow strings are valid UTF-8, so no unpaired surrogate can be in them.
-                sample_id, messages = normalize(obj, mapping, surrogates=False, columnar=True)
+                sample_id, messages, tools = normalize(obj, mapping, surrogates=False, columnar=True)
             except RecordError as e:
                 sink.reject(where, row, "row", e.reason)
                 continue
-            sink.add(where, row, "row", sample_id, messages)
+            sink.add(where, row, "row", sample_id, messages, tools)
 
 
 def _rows(batch: pa.RecordBatch | pa.Table) -> list[Any]:

@@ -81,6 +81,8 @@ class Item:
     #: fingerprint (budget/payload.py SamplePayload); None: the run's.
     chat_template_kwargs: dict[str, Any] | None = None
     tokenizer: str | None = None
+    #: The record's tool definitions (budget/payload.py SamplePayload); None: none.
+    tools: list[dict[str, Any]] | None = None
 
 
 class ChunkSerializer:
@@ -158,6 +160,8 @@ def _sample(it: Item) -> dict[str, Any]:
         sample["chat_template_kwargs"] = it.chat_template_kwargs
         if it.turns > 1 and it.tokenizer is not None:
             sample["tokenizer"] = it.tokenizer
+    if it.tools:
+        sample["tools"] = it.tools
     return sample
 
 

@@ -264,7 +264,8 @@ def _write_batch(fh: IO[str], batch: list[tuple[int, dict[str, Any]]], options: 
     if ids is not None:
         prompts = ids.prompt_ids([prompt for _n, rec in batch
                                   for prompt in history.turn_prompts(rec["messages"], rec["turns"])],
-                                 [rec.get("chat_template_kwargs") for _n, rec in batch for _turn in rec["turns"]])
+                                 [rec.get("chat_template_kwargs") for _n, rec in batch for _turn in rec["turns"]],
+                                 [rec.get("tools") for _n, rec in batch for _turn in rec["turns"]])
         k = 0
         for j, (_number, rec) in enumerate(batch):
             for turn in rec["turns"]:
@@ -373,18 +374,22 @@ class _TokenIds:
         self.template_hash = template_hash(tokenizer)
 
     def prompt_ids(self, conversations: list[list[dict[str, Any]]],
-                   kwargs: Sequence[Mapping[str, Any] | None] | None = None) -> list[list[int] | None]:
+                   kwargs: Sequence[Mapping[str, Any] | None] | None = None,
+                   tools: Sequence[Any] | None = None) -> list[list[int] | None]:
         """The run's own rendering (render/chat.py); None for a prompt the template now refuses. ``kwargs``: each
-        conversation's own chat_template_kwargs (a record of a --template-kwargs-mix), None: the run's."""
+        conversation's own chat_template_kwargs (a record of a --template-kwargs-mix), None: the run's; ``tools``:
+        each conversation's record's tools (None: none)."""
+        each = list(tools) if tools is not None else [None] * len(conversations)
         if kwargs is None or all(k is None for k in kwargs):
-            return self._render_all(self._renderer, conversations)
+            return self._render_all(self._renderer, conversations, each)
         groups: dict[str, list[int]] = {}
         for i, k in enumerate(kwargs):
             groups.setdefault("" if k is None else json.dumps(k, sort_keys=True), []).append(i)
         out: list[list[int] | None] = [None] * len(conversations)
         for key, at in groups.items():
             renderer = self._renderer if not key else self._renderer_for(key)
-            for i, ids in zip(at, self._render_all(renderer, [conversations[i] for i in at])):
+            rendered = self._render_all(renderer, [conversations[i] for i in at], [each[i] for i in at])
+            for i, ids in zip(at, rendered, strict=True):
                 out[i] = ids
         return out
 
@@ -397,15 +402,16 @@ class _TokenIds:
         return self._renderers[key]
 
     @staticmethod
-    def _render_all(renderer: Renderer, conversations: list[list[dict[str, Any]]]) -> list[list[int] | None]:
+    def _render_all(renderer: Renderer, conversations: list[list[dict[str, Any]]],
+                    tools: list[Any]) -> list[list[int] | None]:
         try:
-            return [r.input_ids for r in renderer.render_many(conversations)]
+            return [r.input_ids for r in renderer.render_many(conversations, tools)]
         except RenderError:
             pass
         out: list[list[int] | None] = []
-        for messages in conversations:
+        for messages, one in zip(conversations, tools, strict=True):
             try:
-                out.append(renderer.render(messages).input_ids)
+                out.append(renderer.render(messages, one).input_ids)
             except RenderError:
                 out.append(None)
         return out

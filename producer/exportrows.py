@@ -91,6 +91,13 @@ def template_kwargs(rec: Mapping[str, Any]) -> dict[str, Any]:
     return {"chat_template_kwargs": kwargs} if kwargs is not None else {}
 
 
+def record_tools(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """A row's ``tools``: the tool definitions its prompts were rendered with (a trainer renders the row with
+    them too); none for a record without any."""
+    tools = rec.get("tools")
+    return {"tools": tools} if tools else {}
+
+
 def conversation_row(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, think: tuple[str, str],
                      points: Sequence[int]) -> dict[str, Any]:
     """One conversation: the record's messages with every regenerated turn at its answer point (a one-turn
@@ -98,6 +105,7 @@ def conversation_row(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, thin
     out: dict[str, Any] = {"id": rec["id"], **generation(rec)}
     out.update(_shaped(fmt, history.conversation(rec["messages"], answers(rec, reasoning_mode, think), points)))
     out.update(template_kwargs(rec))
+    out.update(record_tools(rec))
     if is_truncated(rec):
         out["truncated"] = True
     return out
@@ -115,6 +123,7 @@ def turn_rows(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, think: tupl
         row: dict[str, Any] = {"id": rec["id"], **generation(rec), "turn": i}
         row.update(_shaped(fmt, [*history.conversation(rec["messages"], past, points, upto=i), answer]))
         row.update(template_kwargs(rec))
+        row.update(record_tools(rec))
         if is_truncated(rec):
             row["truncated"] = True
         rows.append(row)

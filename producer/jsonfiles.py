@@ -64,14 +64,15 @@ def read_lines(lines: BinaryIO | Iterable[bytes], where: str, sink: Collector, m
             sink.reject(where, n, "line", "empty line")
         blanks.clear()
         try:
-            sample_id, messages = _parse_line(raw, mapping)
+            sample_id, messages, tools = _parse_line(raw, mapping)
         except RecordError as e:
             sink.reject(where, lineno, "line", e.reason)
             continue
-        sink.add(where, lineno, "line", sample_id, messages)
+        sink.add(where, lineno, "line", sample_id, messages, tools)
 
 
-def _parse_line(raw: bytes, mapping: FieldMapping) -> tuple[str, list[dict[str, Any]]]:
+def _parse_line(raw: bytes, mapping: FieldMapping
+                ) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]] | None]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -143,12 +144,13 @@ def _read_array(text: str, where: str, sink: Collector, mapping: FieldMapping) -
             flaws.clear()
         else:
             try:
-                sample_id, messages = normalize(obj, mapping,
-                                                surrogates=_SURROGATE_ESCAPE_RE.search(text, pos, end) is not None)
+                sample_id, messages, tools = normalize(obj, mapping,
+                                                       surrogates=_SURROGATE_ESCAPE_RE.search(text, pos, end)
+                                                       is not None)
             except RecordError as e:
                 sink.reject(where, lineno, "line", e.reason)
             else:
-                sink.add(where, lineno, "line", sample_id, messages)
+                sink.add(where, lineno, "line", sample_id, messages, tools)
         pos = _skip_space(text, end)
         if text.startswith(",", pos):
             pos = _skip_space(text, pos + 1)

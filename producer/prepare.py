@@ -69,6 +69,9 @@ class Prepared:
     def messages(self, prompt_id: str) -> Any:
         return self.prompts[prompt_id].sample.messages
 
+    def tools(self, prompt_id: str) -> list[dict[str, Any]] | None:
+        return self.prompts[prompt_id].sample.tools
+
     def keys(self) -> list[str]:
         """The sample keys of the selected prompts, in the order they are sent: rounds, generation 0 of every
         prompt first (producer/generations.py ``rounds``)."""
@@ -115,7 +118,8 @@ def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_
     """Render a batch (``messages_of`` each sample: its whole messages, or turn 0's); a sample the template refuses
     is a bad line of the file, named by its line."""
     try:
-        return list(zip(part, renderer.render_many([messages_of(s) for s in part]), strict=True))
+        return list(zip(part, renderer.render_many([messages_of(s) for s in part], [s.tools for s in part]),
+                        strict=True))
     except RenderError as exc:
         if exc.index is None:
             raise
@@ -124,7 +128,7 @@ def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_
     good = []
     for sample in part:
         try:
-            good.append((sample, renderer.render(messages_of(sample))))
+            good.append((sample, renderer.render(messages_of(sample), sample.tools)))
         except RenderError as exc:
             invalid.append(sample.problem(str(exc)))
     return good
@@ -237,6 +241,26 @@ def prepare(read: ReadResult, renderer: Renderer, settings: DatasetSettings, *, 
                 continue
             prepared.prompts[sample.id] = prompt
     return prepared
+
+
+def tools_ignored(renderer: Renderer, prepared: Prepared) -> Problem | None:
+    """The first selected sample with tools when the chat template ignores them (its prompt rendered with and
+    without them gives the same ids: the model would never see a tool), else None. One sample stands for the
+    dataset: whether a template renders ``tools`` does not depend on which."""
+    sample = next((p.sample for p in prepared.prompts.values() if p.sample.tools), None)
+    if sample is None:
+        return None
+    messages = first_turn(sample.messages) if prepared.prompts[sample.id].turns > 1 else sample.messages
+    try:
+        ignored = renderer.render(messages, sample.tools).input_ids == renderer.render(messages).input_ids
+    except RenderError:  # rendered with its tools already; a template that needs tools is not ignoring them
+        return None
+    if not ignored:
+        return None
+    with_tools = sum(1 for p in prepared.prompts.values() if p.sample.tools)
+    return sample.problem(f'the chat template ignores "tools": {with_tools} samples of {prepared.name} have tool '
+                          "definitions that are not in their prompts (the model will not see them); use the "
+                          "model's own tokenizer, whose template renders tools")
 
 
 def resolve_parser(choice: str, tokenizer: Any, renderer: Renderer) -> str:
@@ -357,6 +381,9 @@ def load_inputs(s: RunSettings, *, echo: Callable[[str], None], warn: Callable[[
     for p in prepared:
         for problem in p.over_context:
             echo(f"skipped {problem}")
+        ignored = tools_ignored(renderer, p)
+        if ignored is not None:
+            warn(str(ignored))
         conversations = (f"; turns: all, {p.conversations} multi-turn conversations ({p.turns_total} requests at "
                          "most)" if settings.turns == ALL else "")
         echo(f"{p.name}: {len(p.prompts)} samples ready ({p.prompt_tokens} prompt tokens), "

@@ -10,6 +10,11 @@ A record is a mapping with exactly one of three fields (their names set by ``Fie
 * prompt: a non-blank string, becoming one user turn.
 * conversations: ShareGPT turns ``{"from": ..., "value": str}``; roles are mapped by ``SHAREGPT_ROLES``.
 
+A record may also carry ``tools`` (``FieldMapping.tools_field``): the tool definitions its prompt is rendered with
+(``apply_chat_template(tools=...)``: OpenAI ``{"type": "function", "function": {...}}`` objects, or whatever
+objects the template reads), a list of objects or a JSON string of one (xlam stores them so); an empty list or
+null is no tools. They are part of the prompt, so a derived id hashes them too.
+
 A field whose value is null counts as absent; other fields are ignored. Trailing assistant turns are the old answer
 and are dropped; what remains must contain a user turn and end with a user or tool turn (turns are validated
 before dropping, so a malformed old answer still rejects the record). ``FieldMapping.system_prompt`` is then
@@ -63,15 +68,17 @@ class FieldMapping:
     conversations_field: str = "conversations"
     id_field: str = "id"
     system_prompt: str | None = None
+    tools_field: str = "tools"
 
     def __post_init__(self) -> None:
         names = {"messages_field": self.messages_field, "prompt_field": self.prompt_field,
-                 "conversations_field": self.conversations_field, "id_field": self.id_field}
+                 "conversations_field": self.conversations_field, "id_field": self.id_field,
+                 "tools_field": self.tools_field}
         for option, value in names.items():
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{option}: expected a non-empty field name, got {value!r}")
         if len(set(names.values())) < len(names):
-            raise ValueError("messages_field, prompt_field, conversations_field and id_field must differ, got "
+            raise ValueError("messages_field, prompt_field, conversations_field, id_field and tools_field must differ, got "
                              + ", ".join(f"{k}={v!r}" for k, v in names.items()))
         if self.system_prompt is not None:
             if not isinstance(self.system_prompt, str):
@@ -96,8 +103,9 @@ class RecordError(Exception):
 
 
 def normalize(obj: object, mapping: FieldMapping = DEFAULT_MAPPING, *, surrogates: bool = True,
-              columnar: bool = False) -> tuple[str, list[dict[str, Any]]]:
-    """Validate one parsed record and return ``(id, messages)``; raises RecordError with the reason.
+              columnar: bool = False) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """Validate one parsed record and return ``(id, messages, tools)`` (tools None: the record has none); raises
+    RecordError with the reason.
 
     ``surrogates=False`` skips the unpaired-surrogate check, for callers that know none can be present (the check
     walks every string). ``columnar`` is for rows of Parquet and Hugging Face datasets (see the module doc).
@@ -128,17 +136,47 @@ def normalize(obj: object, mapping: FieldMapping = DEFAULT_MAPPING, *, surrogate
     else:
         messages = _from_sharegpt(value, field)
     _drop_old_answer(messages, field)
+    tools = _tools(obj.get(mapping.tools_field), mapping.tools_field, columnar)
     if surrogates:
         _check_encodable(messages, field, field == mapping.prompt_field)
+        if tools is not None:
+            _check_encodable(tools, mapping.tools_field, False)
     added = 0
     if mapping.system_prompt is not None and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": mapping.system_prompt})
         added = 1
     if sample_id is None or columnar:  # one encoding both checks a columnar row and derives the id
         canonical = _canonical(messages, field, added)
+        if tools is not None:
+            # Appended, so that a record without tools keeps the id it always had.
+            canonical += _canonical(tools, mapping.tools_field, 0)
         if sample_id is None:
             sample_id = "h" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
-    return sample_id, messages
+    return sample_id, messages, tools
+
+
+def _tools(value: object, field: str, columnar: bool) -> list[dict[str, Any]] | None:
+    """A record's tool definitions: a list of objects, or a JSON string of one; None for none."""
+    if value is None:
+        return None
+    if type(value) is str:
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as e:
+            reason = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+            raise RecordError(f"{field}: a string that is not valid JSON ({reason})") from None
+        if type(value) is not list:
+            raise RecordError(f"{field}: a JSON string of {kind(value)}, expected a list of tool objects")
+    elif type(value) is not list:
+        raise RecordError(f"{field}: expected a list of tool objects or a JSON string of one, got {kind(value)}")
+    for i, tool in enumerate(value):
+        if type(tool) is not dict or not tool:
+            got = "an empty object" if type(tool) is dict else kind(tool)
+            raise RecordError(f"{field}[{i}]: expected a tool object, got {got}")
+    tools: list[dict[str, Any]] = _without_nulls(value) if columnar else value
+    return tools or None
 
 
 def _check_id(value: object, name: str) -> str | None:

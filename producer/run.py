@@ -241,7 +241,7 @@ class Producer:
             params, kwargs = self._sent_with(d, sid)
             outcome = end_as_is(self.ledger, d.name, sid, d.prepared.messages(split_key(sid)[0]),
                                 reasoning_parser=d.prepared.settings.reasoning_parser, sampling_params=params,
-                                chat_template_kwargs=kwargs)
+                                chat_template_kwargs=kwargs, tools=d.prepared.tools(split_key(sid)[0]))
             if outcome is not None and outcome.verdict is EndVerdict.MISMATCH:
                 d.stranded.add(sid)  # a worker still commits to it (a zombie): look again next step
                 continue
@@ -287,7 +287,7 @@ class Producer:
                                             reasoning_parser=d.prepared.settings.reasoning_parser,
                                             sampling_params=params,
                                             stopped_by=record.FAILED, failed_reason=why,
-                                            chat_template_kwargs=kwargs)
+                                            chat_template_kwargs=kwargs, tools=d.prepared.tools(split_key(sid)[0]))
                         if outcome is not None and outcome.verdict is not EndVerdict.MISMATCH:
                             continue
                     else:
@@ -393,9 +393,10 @@ class Producer:
             kwargs = variants.kwargs(name)
             fingerprint = variants.fingerprint(name) if prompt.turns > 1 else None
         if prompt.turns == 1:
-            return Item(key, ids, opens, sampling_params=overrides, chat_template_kwargs=kwargs)
+            return Item(key, ids, opens, sampling_params=overrides, chat_template_kwargs=kwargs,
+                        tools=prompt.sample.tools)
         return Item(key, ids, opens, messages=prompt.sample.messages, turns=prompt.turns, sampling_params=overrides,
-                    chat_template_kwargs=kwargs, tokenizer=fingerprint)
+                    chat_template_kwargs=kwargs, tokenizer=fingerprint, tools=prompt.sample.tools)
 
     # -- reporting (producer/report.py) ----------------------------------------------------------------
     def progress_line(self) -> str:

@@ -48,6 +48,8 @@ class Sample:
     line: int
     path: str
     unit: Unit
+    #: The record's tool definitions (producer/records.py), rendered into every turn's prompt; None: none.
+    tools: list[dict[str, Any]] | None = None
 
     def problem(self, reason: str) -> Problem:
         """A problem located at this sample, e.g. a prompt that does not fit the context."""
@@ -100,11 +102,12 @@ class Collector:
             self._progress(self._unreported)
         self._unreported = 0
 
-    def add(self, path: str, n: int, unit: Unit, sample_id: str, messages: list[dict[str, Any]]) -> None:
+    def add(self, path: str, n: int, unit: Unit, sample_id: str, messages: list[dict[str, Any]],
+            tools: list[dict[str, Any]] | None = None) -> None:
         self._count()
         first = self._first.get(sample_id)
         if first is None:
-            sample = Sample(sample_id, messages, n, path, unit)
+            sample = Sample(sample_id, messages, n, path, unit, tools)
             self._first[sample_id] = sample
             self.result.samples.append(sample)
             return

@@ -91,7 +91,7 @@ class RunSettings:
         try:
             mapping = FieldMapping(messages_field=o["messages_field"], prompt_field=o["prompt_field"],
                                    conversations_field=o["conversations_field"], id_field=o["id_field"],
-                                   system_prompt=o["system_prompt"])
+                                   system_prompt=o["system_prompt"], tools_field=o.get("tools_field") or "tools")
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         if o["order"] == "file" and o["order_seed"] is not None:

@@ -11,6 +11,9 @@ is imported only inside `load_tokenizer`; a worker imports this module only when
 - The ids come straight from `apply_chat_template(tokenize=True)`, which encodes the rendered text with
   `add_special_tokens=False`. Rendering to text and encoding it again would add a second BOS on tokenizers whose
   template already writes one (Llama, Gemma, the demo tokenizer).
+- A record's own tool definitions go to the template as ``tools=`` (its own tool syntax renders them), per call:
+  they override a ``tools`` of the run's chat_template_kwargs, and are not in the fingerprint (they are the
+  data, not the renderer).
 - Everything that does not depend on the messages (template kwargs, think markers, eos ids, the fingerprint) is
   computed once per `Renderer`, because 100,000 prompts go through `render`.
 """
@@ -52,6 +55,8 @@ _RESERVED_KWARGS: Final = frozenset(
         "tokenizer_kwargs",
     }
 )
+#: A record's tool definitions (producer/records.py), as apply_chat_template takes them; None or empty: none.
+Tools = Sequence[Mapping[str, Any]] | None
 # Bump when the way ids are produced changes, so runs stored by an older renderer are refused.
 _FINGERPRINT_VERSION: Final = "budgetq-render-1"
 
@@ -243,35 +248,49 @@ class Renderer:
         """The markers in use (None: the model does not think)."""
         return self._think
 
-    def render(self, messages: Sequence[Mapping[str, Any]]) -> Rendered:
-        """Render one conversation, with the generation prompt, to ids. Template errors raise RenderError."""
-        return self._rendered(self._apply(_checked(messages)))
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None) -> Rendered:
+        """Render one conversation, with the generation prompt, to ids; ``tools`` (the record's tool definitions,
+        None: none) go to the template. Template errors raise RenderError."""
+        return self._rendered(self._apply(_checked(messages), tools))
 
-    def render_many(self, conversations: Sequence[Sequence[Mapping[str, Any]]]) -> list[Rendered]:
+    def render_many(self, conversations: Sequence[Sequence[Mapping[str, Any]]],
+                    tools: Sequence[Tools] | None = None) -> list[Rendered]:
         """Render several conversations in one call: the same ids as `render`, faster on several cores.
+        ``tools``: each conversation's tool definitions (None: none has any).
 
-        The tokenizers library encodes a batch in parallel (about 1.7x on two cores). When one conversation fails,
-        the batch is rendered one by one, so the RenderError names the index of the first conversation at fault.
+        The tokenizers library encodes a batch in parallel (about 1.7x on two cores); apply_chat_template takes
+        one ``tools`` per batch, so the conversations are batched by their tools. When one conversation fails,
+        it is rendered one by one, so the RenderError names the index of the first conversation at fault.
         """
         if not conversations:
             return []
         batch = [_checked(messages) for messages in conversations]
+        each: Sequence[Tools] = tools if tools is not None else [None] * len(batch)
+        groups: dict[str, list[int]] = {}
+        for index, one in enumerate(each):
+            # Key order kept: a template renders a schema in the order given, so two orders are two prompts.
+            key = "" if not one else json.dumps(one, ensure_ascii=False, separators=(",", ":"), default=repr)
+            groups.setdefault(key, []).append(index)
+        rows: list[Any] = [None] * len(batch)
         try:
-            out = self._apply(batch)
+            for indexes in groups.values():
+                out = self._apply([batch[i] for i in indexes], each[indexes[0]])
+                for i, row in zip(indexes, out if isinstance(out, list) else list(out["input_ids"]), strict=True):
+                    rows[i] = row
         except RenderError:
             for index, messages in enumerate(batch):
                 try:
-                    self.render(messages)
+                    self.render(messages, each[index])
                 except RenderError as exc:
                     raise RenderError(f"conversation {index}: {exc}", index=index) from exc
             raise
-        rows = out if isinstance(out, list) else list(out["input_ids"])
         return [self._rendered(row) for row in rows]
 
-    def _apply(self, conversation: list[dict[str, Any]] | list[list[dict[str, Any]]]) -> Any:
+    def _apply(self, conversation: list[dict[str, Any]] | list[list[dict[str, Any]]], tools: Tools) -> Any:
+        kwargs = self._kwargs if not tools else {**self._kwargs, "tools": [dict(t) for t in tools]}
         try:
             return self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, return_dict=False, **self._kwargs
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
             )
         except jinja2.TemplateError as exc:  # raise_exception() in the template, undefined names, syntax errors
             raise RenderError(f"chat template error: {exc}") from exc

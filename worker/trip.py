@@ -102,7 +102,7 @@ def result_record(dataset: str, sample: SamplePayload, gen: Generation, chunk: C
     rec = make_record(sample_id=sample["id"], dataset=dataset, turns=[turn],
                       reasoning_parser=chunk.get("reasoning_parser"),
                       sampling_params=sampling_params_of(chunk, sample),
-                      chat_template_kwargs=sample.get("chat_template_kwargs"))
+                      chat_template_kwargs=sample.get("chat_template_kwargs"), tools=sample.get("tools"))
     del rec["messages"]
     return rec
 

@@ -159,7 +159,7 @@ class _Conversation:
         try:
             if self.renderer is None:
                 self.renderer = await asyncio.to_thread(_renderer, self.ctx.ledger.r, self.rc, self.sample)
-            rendered = await asyncio.to_thread(self.renderer.render, state.prompt)
+            rendered = await asyncio.to_thread(self.renderer.render, state.prompt, self.sample.get("tools"))
         except TokenizerFault as exc:
             self.ctx.tokenizer_fault(self.rc, str(exc))
             return None
@@ -217,7 +217,7 @@ class _Conversation:
         rec = header(sample_id=self.sid, dataset=rc.dataset, sent=walk(self.steps, self.turns).messages,
                      turns=self.turns, stopped_by=end.stopped_by, reasoning_parser=rc.chunk.get("reasoning_parser"),
                      sampling_params=self.sampling_params, failed_reason=end.failed_reason,
-                     chat_template_kwargs=sample.get("chat_template_kwargs"))
+                     chat_template_kwargs=sample.get("chat_template_kwargs"), tools=sample.get("tools"))
         # How far it went says something of the data (predict's continuation shares) unless the budget or a failure
         # ended it.
         planned = len(self.steps) if end.stopped_by not in (BUDGET, FAILED) else 0
