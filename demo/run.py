@@ -70,8 +70,9 @@ def start_redis(into: list[Service], binary: str, data_dir: Path, logs: Path) ->
     return server.url
 
 
-def start_sim(into: list[Service], logs: Path) -> str:
-    service, url = spawn_sim("sglang-sim", SIM_ARGS, logs, own_session=True)
+def start_sim(into: list[Service], logs: Path, tokenizer: Path) -> str:
+    # The run's tokenizer: output_ids are real ids of the text, so the tokens export is trainable (issue 25).
+    service, url = spawn_sim("sglang-sim", [*SIM_ARGS, "--tokenizer", str(tokenizer)], logs, own_session=True)
     into.append(service)
     wait_for_sim(service, url, STARTUP_TIMEOUT_S)
     return url
@@ -202,10 +203,10 @@ def run_demo(workdir: Path, n_workers: int, budgets: Sequence[str], keep_running
     workers: list[Service] = []
     try:
         click.echo(f"demo: starting redis-server, sglang-sim and {n_workers} workers (logs in {logs})")
-        redis_url = start_redis(services, binary, workdir / "redis", logs)
-        sim_url = start_sim(services, logs)
-        start_workers(workers, n_workers, redis_url, sim_url, logs)
         tokenizer = build_tokenizer(workdir / "tokenizer", thinking="open")
+        redis_url = start_redis(services, binary, workdir / "redis", logs)
+        sim_url = start_sim(services, logs, tokenizer)
+        start_workers(workers, n_workers, redis_url, sim_url, logs)
         wait_for_workers(redis_url, workers, STARTUP_TIMEOUT_S)
         click.echo(f"demo: redis {redis_url}  sglang-sim {sim_url}  queue {QUEUE_NAME!r}")
         click.echo(f"demo: to watch it (pip install rq-dashboard, then open http://{HOST}:9181):\n"

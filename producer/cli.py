@@ -372,12 +372,22 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
           "Applied to whole conversations, in every format.")
 @opt("--reasoning", type=click.Choice(["inline", "field", "drop"]), default="inline", show_default=True,
      help="Reasoning inside <think> in the content, as a reasoning_content field, or left out.")
-@opt("--per-turn", is_flag=True,
+@opt("--for", "trainer", type=click.Choice(["specforge", "speculators"]), default=None,
+     help="The trainer that reads the file, which decides the rows of multi-turn conversations: specforge, one row "
+          "per regenerated turn (train with train_only_last_turn); speculators, one row per conversation (it "
+          "trains every turn on its own prefix). Needed for multi-turn data unless --per-turn/--whole says it.")
+@opt("--per-turn/--whole", "per_turn", default=None,
      help="Conversation formats: one row per regenerated turn (its history as its prompt was rendered, then the "
-          "turn) instead of one row per conversation.")
+          "turn), or one row per conversation. Default: what --for's trainer reads exactly.")
+@opt("--inexact", type=click.Choice(["drop", "keep"]), default="drop", show_default=True,
+     help="Conversation rows that --for's trainer would not train on exactly the ids the model generated (checked "
+          "with --tokenizer, rendered as the trainer renders them): left out, or kept with inexact: true. Counted "
+          "either way.")
 @opt("--token-ids", is_flag=True,
      help="Add input_ids (the prompt, checked id by id) and the server's output_ids (needs --tokenizer).")
-@opt("--tokenizer", default=None, help="The run's tokenizer directory (for --token-ids and --format tokens).")
+@opt("--tokenizer", default=None,
+     help="The run's tokenizer directory: needed by --token-ids and --format tokens; with a conversation format, "
+          "every row is checked as its trainer renders it (--inexact).")
 @opt("--redis-url", envvar="BUDGETQ_EXPORT_REDIS_URL", show_envvar=True, default=None, callback=_redis_url,
      help="Optional: record the dataset's budget, mode and usage from this Redis in the manifest, and the SGLang "
           "servers' version and model the workers recorded there if the manifest has none yet.")
@@ -386,20 +396,22 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
           "model and parallelism in the manifest, replacing what it had.")
 @log_options
 def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | None, truncated: str, reasoning: str,
-               per_turn: bool, token_ids: bool, tokenizer: str | None, redis_url: str | None, server_url: str | None,
-               verbose: bool, log_format: str) -> None:
+               trainer: str | None, per_turn: bool | None, inexact: str, token_ids: bool, tokenizer: str | None,
+               redis_url: str | None, server_url: str | None, verbose: bool, log_format: str) -> None:
     from producer.export import ExportJob, ExportOptions, export_datasets
     from producer.manifest import fetch_servers
     _setup_logging(log_format, verbose)
     options = ExportOptions(format=fmt, truncated=truncated, reasoning=reasoning, token_ids=token_ids,
-                            per_turn=per_turn)
+                            per_turn=per_turn, trainer=trainer, inexact=inexact)
     job = ExportJob.build(names, out_dir, options, dest=dest, tokenizer_dir=tokenizer)
     fetched = fetch_servers(server_url, api_key=os.environ.get("SGLANG_API_KEY") or None) if server_url else None
     client = connect(redis_url) if redis_url else None
-    what = "token rows" if fmt == "tokens" else ("turn rows" if per_turn else "conversations")
+    what = "token rows" if fmt == "tokens" else ("turn rows" if options.rows_per_turn else "conversations")
     for name, report in export_datasets(job, client=client, fetched=fetched):
+        kept = "dropped" if inexact == "drop" else "kept"
+        inexact_note = f", {report.inexact} inexact {kept}" if report.inexact else ""
         click.echo(f"{name}: {report.written} {what} -> {report.path} ({report.dropped_truncated} truncated "
-                   f"dropped, {report.skipped_failed} failed skipped); manifest {report.manifest}")
+                   f"dropped, {report.skipped_failed} failed skipped{inexact_note}); manifest {report.manifest}")
 
 
 if __name__ == "__main__":  # pragma: no cover

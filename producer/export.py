@@ -35,7 +35,8 @@ from typing import IO, TYPE_CHECKING, Any, Final, Iterator, Mapping, Sequence
 from budget import history, record, serverinfo
 from producer.exportfiles import (DEFAULT_THINK, MANIFEST, ExportError, Results, atomic, check_dest, failed_ids,
                                   markers, run_settings)
-from producer.exportrows import SHAREGPT_FROM, conversation_row, generation, is_truncated, turn_rows
+from producer.exportrows import (SHAREGPT_FROM, answers, conversation_row, generation, is_exact, is_truncated,
+                                 trained_conversations, turn_rows)
 from producer.manifest import (Stats, budget_state, choose_servers, describe_servers, read_manifest, template_hash,
                                write_manifest, write_manifest_of)
 from producer.generations import record_key
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     import redis
 
 __all__ = ["CONVERSATION_FORMATS", "DEFAULT_THINK", "FORMATS", "MANIFEST", "REASONING_MODES", "SHAREGPT_FROM",
-           "TOKEN_FORMATS", "TRUNCATED_MODES", "ExportError", "ExportJob", "ExportOptions", "ExportReport",
+           "TOKEN_FORMATS", "TRAINERS", "TRUNCATED_MODES", "ExportError", "ExportJob", "ExportOptions", "ExportReport",
            "export_dataset", "export_datasets", "read_manifest", "template_hash", "write_manifest"]
 
 log = logging.getLogger("budgetq.produce")
@@ -57,6 +58,13 @@ CONVERSATION_FORMATS: Final = ("sharegpt", "openai-messages")
 TOKEN_FORMATS: Final = ("tokens",)
 TRUNCATED_MODES: Final = ("drop", "keep")
 REASONING_MODES: Final = ("inline", "field", "drop")
+#: ``--for``: the trainer a conversation export is read by, which decides its rows (docs/export.md, "Trainers").
+#: SpecForge renders a row whole and supervises its assistant turns there (every one, or the last with
+#: ``train_only_last_turn``): one row per turn, trained with train_only_last_turn, is the exact shape. speculators
+#: renders every assistant turn on its own prefix and supervises each (it fans a conversation out per turn
+#: itself): one row per conversation; per-turn rows would train the earlier turns again.
+TRAINERS: Final = ("specforge", "speculators")
+PER_TURN_FOR: Final = {"specforge": True, "speculators": False}
 _BATCH: Final = 256  # records whose prompts are rendered per apply_chat_template call when token ids are asked for
 _MAX_LISTED_IDS: Final = 20
 
@@ -71,7 +79,24 @@ class ExportOptions:
     truncated: str = "drop"
     reasoning: str = "inline"  # "inline" | "field" | "drop" (conversation formats)
     token_ids: bool = False  # add the server's input_ids/output_ids to conversations (needs the run's tokenizer)
-    per_turn: bool = False  # conversation formats: one row per regenerated turn instead of one per conversation
+    # conversation formats: one row per regenerated turn instead of one per conversation; None: what `trainer`
+    # reads exactly (PER_TURN_FOR), and without a trainer a conversation of several turns is refused
+    per_turn: bool | None = None
+    trainer: str | None = None  # "specforge" | "speculators" (``--for``)
+    # conversation rows a trainer would not train on exactly (producer/exportrows.py; checked when the run's
+    # tokenizer is given): "drop" leaves them out, "keep" writes them with "inexact": true; both count them
+    inexact: str = "drop"
+
+    @property
+    def rows_per_turn(self) -> bool:
+        if self.per_turn is not None:
+            return self.per_turn
+        return PER_TURN_FOR.get(self.trainer or "", False)
+
+    @property
+    def shape_chosen(self) -> bool:
+        """Whether multi-turn rows have a shape: --per-turn/--whole said, or the trainer that decides it."""
+        return self.per_turn is not None or self.trainer is not None
 
     @property
     def needs_tokenizer(self) -> bool:
@@ -83,6 +108,13 @@ class ExportOptions:
                                      ("reasoning", self.reasoning, REASONING_MODES)):
             if value not in allowed:
                 raise ExportError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+        if self.trainer is not None and self.trainer not in TRAINERS:
+            raise ExportError(f"trainer must be one of {', '.join(TRAINERS)}, not {self.trainer!r}")
+        if self.inexact not in TRUNCATED_MODES:
+            raise ExportError(f"inexact must be one of {', '.join(TRUNCATED_MODES)}, not {self.inexact!r}")
+        if self.trainer == "speculators" and self.per_turn:
+            raise ExportError("--for speculators reads whole conversations: it trains every assistant turn of a "
+                              "row on its own prefix, so per-turn rows would train each turn's history again")
 
 
 @dataclass
@@ -103,6 +135,10 @@ class ExportReport:
     template_hash: str | None = None
     tokenizer_revision: str | None = None
     superseded: int = 0  # failed conversations a rerun's record of the same id replaced (only the last is exported)
+    # conversation rows checked as their trainer renders them (producer/exportrows.py), with the run's tokenizer:
+    inexact: int = 0  # rows that would not train on exactly the generated ids (left out with inexact="drop")
+    inexact_ids: list[str] = field(default_factory=list)  # the first of their conversations, for the message
+    unchecked: int = 0  # rows written unchecked: no tokenizer given, or a version 1 record (no server ids)
 
 
 @dataclass(frozen=True)
@@ -121,9 +157,9 @@ class ExportJob:
               tokenizer_dir: str | None) -> "ExportJob":
         """Raises ExportError (exit 2) when token ids have no --tokenizer, or --dest is a file for several."""
         tokenizer = None
-        if options.needs_tokenizer:
-            if not tokenizer_dir:
-                raise ExportError(f"{'--token-ids' if options.token_ids else '--format tokens'} needs --tokenizer")
+        if options.needs_tokenizer and not tokenizer_dir:
+            raise ExportError(f"{'--token-ids' if options.token_ids else '--format tokens'} needs --tokenizer")
+        if tokenizer_dir:  # also checks conversation rows as their trainer renders them
             try:
                 tokenizer = load_tokenizer(tokenizer_dir)
             except RenderError as exc:
@@ -163,7 +199,7 @@ def export_datasets(job: ExportJob, *, client: "redis.Redis | None" = None,
         if servers is not None:
             log.info("%s: manifest %s%s", name, report.manifest, describe_servers(servers),
                      extra={"dataset": name, "manifest": str(report.manifest), "servers": len(servers)})
-        if report.no_output_ids:
+        if report.no_output_ids and job.options.needs_tokenizer:  # conversation rows are written, unchecked
             log.warning("%s: %d records of %s left out: written before record version 2, they have no server "
                         "token ids", name, report.no_output_ids, dataset_dir / RESULTS,
                         extra={"dataset": name, "no_output_ids": report.no_output_ids})
@@ -171,6 +207,17 @@ def export_datasets(job: ExportJob, *, client: "redis.Redis | None" = None,
             log.warning("%s: %d turns left out: the re-rendered prompt differs (first: %s)", name,
                         report.prompt_mismatch, ", ".join(report.mismatched_ids[:5]),
                         extra={"dataset": name, "prompt_mismatch": report.prompt_mismatch})
+        if report.inexact:
+            log.warning("%s: %d rows %s: %s would not train on exactly what the model generated (the template "
+                        "renders them otherwise; first: %s); docs/export.md, \"Trainers\"", name, report.inexact,
+                        "left out" if job.options.inexact == "drop" else "written with inexact: true",
+                        job.options.trainer or "a trainer", ", ".join(report.inexact_ids[:5]),
+                        extra={"dataset": name, "inexact": report.inexact})
+        if report.unchecked and job.options.format != "tokens":
+            log.warning("%s: %d rows not checked against the ids the model generated: %s", name, report.unchecked,
+                        "give --tokenizer (the run's)" if job.tokenizer is None else
+                        "their records have no server ids (record version 1)",
+                        extra={"dataset": name, "unchecked": report.unchecked})
 
 
 def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tokenizer: Any | None = None,
@@ -190,7 +237,8 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
         raise ExportError(f"{source} not found: nothing was collected for this dataset yet")
     check_dest(dest, dataset_dir)
     failed = failed_ids(dataset_dir)
-    ids = _TokenIds(tokenizer, settings) if options.needs_tokenizer else None
+    # The run's tokenizer also checks conversation rows (producer/exportrows.py): given, it is used.
+    ids = _TokenIds(tokenizer, settings) if options.needs_tokenizer or tokenizer is not None else None
     think = markers(settings)
     report = ExportReport(written=0, dropped_truncated=0, skipped_failed=len(failed), path=dest,
                           manifest=dataset_dir / MANIFEST)
@@ -250,7 +298,12 @@ def _write_batch(fh: IO[str], batch: list[tuple[int, dict[str, Any]]], options: 
     for number, rec in batch:
         turns = rec["turns"]
         points.append(_points(rec, number, source))
-        if ids is not None and options.format != "tokens" and not options.per_turn and len(turns) > 1:
+        if options.format != "tokens" and len(turns) > 1 and not options.shape_chosen:
+            raise ExportError(f"{source}:{number}: a conversation of {len(turns)} turns: SpecForge and speculators "
+                              "train on multi-turn rows differently; say which reads the file: --for specforge "
+                              "(one row per turn; train with train_only_last_turn) or --for speculators (one row "
+                              "per conversation), or --per-turn / --whole (docs/export.md, \"Trainers\")")
+        if options.token_ids and options.format != "tokens" and not options.rows_per_turn and len(turns) > 1:
             raise ExportError(f"{source}:{number}: {len(turns)} turns: --token-ids writes one prompt per row, so "
                               "a conversation of several turns needs --per-turn (or --format tokens)")
         if options.format != "tokens" and options.reasoning == "inline":
@@ -267,8 +320,9 @@ def _write_batch(fh: IO[str], batch: list[tuple[int, dict[str, Any]]], options: 
                                  [rec.get("chat_template_kwargs") for _n, rec in batch for _turn in rec["turns"]],
                                  [rec.get("tools") for _n, rec in batch for _turn in rec["turns"]])
         k = 0
-        for j, (_number, rec) in enumerate(batch):
-            for turn in rec["turns"]:
+        for j, (number, rec) in enumerate(batch):
+            for n, turn in enumerate(rec["turns"]):
+                ids.check_vocabulary(turn.get("output_ids"), f"{source}:{number}: turns[{n}]")
                 checked[j].append(_checked_turn(turn, prompts[k], rec["id"], report))
                 k += 1
     for j, (_number, rec) in enumerate(batch):
@@ -277,6 +331,8 @@ def _write_batch(fh: IO[str], batch: list[tuple[int, dict[str, Any]]], options: 
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
         report.written += len(rows)
         report.conversations += bool(rows)
+        if ids is None and options.format != "tokens":
+            report.unchecked += len(rows)
 
 
 def _points(rec: Mapping[str, Any], number: int, source: Path) -> list[int]:
@@ -321,26 +377,58 @@ def _rows(rec: Mapping[str, Any], points: list[int], checked: list[tuple[list[in
             row.update(template_hash=ids.template_hash, tokenizer_revision=ids.revision)
             out.append(row)
         return out
-    if options.per_turn:
+    if options.rows_per_turn:
         rows = turn_rows(rec, options.format, options.reasoning, think, points)
         indexed = list(enumerate(rows))
     else:
         rows = [conversation_row(rec, options.format, options.reasoning, think, points)]
         indexed = [(len(turns) - 1, rows[0])]  # token ids: one-turn records only (checked above)
+    trained = _trained(rec, points, options, think) if ids is not None else None
     out = []
-    for i, row in indexed:
-        if ids is not None:
+    for j, (i, row) in enumerate(indexed):
+        if ids is not None and options.token_ids:
             pair = checked[i]
             if pair is None:
                 continue
             row.update(input_ids=pair[0], output_ids=pair[1], template_hash=ids.template_hash,
                        tokenizer_revision=ids.revision)
+        if trained is not None and ids is not None:
+            verdict = _verdict(trained[j], turns, checked, ids)
+            if verdict is None:
+                report.unchecked += 1
+            elif not verdict:
+                report.inexact += 1
+                if len(report.inexact_ids) < _MAX_LISTED_IDS and rec["id"] not in report.inexact_ids:
+                    report.inexact_ids.append(rec["id"])
+                if options.inexact == "drop":
+                    continue
+                row["inexact"] = True
         out.append(row)
-        for turn in ([turns[i]] if options.per_turn else turns):
+        for turn in ([turns[i]] if options.rows_per_turn else turns):
             exported_reasoning = None if options.reasoning == "drop" else turn.get("reasoning")
             if not turn["content"] and not exported_reasoning and not turn.get("tool_calls"):
                 report.empty_turns += 1
     return out
+
+
+def _trained(rec: Mapping[str, Any], points: list[int], options: ExportOptions,
+             think: tuple[str, str]) -> list[list[tuple[int, list[dict[str, Any]]]]]:
+    """What the trainer renders for each turn of each row (producer/exportrows.py)."""
+    return trained_conversations(rec["messages"], answers(rec, options.reasoning, think),
+                                 [history.history_message(t) for t in rec["turns"]], points,
+                                 per_turn=options.rows_per_turn, trainer=options.trainer)
+
+
+def _verdict(trained: list[tuple[int, list[dict[str, Any]]]], turns: Sequence[Mapping[str, Any]],
+             checked: list[tuple[list[int], list[int]] | None], ids: _TokenIds) -> bool | None:
+    """Whether a row trains on exactly the generated ids; None when a turn has no server ids (version 1)."""
+    for i, conversation in trained:
+        if turns[i].get("output_ids") is None:
+            return None
+        pair = checked[i]
+        if pair is None or not is_exact(ids.plain, conversation, pair[0], pair[1]):
+            return False
+    return True
 
 
 def _same_prompt(prompt: list[int], turn: Mapping[str, Any]) -> bool:
@@ -372,6 +460,17 @@ class _TokenIds:
                               f"run.json's {self.revision!r}): token ids would not match the responses")
         self._tokenizer = tokenizer
         self.template_hash = template_hash(tokenizer)
+        self.vocabulary = len(tokenizer)  # ids 0 .. len-1, added tokens included
+        self.plain = Renderer(tokenizer)  # as the trainers render a row: without the run's template kwargs
+
+    def check_vocabulary(self, output: Sequence[int] | None, where: str) -> None:
+        """Refuse output ids the tokenizer does not have: they cannot be the model's (a server run with another
+        tokenizer, or a simulator without one), and a trainer would index past its embedding."""
+        bad = next((i for i in output or () if not 0 <= i < self.vocabulary), None)
+        if bad is not None:
+            raise ExportError(f"{where}: output_ids holds id {bad}, outside the tokenizer's {self.vocabulary}-id "
+                              "vocabulary: these are not the ids of this tokenizer (was the server, or "
+                              "sglang_sim without --tokenizer, running another one?)")
 
     def prompt_ids(self, conversations: list[list[dict[str, Any]]],
                    kwargs: Sequence[Mapping[str, Any] | None] | None = None,

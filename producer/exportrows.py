@@ -1,14 +1,16 @@
 """The rows a conversation export writes: a record's conversation in OpenAI messages or ShareGPT shape, whole
 (every regenerated turn in place, the dataset's assistant turns never) or one row per regenerated turn
 (``--per-turn``: the history the turn's prompt was rendered from, then the turn). Which messages each turn
-answers is budget/history.py's rule; docs/export.md ("Multi-turn records") shows the shapes."""
+answers is budget/history.py's rule; docs/export.md ("Multi-turn records") shows the shapes. Below them: whether
+a row trains on exactly what the model generated, rendered as its trainer renders it (`trained_conversations`,
+`is_exact`)."""
 from __future__ import annotations
 
-import json
 from typing import Any, Final, Mapping, Sequence
 
 from budget import history
 from producer.exportfiles import ExportError
+from render.chat import Renderer, RenderError
 
 #: OpenAI role -> ShareGPT "from". SpecForge's parser maps human/gpt back and passes system/tool through.
 SHAREGPT_FROM: Final = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
@@ -41,26 +43,17 @@ def assistant_turn(reasoning: str | None, content: str, mode: str, think: tuple[
 
 
 def sharegpt_turn(message: Mapping[str, Any]) -> dict[str, Any]:
-    """One prompt message as a ShareGPT turn.
-
-    ShareGPT has no tool_calls: an assistant turn's calls are appended to its text as the JSON list the dataset
-    had (one line, keys in the dataset's order), after a newline when there is text. Keys ShareGPT has no place
-    for (tool_call_id, name, reasoning_content...) stay on the turn, so nothing the dataset said is lost.
-    """
+    """One message as a ShareGPT turn: ``from``/``value``, every other key kept as it is (``tool_calls``,
+    ``reasoning_content``, ``tool_call_id``, ``name``). SpecForge and speculators both read ``from``/``value`` and
+    keep ``tool_calls`` on the turn, which the chat template renders as the model wrote them; a null content (a
+    turn that only calls tools) is ``""``, which templates render as null."""
     role = message.get("role")
     if role not in SHAREGPT_FROM:
         raise ExportError(f"message role {role!r} has no ShareGPT equivalent")
     content = message.get("content")
-    text = content if isinstance(content, str) else ""
-    tool_calls = message.get("tool_calls")
-    rendered = bool(tool_calls)
-    if rendered:
-        text = (text + "\n" if text else "") + json.dumps(tool_calls, ensure_ascii=False)
-    turn: dict[str, Any] = {"from": SHAREGPT_FROM[str(role)], "value": text}
-    skip = {"role", "content", "tool_calls"} if rendered else {"role", "content"}
-    turn.update((key, value) for key, value in message.items() if key not in skip)
+    turn: dict[str, Any] = {"from": SHAREGPT_FROM[str(role)], "value": content if isinstance(content, str) else ""}
+    turn.update((key, value) for key, value in message.items() if key not in ("role", "content"))
     return turn
-
 
 
 def answers(rec: Mapping[str, Any], reasoning_mode: str, think: tuple[str, str]) -> list[dict[str, Any]]:
@@ -73,8 +66,9 @@ def answers(rec: Mapping[str, Any], reasoning_mode: str, think: tuple[str, str])
 
 
 def _shaped(fmt: str, messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    # Both formats under ``conversations``: the only key SpecForge's and speculators' loaders read.
     if fmt == "openai-messages":
-        return {"messages": [dict(m) for m in messages]}
+        return {"conversations": [dict(m) for m in messages]}
     return {"conversations": [sharegpt_turn(m) for m in messages]}
 
 
@@ -128,3 +122,66 @@ def turn_rows(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, think: tupl
             row["truncated"] = True
         rows.append(row)
     return rows
+
+
+# Whether a conversation row trains on exactly what the model generated, rendered the way its trainer renders it.
+#
+# A row is exact when, for every turn it trains, the trainer's rendering of the row (or of the part it trains that
+# turn on) starts with that turn's prompt ids, the ones the worker sent (checked by their digest), followed by the
+# server's ``output_ids``: the trainer then supervises the model's own tokens, from the prompt's end. How each
+# trainer renders a row (read from their source; tests/test_trainers.py runs both):
+#
+# - SpecForge renders a row whole and supervises its assistant spans; with ``train_only_last_turn`` (which
+#   ``--for specforge`` rows need: one row per turn) only the last. A whole row (``--whole``) trains every turn on
+#   the whole row's rendering, where templates that drop earlier turns' reasoning (Qwen3, GLM-4.5, DeepSeek-R1,
+#   Kimi-K2) render the earlier turns without it: not exact.
+# - speculators renders every assistant turn on its own prefix (the conversation through that turn) and
+#   supervises each: a whole row (``--for speculators``) is exact turn by turn; a per-turn row would train its
+#   history's turns again, so that combination is refused (producer/export.py).
+#
+# Both render without budgetq's ``chat_template_kwargs`` (neither takes them from a row), so the check renders
+# without them too. The check needs the run's tokenizer (``produce export --tokenizer``); producer/export.py counts
+# the rows that fail it and leaves them out unless asked (``--inexact keep``).
+
+
+#: The message keys speculators passes to the template (data_generation/preprocessing.py
+#: ``_normalize_conversation``): a tool message's ``name`` is not one of them.
+SPECULATORS_KEYS: Final = ("role", "content", "tool_calls", "tool_call_id", "reasoning_content")
+
+
+def trained_conversations(messages: Sequence[Mapping[str, Any]], written: Sequence[Mapping[str, Any]],
+                          past: Sequence[Mapping[str, Any]], points: Sequence[int], *, per_turn: bool,
+                          trainer: str | None) -> list[list[tuple[int, list[dict[str, Any]]]]]:
+    """For each row a record gives, the turns it trains and the messages its trainer renders for each: a
+    per-turn row trains its last turn on the row itself; a whole row trains every turn, on the row (SpecForge)
+    or on the conversation through that turn (speculators, and by default), each message with only the keys
+    speculators keeps."""
+    if trainer == "speculators":
+        messages, written = [_speculators(m) for m in messages], [_speculators(m) for m in written]
+    if per_turn:
+        return [[(i, [*history.conversation(messages, past, points, upto=i), dict(written[i])])]
+                for i in range(len(written))]
+    if trainer == "specforge":
+        whole = history.conversation(messages, written, points)
+        return [[(i, whole) for i in range(len(written))]]
+    return [[(i, [*history.conversation(messages, written, points, upto=i), dict(written[i])])
+             for i in range(len(written))]]
+
+
+def _speculators(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as speculators gives it to the template: content always (null as ""), the other keys it keeps
+    only when they are not empty."""
+    out = {"role": message["role"], "content": message.get("content") or ""}
+    out.update((k, message[k]) for k in SPECULATORS_KEYS[2:] if message.get(k))
+    return out
+
+
+def is_exact(renderer: Renderer, conversation: list[dict[str, Any]], prompt: list[int],
+             output: Sequence[int]) -> bool:
+    """The trainer's rendering of ``conversation`` (no generation prompt) starts with ``prompt`` + ``output``."""
+    try:
+        ids = renderer.render(conversation, generation_prompt=False).input_ids
+    except RenderError:
+        return False
+    want = [*prompt, *output]
+    return ids[:len(want)] == want

@@ -118,9 +118,42 @@ def mismatches(parser: str, servers: Sequence[Mapping[str, Any]] | None) -> list
     return out
 
 
-def skip_special_tokens_default(parser: str | None) -> bool:
-    """What a reasoning parser needs from the server's detokenizer: SGLang's default (true: special tokens left
-    out of ``text``) for every family but harmony (gpt-oss), whose channel markers are special tokens that the
-    parser reads. The same rule as worker.reasoning.skip_special_tokens_for (the producer does not import the
-    worker; tests/test_record.py checks that they agree)."""
-    return parser != "gpt-oss"
+#: The text markers each parser reads in a generated turn (worker/reasoning.py, worker/toolcalls.py,
+#: worker/harmony.py): if one of them is a special token of the run's tokenizer, SGLang's detokenizer deletes it
+#: under the default skip_special_tokens=true, and the parser no longer sees the thinking block or the tool call.
+PARSER_TEXT_MARKERS: Final[Mapping[str, tuple[str, ...]]] = {
+    "qwen3": ("<think>", "</think>", "<tool_call>", "</tool_call>"),
+    "qwen3-thinking": ("<think>", "</think>", "<tool_call>", "</tool_call>"),
+    "deepseek-r1": ("<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                    "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"),
+    "deepseek-v3": ("<think>", "</think>", "<tool_call>", "</tool_call>", "<｜tool▁calls▁begin｜>",
+                    "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"),
+    "glm45": ("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+              "</arg_value>"),
+    "kimi": ("\u25c1think\u25b7", "\u25c1/think\u25b7"),
+    "kimi_k2": ("<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+    "gpt-oss": ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"),
+    "none": (),
+}
+
+
+def special_markers(parser: str | None, tokenizer: Any) -> list[str]:
+    """The markers `parser` reads that are special tokens of `tokenizer` (deleted from the text by
+    skip_special_tokens=true)."""
+    special = {str(t) for t in getattr(tokenizer, "all_special_tokens", ())}
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special.update(str(t.content) for t in decoder.values() if getattr(t, "special", False))
+    return [m for m in PARSER_TEXT_MARKERS.get(str(parser), ()) if m in special]
+
+
+def skip_special_tokens_default(parser: str | None, tokenizer: Any = None) -> bool:
+    """The ``skip_special_tokens`` a run sends, decided from its tokenizer: false when a marker the parser reads
+    is a special token there (harmony's always; Kimi-K2's tool-call section in the real tokenizer), so that the
+    text keeps it; otherwise SGLang's default, true (EOS and other special tokens left out of ``text``). SGLang's
+    own chat path sends false whenever tools are declared and for gpt-oss; budgetq asks the tokenizer instead,
+    so a family whose markers are plain added tokens keeps the default. Without a tokenizer: the harmony rule
+    alone (worker.reasoning.skip_special_tokens_for)."""
+    if parser == "gpt-oss":
+        return False
+    return tokenizer is None or not special_markers(parser, tokenizer)

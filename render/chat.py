@@ -244,14 +244,21 @@ class Renderer:
         self._fingerprint: str | None = None
 
     @property
+    def tokenizer(self) -> Any:
+        """The tokenizer it renders with (the run's)."""
+        return self._tokenizer
+
+    @property
     def think(self) -> ThinkMarkers | None:
         """The markers in use (None: the model does not think)."""
         return self._think
 
-    def render(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None) -> Rendered:
-        """Render one conversation, with the generation prompt, to ids; ``tools`` (the record's tool definitions,
-        None: none) go to the template. Template errors raise RenderError."""
-        return self._rendered(self._apply(_checked(messages), tools))
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None, *,
+               generation_prompt: bool = True) -> Rendered:
+        """Render one conversation to ids, with the generation prompt (a prompt) or without (a conversation that
+        ends with an assistant turn, as a trainer renders it); ``tools`` (the record's tool definitions, None:
+        none) go to the template. Template errors raise RenderError."""
+        return self._rendered(self._apply(_checked(messages), tools, generation_prompt))
 
     def render_many(self, conversations: Sequence[Sequence[Mapping[str, Any]]],
                     tools: Sequence[Tools] | None = None) -> list[Rendered]:
@@ -286,11 +293,12 @@ class Renderer:
             raise
         return [self._rendered(row) for row in rows]
 
-    def _apply(self, conversation: list[dict[str, Any]] | list[list[dict[str, Any]]], tools: Tools) -> Any:
+    def _apply(self, conversation: list[dict[str, Any]] | list[list[dict[str, Any]]], tools: Tools,
+               generation_prompt: bool = True) -> Any:
         kwargs = self._kwargs if not tools else {**self._kwargs, "tools": [dict(t) for t in tools]}
         try:
             return self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+                conversation, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False, **kwargs
             )
         except jinja2.TemplateError as exc:  # raise_exception() in the template, undefined names, syntax errors
             raise RenderError(f"chat template error: {exc}") from exc

@@ -61,3 +61,27 @@ if [ "${BUDGETQ_TEST_DEPS:-0}" = "1" ] && \
   echo "bootstrap: pip install --no-deps sglang==$SGLANG_SCHEMA_VERSION (schema only, for the tests)" >&2
   "$PY" -m pip install -q --no-deps "sglang==$SGLANG_SCHEMA_VERSION"
 fi
+
+# The trainers' data code for the consumer test (tests/test_trainers.py): SpecForge's and speculators' own
+# preprocessing reads budgetq's exports. Their wheels without their dependencies (CUDA kernels, vLLM clients,
+# trackers...), as the SGLang wheel above; the test extra brings the light modules their data code imports
+# (httpx, openai). Their data code needs torch: the CPU wheel (192 MB, 761 MB installed, about a minute), --no-deps
+# into a directory of its own that only the test's trainer subprocess puts on its path, so that no budgetq
+# process imports it (transformers would, at every tokenizer load). Only with BUDGETQ_TEST_DEPS=1.
+SPECFORGE_VERSION=0.2.0
+SPECULATORS_VERSION=0.9.0
+TRAINER_TORCH_VERSION=2.13.0+cpu
+TRAINER_TORCH_DIR="${BUDGETQ_TRAINER_TORCH:-${XDG_CACHE_HOME:-$HOME/.cache}/budgetq/trainer-torch-$TRAINER_TORCH_VERSION}"
+if [ "${BUDGETQ_TEST_DEPS:-0}" = "1" ]; then
+  if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('specforge') != '$SPECFORGE_VERSION' or m.version('speculators') != '$SPECULATORS_VERSION')" \
+       >/dev/null 2>&1; then
+    echo "bootstrap: pip install --no-deps specforge==$SPECFORGE_VERSION speculators==$SPECULATORS_VERSION (data code only, for the tests)" >&2
+    "$PY" -m pip install -q --no-deps "specforge==$SPECFORGE_VERSION" "speculators==$SPECULATORS_VERSION"
+  fi
+  if [ ! -f "$TRAINER_TORCH_DIR/.complete" ]; then
+    echo "bootstrap: pip install --no-deps --target $TRAINER_TORCH_DIR torch==$TRAINER_TORCH_VERSION (for the trainers' data code only)" >&2
+    rm -rf "$TRAINER_TORCH_DIR"
+    "$PY" -m pip install -q --no-deps --target "$TRAINER_TORCH_DIR" "torch==$TRAINER_TORCH_VERSION"
+    touch "$TRAINER_TORCH_DIR/.complete"
+  fi
+fi

@@ -14,8 +14,8 @@ parsers and exports depend on (a sketch of the real template, not a copy):
 - ``glm45``: GLM-4.5: ``[gMASK]<sop>``, ``<|user|>``/``<|assistant|>`` special tokens, ``<arg_key>`` tool calls,
   ``enable_thinking=False`` renders ``<think></think>`` after the generation prompt; earlier reasoning dropped.
 - ``kimi``: Kimi-VL-Thinking: ``◁think▷``/``◁/think▷``.
-- ``kimi_k2``: Kimi-K2-Thinking: ``<think>`` and the ``<|tool_calls_section_begin|>`` call section, ids
-  ``functions.NAME:IDX`` rendered back.
+- ``kimi_k2``: Kimi-K2-Thinking: ``<think>`` and the ``<|tool_calls_section_begin|>`` call section (special
+  tokens, as in the real tokenizer), ids ``functions.NAME:IDX`` rendered back.
 - ``gpt-oss``: harmony: ``<|start|>``, ``<|channel|>``, ``<|message|>``, ``<|end|>``, ``<|return|>``, ``<|call|>``,
   ``<|constrain|>`` are special tokens (``skip_special_tokens=true`` deletes them), the generation prompt is
   ``<|start|>assistant``, ``<|return|>`` and ``<|call|>`` both end a completion (generation_config.json).
@@ -235,9 +235,10 @@ def _spec(family: str) -> tuple[str, tuple[str, ...], tuple[str, ...], str, list
     if family == "kimi":
         return _KIMI_VL, _KIMI_ROLE_TOKENS, _KIMI_THINK, IM_END, []
     if family == "kimi_k2":
-        # The call-section markers are added tokens that survive decoding: SGLang's chat path keeps the default
-        # skip_special_tokens for kimi_k2 and still finds them.
-        return _KIMI_K2, _KIMI_ROLE_TOKENS, THINK_TOKENS + _KIMI_K2_TOOL_TOKENS, IM_END, []
+        # The call-section markers are special tokens, as in Kimi-K2's own tokenizer: skip_special_tokens=true
+        # deletes them, so a run sends false (producer.parsers.skip_special_tokens_default, issue 25), as SGLang's
+        # chat path does whenever tools are declared.
+        return _KIMI_K2, _KIMI_ROLE_TOKENS + _KIMI_K2_TOOL_TOKENS, THINK_TOKENS, IM_END, []
     if family == "gpt-oss":
         return _HARMONY, HARMONY_TOKENS, (), "<|return|>", ["<|call|>"]
     raise ValueError(f"family must be one of {', '.join(FAMILIES)}, not {family!r}")

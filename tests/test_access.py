@@ -150,7 +150,8 @@ def operate(url: str, tmp_path: Path) -> str:
     assert cli(*produce_cmd(), "budget", "glaive_fc", "1G", "--redis-url", url).startswith(
         "glaive_fc: budget 1,000,000,000, used ")
     out = tmp_path / "out"
-    cli(*produce_cmd(), "export", "glaive_fc", "code_instruct", "--out", str(out), "--redis-url", url)
+    cli(*produce_cmd(), "export", "glaive_fc", "code_instruct", "--out", str(out), "--redis-url", url,
+        "--for", "speculators")  # glaive_fc has multi-turn conversations: the trainer decides their rows
     assert json.loads((out / "code_instruct" / "manifest.json").read_text())["extra"]["status"] == "closed"
     assert "budgetq" in cli("rq", "info", "--url", url, "--only-queues")
 

@@ -49,6 +49,13 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert "rq-dashboard" in text
     # The answer the demo shows is the first record's regenerated turn (record version 2 keeps it in turns).
     first = results["glaive_fc"][0]["turns"][0]
-    assert first["content"], "the first demo answer has content, so the line below can tell a wrong field"
-    shown = [line for line in text.splitlines() if line.strip().startswith("content:")]
-    assert shown and repr(str(first["content"])[:200]) in shown[0], shown
+    assert first["reasoning"], "the first demo answer has reasoning, so the lines below can tell a wrong field"
+    for field in ("reasoning", "content"):  # a tool-call turn has no content: "" is shown
+        shown = [line for line in text.splitlines() if line.strip().startswith(f"{field}:")]
+        assert shown and repr(str(first[field] or "")[:200]) in shown[0], shown
+    # The simulator runs with the demo's tokenizer: every output id is one of its ids, so the demo's data exports
+    # as real token ids (issue 25: 54,334 of 54,474 were beyond its vocabulary).
+    from transformers import AutoTokenizer
+    vocabulary = len(AutoTokenizer.from_pretrained(str(workdir / "tokenizer")))
+    assert all(0 <= i < vocabulary for records in results.values() for r in records for t in r["turns"]
+               for i in t["output_ids"])

@@ -299,7 +299,8 @@ def test_version_1_records_resume_count_and_export(
         workers: Any) -> None:
     """Flat version 1 records in a run's file (budget/record.py reads them): the run resumes, counts them toward
     the budget, and both versions export; the token export leaves the version 1 records out and counts them."""
-    sim = sim_factory("--time-scale", "50", "--mean-tokens", "100", "--seed", "6")
+    # The run's tokenizer: the token export below refuses output ids it does not have
+    sim = sim_factory("--time-scale", "50", "--mean-tokens", "100", "--seed", "6", "--tokenizer", str(tokenizer_dir))
     workers(sim.url, BUDGETQ_CONCURRENCY="8").start("w0")
     out = tmp_path / "out"
     base = [str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "512", "--chunk-size", "8",

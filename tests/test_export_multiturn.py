@@ -137,6 +137,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def export(ds: Path, tmp_path: Path, tok: Any, **kwargs: Any) -> tuple[list[dict[str, Any]], Any]:
     dest = tmp_path / f"x{len(list(tmp_path.iterdir()))}.jsonl"
+    if "trainer" not in kwargs:
+        kwargs.setdefault("per_turn", False)
     options = ExportOptions(**kwargs)
     report = export_dataset(ds, dest, options, tokenizer=tok if options.needs_tokenizer else None)
     return read_jsonl(dest), report
@@ -163,11 +165,11 @@ def test_openai_messages_is_the_regenerated_conversation(tmp_path: Path, family:
     rows, report = export(ds, tmp_path, tok, format="openai-messages")
     assert report.written == 2 and report.conversations == 2
     chat, tools = rows
-    assert chat == {"id": "chat", "messages": [
+    assert chat == {"id": "chat", "conversations": [
         SYSTEM, U1, assistant("Sum it.", "def total(xs):\n    return sum(xs)"),
         U2, assistant("Empty is fine.", "sum([]) is 0 already."),
         U3, assistant("Hints.", "def total(xs: list[int]) -> int: ...")]}
-    assert tools["messages"] == [SYSTEM, UW, assistant("Call the tool.", "", [CALL]), TOOL,
+    assert tools["conversations"] == [SYSTEM, UW, assistant("Call the tool.", "", [CALL]), TOOL,
                                  assistant("It says 21.", "It is 21 degrees."), U2, assistant("Still fine.", "Yes.")]
     assert DATASET_ANSWER not in json.dumps(rows)
 
@@ -180,7 +182,8 @@ def test_sharegpt_is_the_same_conversation(tmp_path: Path, family: tuple[str, An
     froms = [t["from"] for t in row["conversations"]]
     assert froms == ["system", "human", "gpt", "tool", "gpt", "human", "gpt"]
     call_turn = row["conversations"][2]
-    assert call_turn["value"] == json.dumps([CALL]) and call_turn["reasoning_content"] == "Call the tool."
+    assert call_turn["value"] == "" and call_turn["tool_calls"] == [CALL]
+    assert call_turn["reasoning_content"] == "Call the tool."
     assert row["conversations"][3]["tool_call_id"] == "call_1"
     assert [t.get("reasoning_content") for t in row["conversations"] if t["from"] == "gpt"] == [
         "Call the tool.", "It says 21.", "Still fine."]
@@ -195,7 +198,7 @@ def test_whole_conversation_is_exact_only_where_the_template_keeps_earlier_turns
     rec, seen = records(tok)["chat"]
     ds = write_dataset(tmp_path, tok, [rec])
     (row,), _report = export(ds, tmp_path, tok, format="openai-messages", reasoning="field")
-    whole = tok.apply_chat_template(row["messages"], tokenize=False)
+    whole = tok.apply_chat_template(row["conversations"], tokenize=False)
     last = seen[-1]
     assert whole == tok.apply_chat_template(last["prompt"], tokenize=False, add_generation_prompt=True) \
         + last["response"] + "<|im_end|>\n"
@@ -223,8 +226,8 @@ def test_per_turn_rows_render_as_each_turn_was_generated(tmp_path: Path, family:
     assert report.written == 6 and report.conversations == 2
     seen = recs["chat"][1] + recs["tools"][1]
     for row, turn in zip(rows, seen):
-        assert row["messages"][:-1] == turn["prompt"]
-        rendered = tok.apply_chat_template(row["messages"], tokenize=False)
+        assert row["conversations"][:-1] == turn["prompt"]
+        rendered = tok.apply_chat_template(row["conversations"], tokenize=False)
         prompt = tok.apply_chat_template(turn["prompt"], tokenize=False, add_generation_prompt=True)
         assert rendered == prompt + turn["response"] + "<|im_end|>\n", (row["id"], row["turn"])
 
@@ -245,7 +248,7 @@ def test_token_ids_on_a_whole_multi_turn_conversation_is_refused(tmp_path: Path,
     ds = write_dataset(tmp_path, tok, [records(tok)["chat"][0]])
     dest = tmp_path / "x.jsonl"
     with pytest.raises(ExportError, match=r"raw_responses.jsonl:1: 3 turns: --token-ids .* --per-turn"):
-        export_dataset(ds, dest, ExportOptions("openai-messages", token_ids=True), tokenizer=tok)
+        export_dataset(ds, dest, ExportOptions("openai-messages", token_ids=True, per_turn=False), tokenizer=tok)
     assert not dest.exists()
 
 
@@ -328,9 +331,10 @@ def test_a_one_turn_record_answers_all_its_messages_as_before(tmp_path: Path, fa
     ds = write_dataset(tmp_path, tok, [rec, v1])
     rows, _report = export(ds, tmp_path, tok, format="openai-messages")
     expected = [*context, assistant("Fine.", "Yes.")]
-    assert rows == [{"id": "last", "messages": expected}, {"id": "v1", "messages": expected}]
+    assert rows == [{"id": "last", "conversations": expected}, {"id": "v1", "conversations": expected}]
     rows, _report = export(ds, tmp_path, tok, format="openai-messages", per_turn=True)
-    assert rows == [{"id": "last", "turn": 0, "messages": expected}, {"id": "v1", "turn": 0, "messages": expected}]
+    assert rows == [{"id": "last", "turn": 0, "conversations": expected},
+                    {"id": "v1", "turn": 0, "conversations": expected}]
     rows, report = export(ds, tmp_path, tok, format="tokens")
     assert [r["id"] for r in rows] == ["last"] and report.no_output_ids == 1
     assert rows[0]["input_ids"] == seen[0]["prompt_ids"] + seen[0]["output_ids"]
@@ -394,7 +398,47 @@ def test_a_rerun_record_supersedes_the_failed_conversation_of_the_same_id(tmp_pa
     rows, report = export(ds, tmp_path, tok, format="openai-messages", truncated="keep")
     assert [r["id"] for r in rows].count("c") == 1 and report.superseded == 1
     (row,) = [r for r in rows if r["id"] == "c"]
-    assert not row.get("truncated") and row["messages"][-1]["content"].endswith("Done.")
+    assert not row.get("truncated") and row["conversations"][-1]["content"].endswith("Done.")
     assert {r["id"] for r in rows} == {"c", "d"}  # a failed conversation nothing replaced is kept as it is
     manifest = json.loads((ds / "manifest.json").read_text(encoding="utf-8"))
     assert manifest["counts"]["samples"] == 2
+
+
+def test_multi_turn_rows_follow_the_trainer(tmp_path: Path, family: tuple[str, Any]) -> None:
+    """--for decides the rows a conversation gives: SpecForge one per turn (it supervises every assistant span of
+    a row, so the row ends at the turn it trains: train_only_last_turn), speculators one per conversation (it
+    fans out per turn itself). Without --for or --per-turn/--whole, multi-turn data is refused, naming both."""
+    _name, tok = family
+    rec, _seen = records(tok)["chat"]
+    ds = write_dataset(tmp_path, tok, [rec])
+    specforge, _report = export(ds, tmp_path, tok, format="openai-messages", trainer="specforge")
+    assert [r["turn"] for r in specforge] == [0, 1, 2]
+    speculators, _report = export(ds, tmp_path, tok, format="sharegpt", trainer="speculators")
+    assert len(speculators) == 1 and "turn" not in speculators[0]
+    with pytest.raises(ExportError, match=r"raw_responses.jsonl:1: a conversation of 3 turns: .*--for specforge"):
+        export(ds, tmp_path, tok, format="openai-messages", per_turn=None)
+
+
+def test_rows_are_checked_as_their_trainer_renders_them(tmp_path: Path, family: tuple[str, Any]) -> None:
+    """With the run's tokenizer every row is rendered as its trainer renders it and compared with each trained
+    turn's prompt ids + output ids (producer/exportrows.py). SpecForge's per-turn rows and speculators' whole
+    rows are exact with both templates; a whole row read by SpecForge trains the earlier turns on the whole
+    conversation's rendering, which the Qwen3-style template renders without their reasoning: counted and left
+    out, or kept marked. speculators with per-turn rows would train each turn's history again: refused."""
+    name, tok = family
+    rec, _seen = records(tok)["chat"]
+    ds = write_dataset(tmp_path, tok, [rec])
+    dest = tmp_path / "x.jsonl"
+    for trainer, per_turn, written, inexact in (("specforge", None, 3, 0), ("speculators", None, 1, 0),
+                                                ("specforge", False, 0 if name == "qwen3" else 1,
+                                                 1 if name == "qwen3" else 0)):
+        options = ExportOptions("openai-messages", reasoning="field", trainer=trainer, per_turn=per_turn)
+        report = export_dataset(ds, dest, options, tokenizer=tok)
+        assert (report.written, report.inexact, report.unchecked) == (written, inexact, 0), (trainer, per_turn)
+    kept = export_dataset(ds, dest, ExportOptions("sharegpt", trainer="specforge", per_turn=False, inexact="keep"),
+                          tokenizer=tok)
+    assert kept.written == 1 and read_jsonl(dest)[0].get("inexact", False) is (name == "qwen3")
+    unchecked = export_dataset(ds, dest, ExportOptions("sharegpt", trainer="speculators"))
+    assert (unchecked.written, unchecked.unchecked) == (1, 1)  # no tokenizer: written, counted as unchecked
+    with pytest.raises(ExportError, match="--for speculators reads whole conversations"):
+        ExportOptions("sharegpt", trainer="speculators", per_turn=True)

@@ -15,6 +15,7 @@ import pytest
 
 from render.chat import Renderer, load_tokenizer
 from tests.families import FAMILIES, build_family_tokenizer
+from producer.parsers import skip_special_tokens_default
 from worker.reasoning import parse_turn, skip_special_tokens_for
 
 PROMPT = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -102,10 +103,15 @@ def test_earlier_reasoning_is_dropped_by_qwen3(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_markers_survive_decoding_unless_the_parser_needs_special_tokens(tmp_path: Path, family: str) -> None:
-    """skip_special_tokens_for agrees with the tokenizers: markers that are special tokens (harmony's) need
-    skip_special_tokens=false; every other family's markers survive the default."""
+    """The run's skip_special_tokens, decided from its tokenizer, keeps every marker the parser reads: false where
+    one is a special token (harmony's, Kimi-K2's call section, as in the real tokenizers), true (SGLang's default)
+    where the markers survive decoding anyway."""
     marker = MARKERS[family]
     tok = load_tokenizer(build_family_tokenizer(tmp_path / family, family))
     ids = tok.encode(f"a{marker}b", add_special_tokens=False)
     kept = marker in tok.decode(ids, skip_special_tokens=True)
-    assert kept is skip_special_tokens_for(family)
+    skip = skip_special_tokens_default(family, tok)
+    assert kept is skip
+    assert marker in tok.decode(ids, skip_special_tokens=skip)
+    assert skip is (family not in ("gpt-oss", "kimi_k2"))
+    assert skip_special_tokens_for(family) is (family != "gpt-oss")  # the worker's rule, without a tokenizer

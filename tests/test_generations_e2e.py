@@ -61,7 +61,8 @@ def test_generations_with_a_temperature_list_and_seeds_on_every_turn(redis_url: 
     manifest = json.loads((out / CHATS / "manifest.json").read_text())
     assert manifest["generations"] == {"0": 3, "1": 3} and manifest["temperatures"] == {"0.2": 3, "0.9": 3}
     export = tmp_path / "export.jsonl"
-    res = produce(["export", CHATS, "--out", str(out), "--dest", str(export)], redis_url)
+    res = produce(["export", CHATS, "--out", str(out), "--dest", str(export), "--for", "speculators"],
+                  redis_url)
     assert res.returncode == 0, res.stderr
     rows = [json.loads(x) for x in export.read_text().splitlines()]
     assert sorted((x["id"], x["generation"]) for x in rows) == sorted((x["id"], x["generation"]) for x in recs)

@@ -176,8 +176,9 @@ def test_a_server_that_never_answers_delays_and_fails_nothing(r: "redis.Redis", 
 
 def export(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("BUDGETQ_") and k != "SGLANG_API_KEY"}
-    return subprocess.run([*produce_cmd(), "export", *args], capture_output=True, text=True, timeout=120,
-                          env={**base, **(env or {})})
+    # --for: glaive_fc's conversations have several turns (spliced tool results), whose rows the trainer decides
+    return subprocess.run([*produce_cmd(), "export", *args, "--for", "speculators"], capture_output=True, text=True,
+                          timeout=120, env={**base, **(env or {})})
 
 
 @pytest.mark.e2e

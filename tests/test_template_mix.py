@@ -178,7 +178,8 @@ def test_every_turn_is_rendered_with_the_kwargs_its_sample_drew(redis_url: str, 
     counts it, and the token export re-renders every turn's prompt with the record's kwargs (0 mismatches)."""
     from render.chat import load_tokenizer
     log = tmp_path / "requests.jsonl"
-    sim = sim_factory(*SIM_ARGS, "--request-log", str(log))
+    # The run's tokenizer: the token export refuses output ids it does not have
+    sim = sim_factory(*SIM_ARGS, "--request-log", str(log), "--tokenizer", str(hybrid_dir))
     workers(sim.url).start("w0")
     out = tmp_path / "out"
     res = produce([str(write_dataset(tmp_path)), "--tokenizer", str(hybrid_dir), "--max-tokens", "64",
@@ -217,7 +218,7 @@ def test_every_turn_is_rendered_with_the_kwargs_its_sample_drew(redis_url: str, 
     rows = [json.loads(x) for x in export.read_text().splitlines()]
     assert len(rows) == sum(len(x["turns"]) for x in recs)  # every turn's prompt re-rendered and matched
     export = tmp_path / "messages.jsonl"
-    res = produce(["export", DS, "--out", str(out), "--dest", str(export)], redis_url)
+    res = produce(["export", DS, "--out", str(out), "--dest", str(export), "--for", "speculators"], redis_url)
     assert res.returncode == 0, res.stderr
     for row in (json.loads(x) for x in export.read_text().splitlines()):
         assert row["chat_template_kwargs"] == drew[(row["id"], row["generation"])]
