@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import redis
 
@@ -56,6 +56,21 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def check_out_dir(store: RunState, names: Iterable[str], out_dir: Path) -> None:
+    """Refuse (exit 2) a rerun whose ``--out`` resolves to another directory than the one the dataset's run
+    recorded in Redis: ``--out`` is relative to the current directory, and a rerun from elsewhere (or a typo)
+    found no output there, generated every sample again and left the first run's tokens out of the budget.
+    Read-only: called before anything is written (``--new-run`` starts the dataset over, so it skips this)."""
+    here = out_dir.resolve()
+    for name in sorted(names):
+        stored = store.field(name, "out_dir")
+        if stored and Path(stored) != here:
+            raise ProduceError(
+                f"dataset {name}: its run writes to {stored} (recorded in Redis), but this run's --out {out_dir} is "
+                f"{here}. Rerun with --out {stored} to resume it (what is there counts toward the budget), or "
+                "--new-run to start the dataset over in this --out", 2)
+
+
 class Attacher:
     """One attach of a ``produce`` to its datasets (``Producer.attach`` drives it). ``locks`` is the producer's own
     dict of the collector locks taken, by dataset: a dataset whose attach fails after its lock was taken must
@@ -75,6 +90,7 @@ class Attacher:
         it was (exit 2): a run of another format, or other settings; then a multi-turn run's tokenizer files are
         stored for the workers."""
         if not self.opt.new_run:
+            check_out_dir(self.store, [p.name for p in datasets], self.opt.out_dir)
             for prepared in datasets:
                 stored = self._stored_settings(prepared.name, self.opt.out_dir / prepared.name)
                 if stored is None:
@@ -136,7 +152,8 @@ class Attacher:
         self.locks[p.name] = token
         if self.opt.new_run and (stored is not None or self.store.exists(p.name)):
             self._start_over(p.name, out_dir)
-        self.store.register(p.name, json.dumps(p.settings.stored, sort_keys=True), created_at=time.time())
+        self.store.register(p.name, json.dumps(p.settings.stored, sort_keys=True), created_at=time.time(),
+                            out_dir=str(self.opt.out_dir.resolve()))
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / RUN).write_text(json.dumps(p.settings.stored, indent=2, sort_keys=True) + "\n")
 

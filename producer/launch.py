@@ -68,6 +68,8 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, int | None], *
         warn: Callable[[str], None]) -> str:
     """Check, attach and run (or enqueue and detach); write the manifests of a run that ended; return the
     summary table."""
+    from budget.runstate import RunState
+    from producer.attach import check_out_dir
     from producer.datasetrun import RunOptions
     from producer.enqueue import JobSettings
     from producer.manifest import write_run_manifests
@@ -81,8 +83,10 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, int | None], *
     log.debug("run settings: out %s, chunk size %d, queue depth %d, job timeout %d s, %s", s.out_dir, s.chunk_size,
               s.queue_depth, s.job_timeout, "detach" if s.detach else "attached",
               extra={"budgets": budgets, "modes": s.modes_for(names), "sampling_params": params})
-    check_out_dirs(s.out_dir, names)
     client = connect(s.redis_url)
+    if not s.new_run:  # before check_out_dirs creates this --out's folders: a refused rerun writes nothing
+        check_out_dir(RunState(client), names, s.out_dir)
+    check_out_dirs(s.out_dir, names)
     check_redis(client, allow_eviction=s.allow_eviction, require_aof=s.require_aof, warn=warn)
     check_server_parsers(client, inputs.settings.reasoning_parser, warn=warn)
     context = recheck_context(client, inputs, s.max_tokens, warn=warn)
