@@ -76,6 +76,9 @@ The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default, so 
 | ``out_dir``        | producer (RunState.register)            | the absolute, resolved --out of the run's last       |
 |                    |                                         | ``produce``: a rerun whose --out resolves elsewhere  |
 |                    |                                         | is refused (it would regenerate what is on disk)     |
+| ``run_budget``     | producer (RunState.set_run_budget)      | the --budget the last ``produce`` that gave one gave |
+|                    |                                         | ('' = unlimited): a rerun giving it again keeps a    |
+|                    |                                         | budget ``produce budget`` set since; unset: none     |
 
 Who may send commands on these keys: budget/ alone (ledger.py and its scripts, runstate.py, serverinfo.py,
 tokstore.py).
@@ -111,7 +114,7 @@ def tokenizer_files(fingerprint: str) -> str:
 #: Every field of a dataset's hash (``DatasetKeys.meta``), documented in the table above (the one table of
 #: them); tests check that a run writes no other.
 META_FIELDS = ("name", "settings", "queue", "created_at", "budget", "status", "closed_at", "mode", "max_new_tokens",
-               "prior_mean", "committed", "discarded_chunks", "selected", "todo", "cut", "out_dir")
+               "prior_mean", "committed", "discarded_chunks", "selected", "todo", "cut", "out_dir", "run_budget")
 
 #: The one RQ queue that every dataset shares; workers listen on it (``worker.settings.QUEUES``).
 QUEUE_NAME = "budgetq"

@@ -99,6 +99,10 @@ class RunState:
             p.sadd(keys.DATASETS, name)
             p.execute()
 
+    def set_run_budget(self, name: str, budget: int | None) -> None:
+        """The --budget this ``produce`` gave (None: unlimited), for the next rerun to compare with."""
+        self.r.hset(keys.DatasetKeys(name).meta, "run_budget", "" if budget is None else str(budget))
+
     def set_progress(self, name: str, selected: int, todo: int) -> None:
         """What the attached producer holds: samples selected, samples not yet handed to a chunk (for status)."""
         self.r.hset(keys.DatasetKeys(name).meta, mapping={"selected": selected, "todo": todo})

@@ -28,6 +28,7 @@ import redis
 from budget.ledger import Ledger
 from budget.payload import OTHER_VERSION, VERSION
 from budget.runstate import RunState
+from producer.amount import budget_limit
 from producer.datasetrun import DatasetRun, RunOptions
 from producer.errors import ProduceError
 from producer.generations import SETTING as GENERATIONS
@@ -43,6 +44,10 @@ LOCK_TTL_MS = 30_000
 def _less_generations(settings: dict[str, Any]) -> dict[str, Any]:
     """The settings a rerun must keep: all but ``generations``, which may grow (``Attacher._check_generations``)."""
     return {key: value for key, value in settings.items() if key != GENERATIONS}
+
+
+def _shown(budget: int | None) -> str:
+    return "unlimited" if budget is None else f"{budget:,}"
 
 
 def pid_alive(pid: int) -> bool:
@@ -204,11 +209,30 @@ class Attacher:
                           done=done_ids, budget=budget, resuming=resuming & set(keys))
 
     def _set_budget(self, p: Prepared) -> int | None:
-        """Set the dataset's mode (--budget-mode, else the stored one, else predict) and budget (--budget, else the
-        stored one, else none); returns the budget."""
-        explicit = self.opt.budgets.get(p.name)
-        stored = self.store.field(p.name, "budget")
-        budget = explicit if explicit is not None else int(stored) if stored else None
+        """Set the dataset's mode (--budget-mode, else the stored one, else predict) and budget; returns the budget.
+
+        The budget: without --budget, the live one (or none). A --budget is what this command sets, and the last
+        run's is stored (``run_budget``): rerunning the same command after ``produce budget NAME 60k`` keeps the
+        60k (saying so), where it would silently restore the command's budget; a --budget other than the last
+        run's wins (saying so when it changes the live one)."""
+        given = self.opt.budgets.get(p.name)
+        live_raw = self.store.field(p.name, "budget")
+        live = int(live_raw) if live_raw else None
+        if given is None:
+            budget = live
+        else:
+            wanted = budget_limit(given)
+            last_raw = self.store.field(p.name, "run_budget")  # None: no run gave --budget yet
+            last_given = last_raw is not None and (int(last_raw) if last_raw else None) == wanted
+            if last_given and live_raw is not None and live != wanted:
+                self.echo(f"{p.name}: keeps its budget {_shown(live)}, set since the last run; --budget "
+                          f"{_shown(wanted)} is the last run's (give another --budget to replace it)")
+                budget = live
+            else:
+                if live_raw is not None and live != wanted:
+                    self.echo(f"{p.name}: budget {_shown(live)} -> {_shown(wanted)} (--budget)")
+                budget = wanted
+            self.store.set_run_budget(p.name, wanted)
         mode = self.opt.modes.get(p.name) or self.store.field(p.name, "mode") or "predict"
         self.ledger.set_mode(p.name, mode, p.settings.max_new_tokens)
         self.ledger.set_budget(p.name, budget)

@@ -18,6 +18,7 @@ from typing import Callable
 
 import redis
 
+from producer.amount import Budget, budget_limit
 from producer.errors import ProduceError
 from producer.prepare import Inputs
 from producer.settings import RunSettings
@@ -38,7 +39,7 @@ def launch(settings: RunSettings, *, warn: Callable[[str], None]) -> str:
     return run(settings, inputs, budgets, warn=warn)
 
 
-def dry_run(settings: RunSettings, inputs: Inputs, budgets: dict[str, int | None]) -> str:
+def dry_run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]) -> str:
     """``--dry-run``: each dataset's plan (samples needed, projected tokens, ETA), as a table or JSON. Writes
     nothing; with ``--pilot`` it sends real requests to SGLANG_URL (a failure is exit 1)."""
     from producer.plan import pilot_mean, plan_dataset, plan_table
@@ -54,7 +55,7 @@ def dry_run(settings: RunSettings, inputs: Inputs, budgets: dict[str, int | None
                                       api_key=s.api_key)
             except (OSError, RuntimeError, ValueError) as exc:
                 raise ProduceError(f"--pilot: {exc}") from None
-        plans.append(plan_dataset(p, budget=budgets.get(p.name), out_dir=s.out_dir, expect_mean=s.expect_mean,
+        plans.append(plan_dataset(p, budget=budget_limit(budgets.get(p.name)), out_dir=s.out_dir, expect_mean=s.expect_mean,
                                   pilot_mean=measured, pilot_n=s.pilot or 0, throughput=s.throughput,
                                   in_flight=s.in_flight, settings_mix=described))
     if s.as_json:
@@ -64,7 +65,7 @@ def dry_run(settings: RunSettings, inputs: Inputs, budgets: dict[str, int | None
     return plan_table(plans, s.throughput, inputs.context)
 
 
-def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, int | None], *,
+def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None], *,
         warn: Callable[[str], None]) -> str:
     """Check, attach and run (or enqueue and detach); write the manifests of a run that ended; return the
     summary table."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from budget.urls import server_urls
-from producer.amount import parse_budget_option
+from producer.amount import Budget, parse_budget_option
 from producer.errors import UsageError
 from producer.generations import parse_temperatures
 from producer.order import DEFAULT_SEED, RANDOM, Order
@@ -31,9 +31,10 @@ class RunSettings:
     max_samples: int | None
     out_dir: Path
     redis_url: str
-    #: --budget AMOUNT (every dataset not named; None: the stored budget, or unlimited) and NAME=AMOUNT
-    budget: int | None
-    named_budgets: Mapping[str, int | None]
+    #: --budget AMOUNT (every dataset not named; None: the stored budget, or unlimited) and NAME=AMOUNT; an
+    #: AMOUNT may be UNLIMITED (producer/amount.py): explicitly none
+    budget: Budget | None
+    named_budgets: Mapping[str, Budget]
     #: --budget-mode MODE and NAME=MODE (None: the stored mode, else predict)
     mode: str | None
     named_modes: Mapping[str, str]
@@ -136,7 +137,7 @@ class RunSettings:
             params["sampling_seed"] = self.seed
         return params
 
-    def budgets_for(self, names: Iterable[str]) -> dict[str, int | None]:
+    def budgets_for(self, names: Iterable[str]) -> dict[str, Budget | None]:
         """Each dataset's --budget; a name given to --budget or --budget-mode that is not a dataset is an error."""
         names = set(names)
         unknown = sorted((set(self.named_budgets) | set(self.named_modes)) - names)

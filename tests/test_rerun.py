@@ -90,3 +90,58 @@ def test_a_rerun_whose_out_resolves_elsewhere_is_refused_and_the_stored_out_resu
     assert len(recs) == 40
     assert sim_stats(sim.url)["completed"] == 40
     assert not (elsewhere / "out").exists()
+
+
+def _cli(args: list[str], redis_url: str) -> Any:
+    from click.testing import CliRunner
+
+    from producer.cli import main
+    return CliRunner().invoke(main, [*args, "--redis-url", redis_url], catch_exceptions=False)
+
+
+def test_a_rerun_keeps_a_budget_set_since_unless_it_gives_another(tmp_path: Path, redis_url: str, r: "redis.Redis",
+                                                                   tokenizer_dir: Path) -> None:
+    """The --budget on the command line is what the last run set: rerunning the same command after ``produce
+    budget`` keeps the live budget (one line says so); another --budget wins (one line too); none keeps it."""
+    data = tmp_path / "ds.jsonl"
+    data.write_text('{"id": 1, "prompt": "hello"}\n{"id": 2, "prompt": "hi"}\n')
+    run = ["run", str(data), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10", "--detach", "--out",
+           str(tmp_path / "out")]
+    meta = keys.DatasetKeys("ds").meta
+
+    def rerun(*budget: str) -> list[str]:
+        res = _cli([*run, *budget], redis_url)
+        assert res.exit_code == 0, res.output
+        return [line for line in res.output.splitlines() if line.startswith("ds: ") and "budget" in line]
+
+    assert rerun("--budget", "80k") == [] and r.hget(meta, "budget") == b"80000"
+    assert _cli(["budget", "ds", "60k"], redis_url).exit_code == 0
+    said = rerun("--budget", "80k")  # the same command again
+    assert r.hget(meta, "budget") == b"60000"
+    assert len(said) == 1 and "keeps its budget 60,000" in said[0] and "--budget 80,000" in said[0], said
+    assert rerun() == [] and r.hget(meta, "budget") == b"60000"  # no --budget: the live one
+    said = rerun("--budget", "70k")  # another one wins
+    assert r.hget(meta, "budget") == b"70000"
+    assert said == ["ds: budget 60,000 -> 70,000 (--budget)"], said
+    assert rerun("--budget", "70k") == [] and r.hget(meta, "budget") == b"70000"
+
+
+def test_budget_unlimited_on_run_is_explicitly_no_budget(tmp_path: Path, redis_url: str, r: "redis.Redis",
+                                                         tokenizer_dir: Path) -> None:
+    """``--budget unlimited`` (and NAME=unlimited), as ``produce budget`` takes it: no budget, which replaces a
+    stored one, where no --budget keeps it."""
+    data = tmp_path / "ds.jsonl"
+    data.write_text('{"id": 1, "prompt": "hello"}\n{"id": 2, "prompt": "hi"}\n')
+    run = ["run", str(data), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10", "--detach", "--out",
+           str(tmp_path / "out")]
+    meta = keys.DatasetKeys("ds").meta
+    plan = _cli([*run[:-3], "--dry-run", "--budget", "ds=unlimited"], redis_url)
+    assert plan.exit_code == 0, plan.output
+    assert "unlimited" in next(line for line in plan.output.splitlines() if line.startswith("ds "))
+    assert _cli([*run, "--budget", "5k"], redis_url).exit_code == 0 and r.hget(meta, "budget") == b"5000"
+    res = _cli([*run, "--budget", "Unlimited"], redis_url)
+    assert res.exit_code == 0, res.output
+    assert r.hget(meta, "budget") == b"" and "ds: budget 5,000 -> unlimited (--budget)" in res.output
+    assert _cli([*run, "--budget", "ds=3k"], redis_url).exit_code == 0 and r.hget(meta, "budget") == b"3000"
+    assert _cli([*run, "--budget", "ds=unlimited"], redis_url).exit_code == 0 and r.hget(meta, "budget") == b""
+    assert _cli(run, redis_url).exit_code == 0 and r.hget(meta, "budget") == b""
