@@ -21,7 +21,7 @@ import redis
 from producer.amount import Budget, budget_limit
 from producer.errors import ProduceError
 from producer.prepare import Inputs
-from producer.settings import RunSettings
+from producer.settings import RunSettings, check_max_tokens
 
 log = logging.getLogger("budgetq.produce")
 
@@ -87,10 +87,11 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     client = connect(s.redis_url)
     if not s.new_run:  # before check_out_dirs creates this --out's folders: a refused rerun writes nothing
         check_out_dir(RunState(client), names, s.out_dir)
+    context = recheck_context(client, inputs, s.max_tokens, warn=warn)
+    check_max_tokens(s.max_tokens, context)  # the servers' smaller limit: still before anything is written
     check_out_dirs(s.out_dir, names)
     check_redis(client, allow_eviction=s.allow_eviction, require_aof=s.require_aof, warn=warn)
     check_server_parsers(client, inputs.settings.reasoning_parser, warn=warn)
-    context = recheck_context(client, inputs, s.max_tokens, warn=warn)
     check_seed(client, params, warn=warn)
     options = RunOptions(out_dir=s.out_dir, budgets=budgets, modes=s.modes_for(names), expect_mean=s.expect_mean,
                          chunk_size=s.chunk_size, queue_depth=s.queue_depth, new_run=s.new_run,

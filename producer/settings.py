@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from budget.urls import server_urls
 from producer.amount import Budget, parse_budget_option
@@ -18,6 +18,9 @@ from producer.generations import parse_temperatures
 from producer.order import DEFAULT_SEED, RANDOM, Order
 from producer.records import FieldMapping
 from producer.templatemix import MixError, TemplateMix
+
+if TYPE_CHECKING:
+    from render.modeldir import Context
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ class RunSettings:
                                    system_prompt=o["system_prompt"])
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        if o["max_context"] is not None:
+            check_max_tokens(o["max_tokens"], _context(o["max_context"]))
         if o["order"] == "file" and o["order_seed"] is not None:
             raise UsageError("--order-seed goes with --order random")
         order = Order(o["order"] or RANDOM, DEFAULT_SEED if o["order_seed"] is None else o["order_seed"])
@@ -148,6 +153,21 @@ class RunSettings:
 
     def modes_for(self, names: Iterable[str]) -> dict[str, str | None]:
         return {n: self.named_modes.get(n, self.mode) for n in names}
+
+
+def check_max_tokens(max_tokens: int, context: "Context") -> None:
+    """Refuse (exit 2) a --max-tokens that leaves no room for a prompt in the context: every prompt would be
+    skipped one by one and the run would end "complete" having sent nothing. Called as soon as the context is
+    known: at once for --max-context, once the tokenizer is read otherwise, again with the servers' limit."""
+    if max_tokens >= context.tokens:
+        raise UsageError(f"--max-tokens {max_tokens:,} leaves no room for a prompt in the context of "
+                         f"{context.tokens:,} tokens ({context.source}): give a --max-tokens below it"
+                         + ("" if context.source == "--max-context" else " (or --max-context, if that is wrong)"))
+
+
+def _context(tokens: int) -> "Context":
+    from render.modeldir import Context
+    return Context(tokens, "--max-context")
 
 
 def parse_mode_option(values: Iterable[str]) -> tuple[str | None, dict[str, str]]:
