@@ -24,7 +24,9 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:ds:{n}:seq``           | string | producer                 | chunk counter: chunk (= RQ job) ids never repeat  |
 | ``bq:ds:{n}:results``       | stream | ``commit`` script        | committed results not yet written to disk         |
 | ``bq:ds:{n}:failed``        | hash   | ``fail`` script          | sample id -> JSON reason, after every attempt     |
-| ``bq:ds:{n}:collector``     | string | producer                 | lock: the one ``produce`` collecting this dataset |
+| ``bq:ds:{n}:collector``     | string | producer                 | lock: the one ``produce`` collecting this dataset;|
+|                             |        |                          | value ``host:pid:uuid`` (who holds it, for the    |
+|                             |        |                          | refusal's message and a dead holder's takeover)   |
 | ``bq:ds:{n}:resv``          | hash   | admit/commit, worker     | running chunk id -> tokens its requests reserve   |
 | ``bq:ds:{n}:inflight``      | hash   | admit/commit             | running chunk id -> requests in flight            |
 | ``bq:ds:{n}:lengths``       | list   | ``commit`` script        | the last 4096 completion lengths (predict's model)|

@@ -76,6 +76,15 @@ def check_out_dir(store: RunState, names: Iterable[str], out_dir: Path) -> None:
                 "--new-run to start the dataset over in this --out", 2)
 
 
+def holder_text(holder: str | None) -> str:
+    """Who holds a collector lock, from its token (``host:pid:uuid``, written by ``Attacher.attach_one``)."""
+    if holder is None:
+        return "a produce that just released it"
+    host, _, rest = holder.partition(":")
+    pid = rest.partition(":")[0]
+    return f"produce pid {pid} on {host}" if host and pid.isdigit() else f"token {holder!r}"
+
+
 class Attacher:
     """One attach of a ``produce`` to its datasets (``Producer.attach`` drives it). ``locks`` is the producer's own
     dict of the collector locks taken, by dataset: a dataset whose attach fails after its lock was taken must
@@ -151,7 +160,8 @@ class Attacher:
         stored = self._stored_settings(p.name, out_dir)
         token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
         if not self._take_lock(p.name, token):
-            raise ProduceError(f"dataset {p.name}: another produce is attached to it (it holds "
+            holder = holder_text(self.store.collector_holder(p.name))
+            raise ProduceError(f"dataset {p.name}: another produce is attached to it ({holder} holds "
                                f"{self.store.collector_key(p.name)}); stop that one, or wait up to "
                                f"{LOCK_TTL_MS // 1000} s after it died", 1)
         self.locks[p.name] = token

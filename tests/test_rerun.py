@@ -145,3 +145,17 @@ def test_budget_unlimited_on_run_is_explicitly_no_budget(tmp_path: Path, redis_u
     assert _cli([*run, "--budget", "ds=3k"], redis_url).exit_code == 0 and r.hget(meta, "budget") == b"3000"
     assert _cli([*run, "--budget", "ds=unlimited"], redis_url).exit_code == 0 and r.hget(meta, "budget") == b""
     assert _cli(run, redis_url).exit_code == 0 and r.hget(meta, "budget") == b""
+
+
+def test_the_lock_refusal_names_the_host_and_pid_holding_the_dataset(tmp_path: Path, redis_url: str,
+                                                                      r: "redis.Redis", tokenizer_dir: Path) -> None:
+    from budget.runstate import RunState
+    data = tmp_path / "ds.jsonl"
+    data.write_text('{"id": 1, "prompt": "hello"}\n')
+    # A produce on another host (its pid cannot be checked from here) holds the dataset.
+    assert RunState(r).take_collector("ds", "gpu-node-7:4242:0123abcd", 30_000)
+    res = _cli(["run", str(data), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10", "--detach", "--out",
+                str(tmp_path / "out")], redis_url)
+    assert res.exit_code == 1, res.output
+    assert "another produce is attached to it (produce pid 4242 on gpu-node-7 holds" in res.output, res.output
+    assert r.get(keys.DatasetKeys("ds").collector) == b"gpu-node-7:4242:0123abcd"  # read, never changed
