@@ -42,22 +42,23 @@ def launch(settings: RunSettings, *, warn: Callable[[str], None]) -> str:
 def dry_run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]) -> str:
     """``--dry-run``: each dataset's plan (samples needed, projected tokens, ETA), as a table or JSON. Writes
     nothing; with ``--pilot`` it sends real requests to SGLANG_URL (a failure is exit 1)."""
-    from producer.plan import pilot_mean, plan_dataset, plan_table
+    from producer.plan import PilotResult, plan_dataset, plan_table, run_pilot
     s = settings
     mix = s.template_mix.describe() if s.template_mix else ""
     described = "; ".join(d for d in (inputs.settings.generations.describe(), mix) if d)
     plans = []
     for p in inputs.prepared:
-        measured = None
+        measured: PilotResult | None = None
         if s.pilot:
             try:
-                measured = pilot_mean(p, s.pilot, urls=s.pilot_urls, sampling_params=p.settings.chunk_params,
-                                      api_key=s.api_key)
+                measured = run_pilot(p, s.pilot, urls=s.pilot_urls, sampling_params=p.settings.chunk_params,
+                                     api_key=s.api_key)
             except (OSError, RuntimeError, ValueError) as exc:
                 raise ProduceError(f"--pilot: {exc}") from None
-        plans.append(plan_dataset(p, budget=budget_limit(budgets.get(p.name)), out_dir=s.out_dir, expect_mean=s.expect_mean,
-                                  pilot_mean=measured, pilot_n=s.pilot or 0, throughput=s.throughput,
-                                  in_flight=s.in_flight, settings_mix=described))
+        plans.append(plan_dataset(p, budget=budget_limit(budgets.get(p.name)), out_dir=s.out_dir,
+                                  expect_mean=s.expect_mean, pilot_mean=measured.mean if measured else None,
+                                  pilot_n=len(measured.lengths) if measured else 0, throughput=s.throughput,
+                                  in_flight=s.in_flight, settings_mix=described, pilot=measured))
     if s.as_json:
         context = {"tokens": inputs.context.tokens, "source": inputs.context.source}
         return json.dumps({"datasets": [x.as_dict() for x in plans], "throughput": s.throughput,
