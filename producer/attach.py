@@ -3,11 +3,12 @@ rebuild each dataset's state (``DatasetRun``) from Redis and the output files. N
 (producer/run.py) does that.
 
 Every time ``produce`` starts, for each dataset (docs/architecture.md, "Attach"):
-1. refuse a rerun whose settings differ from the stored run (exit 2, unless ``--new-run``), before anything is
-   written, so a refused rerun leaves Redis as it was; a multi-turn run stores its tokenizer files for the
+1. refuse a rerun whose settings differ from the stored run, or whose ``--out`` resolves to another directory
+   than the stored one (exit 2, unless ``--new-run``), before anything is written, so a refused rerun leaves Redis as it was; a multi-turn run stores its tokenizer files for the
    workers (``share_tokenizer``);
 2. take the dataset's collector lock (a lock left by a dead ``produce`` on this host is taken over at once);
-3. register the run's settings (Redis and ``run.json``), set the budget and the mode;
+3. register the run's settings (Redis and ``run.json``) and its resolved ``--out``, set the budget (a rerun
+   giving the last run's ``--budget`` again keeps one ``produce budget`` set since) and the mode;
 4. open the output file (cutting a torn last line), count the responses on disk that Redis lost, uncount those
    Redis counted that exist nowhere (they are generated again), reopen failed conversations;
 5. compute the to-do list: the selected samples in the run's order - done - held by a live chunk.
