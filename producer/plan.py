@@ -220,8 +220,8 @@ def plan_table(plans: list[DatasetPlan], throughput: float | None, context: Cont
                  n(sum(p.over_context for p in plans)), n(sum(p.prompt_tokens_sum for p in plans)), "", "", "",
                  n(sum(p.done_already for p in plans)), "", n(sum(p.samples_needed or 0 for p in plans)),
                  n(total_proj), eta(total_eta)))
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *body)]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in (head, *body)]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.insert(len(lines) - 1, "  ".join("-" * w for w in widths))
     for p in plans:
