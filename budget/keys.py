@@ -24,7 +24,9 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:ds:{n}:seq``           | string | producer                 | chunk counter: chunk (= RQ job) ids never repeat  |
 | ``bq:ds:{n}:results``       | stream | ``commit`` script        | committed results not yet written to disk         |
 | ``bq:ds:{n}:failed``        | hash   | ``fail`` script          | sample id -> JSON reason, after every attempt     |
-| ``bq:ds:{n}:collector``     | string | producer                 | lock: the one ``produce`` collecting this dataset |
+| ``bq:ds:{n}:collector``     | string | producer                 | lock: the one ``produce`` collecting this dataset;|
+|                             |        |                          | value ``host:pid:uuid`` (who holds it, for the    |
+|                             |        |                          | refusal's message and a dead holder's takeover)   |
 | ``bq:ds:{n}:resv``          | hash   | admit/commit, worker     | running chunk id -> tokens its requests reserve   |
 | ``bq:ds:{n}:inflight``      | hash   | admit/commit             | running chunk id -> requests in flight            |
 | ``bq:ds:{n}:lengths``       | list   | ``commit`` script        | the last 4096 completion lengths (predict's model)|
@@ -73,6 +75,12 @@ The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default, so 
 | ``cut``            | ``set_budget`` (set when the budget is  | 1: the budget was lowered to <= used; admit_turn     |
 |                    | lowered to <= used, deleted when it is  | stops every started conversation (docs/multiturn.md) |
 |                    | removed or set above used)              | unset: not cut                                       |
+| ``out_dir``        | producer (RunState.register)            | the absolute, resolved --out of the run's last       |
+|                    |                                         | ``produce``: a rerun whose --out resolves elsewhere  |
+|                    |                                         | is refused (it would regenerate what is on disk)     |
+| ``run_budget``     | producer (RunState.set_run_budget)      | the --budget the last ``produce`` that gave one gave |
+|                    |                                         | ('' = unlimited): a rerun giving it again keeps a    |
+|                    |                                         | budget ``produce budget`` set since; unset: none     |
 
 Who may send commands on these keys: budget/ alone (ledger.py and its scripts, runstate.py, serverinfo.py,
 tokstore.py).
@@ -109,7 +117,7 @@ def tokenizer_files(fingerprint: str) -> str:
 #: Every field of a dataset's hash (``DatasetKeys.meta``), documented in the table above (the one table of
 #: them); tests check that a run writes no other.
 META_FIELDS = ("name", "settings", "queue", "created_at", "budget", "status", "closed_at", "mode", "max_new_tokens",
-               "prior_mean", "committed", "discarded_chunks", "selected", "todo", "cut")
+               "prior_mean", "committed", "discarded_chunks", "selected", "todo", "cut", "out_dir", "run_budget")
 
 #: The one RQ queue that every dataset shares; workers listen on it (``worker.settings.QUEUES``).
 QUEUE_NAME = "budgetq"

@@ -85,15 +85,23 @@ class RunState:
         raw = self.r.hget(keys.DatasetKeys(name).meta, field)
         return None if raw is None else _s(raw)
 
-    def register(self, name: str, settings_json: str, created_at: float) -> None:
-        """Record the dataset (its name, the run's fingerprinted settings, the queue its chunks go to) and add it
-        to the known datasets; ``created_at`` is kept from the first run. One MULTI/EXEC."""
+    def register(self, name: str, settings_json: str, created_at: float, out_dir: str | None = None) -> None:
+        """Record the dataset (its name, the run's fingerprinted settings, the queue its chunks go to, the absolute
+        output directory its files are in) and add it to the known datasets; ``created_at`` is kept from the
+        first run. One MULTI/EXEC."""
         k = keys.DatasetKeys(name)
+        mapping: dict[Any, Any] = {"name": name, "settings": settings_json, "queue": keys.QUEUE_NAME}
+        if out_dir is not None:
+            mapping["out_dir"] = out_dir
         with self.r.pipeline(transaction=True) as p:
-            p.hset(k.meta, mapping={"name": name, "settings": settings_json, "queue": keys.QUEUE_NAME})
+            p.hset(k.meta, mapping=mapping)
             p.hsetnx(k.meta, "created_at", str(created_at))
             p.sadd(keys.DATASETS, name)
             p.execute()
+
+    def set_run_budget(self, name: str, budget: int | None) -> None:
+        """The --budget this ``produce`` gave (None: unlimited), for the next rerun to compare with."""
+        self.r.hset(keys.DatasetKeys(name).meta, "run_budget", "" if budget is None else str(budget))
 
     def set_progress(self, name: str, selected: int, todo: int) -> None:
         """What the attached producer holds: samples selected, samples not yet handed to a chunk (for status)."""

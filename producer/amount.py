@@ -9,6 +9,9 @@ input, never float (``1.1M`` is 1100000, not 1100000.0000000002). Accepted:
   milli-tokens);
 * surrounding whitespace.
 
+``unlimited`` (or ``none``, any case) is a budget too in ``--budget``: explicitly none, which a rerun must be able
+to say apart from no ``--budget`` at all (keep the stored one).
+
 Rejected: signs, exponent notation (``1e6``: easy to mistype, and ``1e6M`` would be a puzzle; write ``1M``), NaN,
 infinity, ``.5``, ``5.``, anything outside 0..MAX_AMOUNT. MAX_AMOUNT is the largest integer a float (Lua numbers,
 JSON readers in other languages) holds exactly, so a budget survives every hop unrounded.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import decimal
 import re
+from typing import Final, Literal, Union
 
 from producer.reader import valid_name
 
@@ -25,6 +29,17 @@ SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 _AMOUNT_RE = re.compile(r"([0-9]+(?:_[0-9]+)*(?:\.[0-9]+(?:_[0-9]+)*)?)([kKmMgG]?)")
 _EXPONENT_RE = re.compile(r"[+-]?[0-9._]*[0-9][eE][+-]?[0-9]+[kKmMgG]?")
 _EXAMPLES = "expected a whole number of tokens like 10M, 500k or 1500000"
+
+#: ``--budget unlimited``: explicitly no budget, unlike no ``--budget`` (None: keep the stored budget).
+UNLIMITED: Final = "unlimited"
+#: A budget given on the command line: a number of tokens, or UNLIMITED.
+Budget = Union[int, Literal["unlimited"]]
+_UNLIMITED_WORDS = ("unlimited", "none")
+
+
+def budget_limit(budget: Budget | None) -> int | None:
+    """The limit the ledger is given (None: unlimited) of a ``--budget`` (None: not given, so none is known)."""
+    return None if budget is None or budget == UNLIMITED else int(budget)
 
 
 class _Bad(ValueError):
@@ -39,22 +54,24 @@ def parse_amount(text: str) -> int:
         raise ValueError(f"invalid budget {_quote(text)}: {e}") from None
 
 
-def parse_budget_option(values: tuple[str, ...]) -> tuple[int | None, dict[str, int]]:
+def parse_budget_option(values: tuple[str, ...]) -> tuple[Budget | None, dict[str, Budget]]:
     """Split repeated ``--budget`` values into (default for every dataset, per dataset name).
 
-    ``AMOUNT`` sets the default (at most once); ``NAME=AMOUNT`` one dataset (at most once per name). Whether every
-    NAME is a dataset actually given is for the caller to check, which knows the datasets.
+    ``AMOUNT`` sets the default (at most once); ``NAME=AMOUNT`` one dataset (at most once per name); an AMOUNT of
+    ``unlimited`` is UNLIMITED. Whether every NAME is a dataset actually given is for the caller to check, which
+    knows the datasets.
     """
-    default: int | None = None
-    per_name: dict[str, int] = {}
+    default: Budget | None = None
+    per_name: dict[str, Budget] = {}
     for value in values:
         name, sep, amount_text = value.partition("=")
         name = name.strip()
         if sep and not valid_name(name):
             raise ValueError(f"invalid budget {_quote(value)}: {_quote(name)} is not a valid dataset name "
                              f'(letters, digits, "_" and "-" only, 1 to 64 characters)')
+        text = amount_text if sep else value
         try:
-            amount = _parse(amount_text if sep else value)
+            amount: Budget = UNLIMITED if text.strip().lower() in _UNLIMITED_WORDS else _parse(text)
         except _Bad as e:
             raise ValueError(f"invalid budget {_quote(value)}: {e}") from None
         if not sep:

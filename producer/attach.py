@@ -3,11 +3,12 @@ rebuild each dataset's state (``DatasetRun``) from Redis and the output files. N
 (producer/run.py) does that.
 
 Every time ``produce`` starts, for each dataset (docs/architecture.md, "Attach"):
-1. refuse a rerun whose settings differ from the stored run (exit 2, unless ``--new-run``), before anything is
-   written, so a refused rerun leaves Redis as it was; a multi-turn run stores its tokenizer files for the
+1. refuse a rerun whose settings differ from the stored run, or whose ``--out`` resolves to another directory
+   than the stored one (exit 2, unless ``--new-run``), before anything is written, so a refused rerun leaves Redis as it was; a multi-turn run stores its tokenizer files for the
    workers (``share_tokenizer``);
 2. take the dataset's collector lock (a lock left by a dead ``produce`` on this host is taken over at once);
-3. register the run's settings (Redis and ``run.json``), set the budget and the mode;
+3. register the run's settings (Redis and ``run.json``) and its resolved ``--out``, set the budget (a rerun
+   giving the last run's ``--budget`` again keeps one ``produce budget`` set since) and the mode;
 4. open the output file (cutting a torn last line), count the responses on disk that Redis lost, uncount those
    Redis counted that exist nowhere (they are generated again), reopen failed conversations;
 5. compute the to-do list: the selected samples in the run's order - done - held by a live chunk.
@@ -21,13 +22,14 @@ import time
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import redis
 
 from budget.ledger import Ledger
 from budget.payload import OTHER_VERSION, VERSION
 from budget.runstate import RunState
+from producer.amount import budget_limit
 from producer.datasetrun import DatasetRun, RunOptions
 from producer.errors import ProduceError
 from producer.generations import SETTING as GENERATIONS
@@ -45,6 +47,10 @@ def _less_generations(settings: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in settings.items() if key != GENERATIONS}
 
 
+def _shown(budget: int | None) -> str:
+    return "unlimited" if budget is None else f"{budget:,}"
+
+
 def pid_alive(pid: int) -> bool:
     """Is a process with this pid running on this host? (EPERM: it exists, owned by someone else.)"""
     try:
@@ -54,6 +60,30 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def check_out_dir(store: RunState, names: Iterable[str], out_dir: Path) -> None:
+    """Refuse (exit 2) a rerun whose ``--out`` resolves to another directory than the one the dataset's run
+    recorded in Redis: ``--out`` is relative to the current directory, and a rerun from elsewhere (or a typo)
+    found no output there, generated every sample again and left the first run's tokens out of the budget.
+    Read-only: called before anything is written (``--new-run`` starts the dataset over, so it skips this)."""
+    here = out_dir.resolve()
+    for name in sorted(names):
+        stored = store.field(name, "out_dir")
+        if stored and Path(stored) != here:
+            raise ProduceError(
+                f"dataset {name}: its run writes to {stored} (recorded in Redis), but this run's --out {out_dir} is "
+                f"{here}. Rerun with --out {stored} to resume it (what is there counts toward the budget), or "
+                "--new-run to start the dataset over in this --out", 2)
+
+
+def holder_text(holder: str | None) -> str:
+    """Who holds a collector lock, from its token (``host:pid:uuid``, written by ``Attacher.attach_one``)."""
+    if holder is None:
+        return "a produce that just released it"
+    host, _, rest = holder.partition(":")
+    pid = rest.partition(":")[0]
+    return f"produce pid {pid} on {host}" if host and pid.isdigit() else f"token {holder!r}"
 
 
 class Attacher:
@@ -75,6 +105,7 @@ class Attacher:
         it was (exit 2): a run of another format, or other settings; then a multi-turn run's tokenizer files are
         stored for the workers."""
         if not self.opt.new_run:
+            check_out_dir(self.store, [p.name for p in datasets], self.opt.out_dir)
             for prepared in datasets:
                 stored = self._stored_settings(prepared.name, self.opt.out_dir / prepared.name)
                 if stored is None:
@@ -130,13 +161,15 @@ class Attacher:
         stored = self._stored_settings(p.name, out_dir)
         token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
         if not self._take_lock(p.name, token):
-            raise ProduceError(f"dataset {p.name}: another produce is attached to it (it holds "
+            holder = holder_text(self.store.collector_holder(p.name))
+            raise ProduceError(f"dataset {p.name}: another produce is attached to it ({holder} holds "
                                f"{self.store.collector_key(p.name)}); stop that one, or wait up to "
                                f"{LOCK_TTL_MS // 1000} s after it died", 1)
         self.locks[p.name] = token
         if self.opt.new_run and (stored is not None or self.store.exists(p.name)):
             self._start_over(p.name, out_dir)
-        self.store.register(p.name, json.dumps(p.settings.stored, sort_keys=True), created_at=time.time())
+        self.store.register(p.name, json.dumps(p.settings.stored, sort_keys=True), created_at=time.time(),
+                            out_dir=str(self.opt.out_dir.resolve()))
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / RUN).write_text(json.dumps(p.settings.stored, indent=2, sort_keys=True) + "\n")
 
@@ -187,11 +220,30 @@ class Attacher:
                           done=done_ids, budget=budget, resuming=resuming & set(keys))
 
     def _set_budget(self, p: Prepared) -> int | None:
-        """Set the dataset's mode (--budget-mode, else the stored one, else predict) and budget (--budget, else the
-        stored one, else none); returns the budget."""
-        explicit = self.opt.budgets.get(p.name)
-        stored = self.store.field(p.name, "budget")
-        budget = explicit if explicit is not None else int(stored) if stored else None
+        """Set the dataset's mode (--budget-mode, else the stored one, else predict) and budget; returns the budget.
+
+        The budget: without --budget, the live one (or none). A --budget is what this command sets, and the last
+        run's is stored (``run_budget``): rerunning the same command after ``produce budget NAME 60k`` keeps the
+        60k (saying so), where it would silently restore the command's budget; a --budget other than the last
+        run's wins (saying so when it changes the live one)."""
+        given = self.opt.budgets.get(p.name)
+        live_raw = self.store.field(p.name, "budget")
+        live = int(live_raw) if live_raw else None
+        if given is None:
+            budget = live
+        else:
+            wanted = budget_limit(given)
+            last_raw = self.store.field(p.name, "run_budget")  # None: no run gave --budget yet
+            last_given = last_raw is not None and (int(last_raw) if last_raw else None) == wanted
+            if last_given and live_raw is not None and live != wanted:
+                self.echo(f"{p.name}: keeps its budget {_shown(live)}, set since the last run; --budget "
+                          f"{_shown(wanted)} is the last run's (give another --budget to replace it)")
+                budget = live
+            else:
+                if live_raw is not None and live != wanted:
+                    self.echo(f"{p.name}: budget {_shown(live)} -> {_shown(wanted)} (--budget)")
+                budget = wanted
+            self.store.set_run_budget(p.name, wanted)
         mode = self.opt.modes.get(p.name) or self.store.field(p.name, "mode") or "predict"
         self.ledger.set_mode(p.name, mode, p.settings.max_new_tokens)
         self.ledger.set_budget(p.name, budget)

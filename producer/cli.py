@@ -139,8 +139,9 @@ def main() -> None:
      help="The model's directory (its tokenizer with the chat template, and config.json), or a hub id "
           "(Qwen/Qwen3-8B) found in the local Hugging Face cache; nothing is downloaded.")
 @opt("--budget", "budgets", multiple=True, metavar="AMOUNT|NAME=AMOUNT",
-     help="Completion tokens per dataset (10M, 500k, 1.5G); NAME=AMOUNT for one dataset. "
-          "Default: unlimited on a first run, the stored budget on a rerun.")
+     help="Completion tokens per dataset (10M, 500k, 1.5G, or unlimited); NAME=AMOUNT for one dataset. "
+          "Default: unlimited on a first run, the stored budget on a rerun (also when it gives the last run's "
+          "--budget again after 'produce budget' changed it).")
 @opt("--budget-mode", "modes", multiple=True, metavar="MODE|NAME=MODE",
      help="How a dataset lands on its budget: predict (default: reserve each running request's expected "
           "length), strict (reserve --max-tokens: never above the budget), drain (stop at the budget, let "

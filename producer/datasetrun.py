@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from budget.payload import ConversationPayload
+from producer.amount import Budget
 from producer.enqueue import JobSettings
 from producer.output import ResultsFile
 from producer.prepare import Prepared
@@ -24,7 +25,7 @@ class RunOptions:
     and paces its chunks. What a dataset is rendered, sent and stored with is its ``Prepared.settings``."""
 
     out_dir: Path
-    budgets: Mapping[str, int | None]  # explicit --budget per dataset; None: keep the stored one (or unlimited)
+    budgets: Mapping[str, Budget | None]  # explicit --budget per dataset (or UNLIMITED); None: keep the stored one
     modes: Mapping[str, str | None] = field(default_factory=dict)  # --budget-mode; None: stored, else predict
     expect_mean: float | None = None  # prior completion length for predict before results arrive
     chunk_size: int = 256

@@ -18,9 +18,10 @@ from typing import Callable
 
 import redis
 
+from producer.amount import Budget, budget_limit
 from producer.errors import ProduceError
 from producer.prepare import Inputs
-from producer.settings import RunSettings
+from producer.settings import RunSettings, check_max_tokens
 
 log = logging.getLogger("budgetq.produce")
 
@@ -38,25 +39,26 @@ def launch(settings: RunSettings, *, warn: Callable[[str], None]) -> str:
     return run(settings, inputs, budgets, warn=warn)
 
 
-def dry_run(settings: RunSettings, inputs: Inputs, budgets: dict[str, int | None]) -> str:
+def dry_run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]) -> str:
     """``--dry-run``: each dataset's plan (samples needed, projected tokens, ETA), as a table or JSON. Writes
     nothing; with ``--pilot`` it sends real requests to SGLANG_URL (a failure is exit 1)."""
-    from producer.plan import pilot_mean, plan_dataset, plan_table
+    from producer.plan import PilotResult, plan_dataset, plan_table, run_pilot
     s = settings
     mix = s.template_mix.describe() if s.template_mix else ""
     described = "; ".join(d for d in (inputs.settings.generations.describe(), mix) if d)
     plans = []
     for p in inputs.prepared:
-        measured = None
+        measured: PilotResult | None = None
         if s.pilot:
             try:
-                measured = pilot_mean(p, s.pilot, urls=s.pilot_urls, sampling_params=p.settings.chunk_params,
-                                      api_key=s.api_key)
+                measured = run_pilot(p, s.pilot, urls=s.pilot_urls, sampling_params=p.settings.chunk_params,
+                                     api_key=s.api_key)
             except (OSError, RuntimeError, ValueError) as exc:
                 raise ProduceError(f"--pilot: {exc}") from None
-        plans.append(plan_dataset(p, budget=budgets.get(p.name), out_dir=s.out_dir, expect_mean=s.expect_mean,
-                                  pilot_mean=measured, pilot_n=s.pilot or 0, throughput=s.throughput,
-                                  in_flight=s.in_flight, settings_mix=described))
+        plans.append(plan_dataset(p, budget=budget_limit(budgets.get(p.name)), out_dir=s.out_dir,
+                                  expect_mean=s.expect_mean, pilot_mean=measured.mean if measured else None,
+                                  pilot_n=len(measured.lengths) if measured else 0, throughput=s.throughput,
+                                  in_flight=s.in_flight, settings_mix=described, pilot=measured))
     if s.as_json:
         context = {"tokens": inputs.context.tokens, "source": inputs.context.source}
         return json.dumps({"datasets": [x.as_dict() for x in plans], "throughput": s.throughput,
@@ -64,10 +66,12 @@ def dry_run(settings: RunSettings, inputs: Inputs, budgets: dict[str, int | None
     return plan_table(plans, s.throughput, inputs.context)
 
 
-def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, int | None], *,
+def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None], *,
         warn: Callable[[str], None]) -> str:
     """Check, attach and run (or enqueue and detach); write the manifests of a run that ended; return the
     summary table."""
+    from budget.runstate import RunState
+    from producer.attach import check_out_dir
     from producer.datasetrun import RunOptions
     from producer.enqueue import JobSettings
     from producer.manifest import write_run_manifests
@@ -81,11 +85,14 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, int | None], *
     log.debug("run settings: out %s, chunk size %d, queue depth %d, job timeout %d s, %s", s.out_dir, s.chunk_size,
               s.queue_depth, s.job_timeout, "detach" if s.detach else "attached",
               extra={"budgets": budgets, "modes": s.modes_for(names), "sampling_params": params})
-    check_out_dirs(s.out_dir, names)
     client = connect(s.redis_url)
+    if not s.new_run:  # before check_out_dirs creates this --out's folders: a refused rerun writes nothing
+        check_out_dir(RunState(client), names, s.out_dir)
+    context = recheck_context(client, inputs, s.max_tokens, warn=warn)
+    check_max_tokens(s.max_tokens, context)  # the servers' smaller limit: still before anything is written
+    check_out_dirs(s.out_dir, names)
     check_redis(client, allow_eviction=s.allow_eviction, require_aof=s.require_aof, warn=warn)
     check_server_parsers(client, inputs.settings.reasoning_parser, warn=warn)
-    context = recheck_context(client, inputs, s.max_tokens, warn=warn)
     check_seed(client, params, warn=warn)
     options = RunOptions(out_dir=s.out_dir, budgets=budgets, modes=s.modes_for(names), expect_mean=s.expect_mean,
                          chunk_size=s.chunk_size, queue_depth=s.queue_depth, new_run=s.new_run,

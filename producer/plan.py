@@ -67,9 +67,30 @@ class DatasetPlan:
     generations: int = 1  # --generations: samples per prompt (docs/generations.md)
     samples: int = 0  # samples planned: valid prompts x generations
     settings_mix: str = ""  # what generation k sends differently (a temperature list, derived seeds, a kwargs mix)
+    pilot: dict[str, Any] | None = None  # --pilot's measurements (PilotResult.as_dict), whether or not they are used
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class PilotResult:
+    """What ``--pilot`` measured for a dataset: how many requests it sent, and the completion lengths of those
+    that reported one (a body without ``completion_tokens`` is not a length)."""
+
+    sent: int
+    lengths: tuple[int, ...]
+    max_new_tokens: int  # the run's --max-tokens: a length there was cut, so the mean is a floor
+
+    @property
+    def mean(self) -> float | None:
+        return sum(self.lengths) / len(self.lengths) if self.lengths else None
+
+    def as_dict(self, used: bool) -> dict[str, Any]:
+        n = self.lengths
+        return {"sent": self.sent, "answered": len(n), "mean": self.mean, "min": min(n, default=None),
+                "max": max(n, default=None), "at_max_tokens": sum(1 for x in n if x >= self.max_new_tokens),
+                "used": used}
 
 
 def _p95(values: Sequence[int]) -> int:
@@ -99,10 +120,12 @@ def existing_turns(out_dir: Path, name: str) -> tuple[int, int, int]:
 
 def plan_dataset(p: Prepared, *, budget: int | None, out_dir: Path, expect_mean: float | None,
                  pilot_mean: float | None, pilot_n: int, throughput: float | None,
-                 in_flight: int | None = None, settings_mix: str = "") -> DatasetPlan:
+                 in_flight: int | None = None, settings_mix: str = "",
+                 pilot: PilotResult | None = None) -> DatasetPlan:
     """``mean`` (the expected completion length) is per request, so per turn of a conversation: a sample is
     expected to make ``p.turns_total / len(p.samples)`` requests on average (at most: a turn may end its
-    conversation early, so multi-turn projections are upper bounds)."""
+    conversation early, so multi-turn projections are upper bounds). ``pilot``: what --pilot measured (its mean
+    is ``pilot_mean``), shown whether or not --expect-mean or the output on disk take precedence."""
     lengths = [len(prompt.input_ids) for prompt in p.prompts.values()]
     done, tokens_done, turns_done = existing_turns(out_dir, p.name)
     if expect_mean:
@@ -139,7 +162,8 @@ def plan_dataset(p: Prepared, *, budget: int | None, out_dir: Path, expect_mean:
         projected_tokens=projected, eta_s=eta, order=p.settings.order.describe(), conversations=p.conversations,
         conversation_turns=p.conversation_turns, requests_max=p.turns_total, longest_conversation=longest,
         in_flight=(in_flight or DEFAULT_IN_FLIGHT) if p.conversations else None, generations=p.settings.generations.n,
-        samples=p.selected, settings_mix=settings_mix)
+        samples=p.selected, settings_mix=settings_mix,
+        pilot=None if pilot is None else pilot.as_dict(used=source.startswith("pilot")))
 
 
 async def _pilot(urls: Sequence[str], items: Sequence[list[int]], sampling_params: dict[str, Any],
@@ -159,16 +183,17 @@ async def _pilot(urls: Sequence[str], items: Sequence[list[int]], sampling_param
     return [n for n in results if n is not None]
 
 
-def pilot_mean(p: Prepared, n: int, *, urls: Sequence[str], sampling_params: dict[str, Any],
-               api_key: str | None = None, timeout_s: float = 3600.0) -> float | None:
-    """Send the first ``n`` prompts of a dataset straight to SGLang (nothing else is touched) and return the
-    mean completion length. Evenly spaced samples would be fairer; the first n keep it reproducible."""
+def run_pilot(p: Prepared, n: int, *, urls: Sequence[str], sampling_params: dict[str, Any],
+              api_key: str | None = None, timeout_s: float = 3600.0) -> PilotResult:
+    """Send ``n`` prompts of a dataset, evenly spaced in its order, straight to SGLang (nothing else is touched)
+    and return what they measured."""
     step = max(1, len(p.samples) // max(n, 1))
     picks = [p.prompts[s.id].input_ids.tolist() for s in p.samples[::step][:n]]
+    cap = int(sampling_params.get("max_new_tokens", 0))
     if not picks:
-        return None
+        return PilotResult(0, (), cap)
     lengths = asyncio.run(_pilot(urls, picks, sampling_params, api_key, timeout_s))
-    return sum(lengths) / len(lengths) if lengths else None
+    return PilotResult(len(picks), tuple(lengths), cap)
 
 
 def plan_table(plans: list[DatasetPlan], throughput: float | None, context: Context | None = None) -> str:
@@ -195,8 +220,8 @@ def plan_table(plans: list[DatasetPlan], throughput: float | None, context: Cont
                  n(sum(p.over_context for p in plans)), n(sum(p.prompt_tokens_sum for p in plans)), "", "", "",
                  n(sum(p.done_already for p in plans)), "", n(sum(p.samples_needed or 0 for p in plans)),
                  n(total_proj), eta(total_eta)))
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *body)]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in (head, *body)]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.insert(len(lines) - 1, "  ".join("-" * w for w in widths))
     for p in plans:
@@ -207,6 +232,8 @@ def plan_table(plans: list[DatasetPlan], throughput: float | None, context: Cont
                          + (f"; {p.settings_mix}" if p.settings_mix else ""))
         elif p.settings_mix:
             lines.append(f"{p.name}: {p.settings_mix}")
+        if p.pilot is not None:
+            lines.append(_pilot_line(p.name, p.pilot, p.expected_source))
         if p.conversations:
             lines.append(f"{p.name}: {p.conversations:,} multi-turn conversations, {p.conversation_turns:,} turns at "
                          f"most (longest {p.longest_conversation}); {p.requests_max:,} requests at most; the "
@@ -218,3 +245,14 @@ def plan_table(plans: list[DatasetPlan], throughput: float | None, context: Cont
         lines.append(f"context: {context.tokens:,} tokens, from {context.source} (at attach, a smaller limit "
                      "recorded by the workers' SGLang servers wins)")
     return "\n".join(lines)
+
+
+def _pilot_line(name: str, pilot: dict[str, Any], source: str) -> str:
+    """One line of what --pilot measured, and whether the plan used it."""
+    head = f"{name}: pilot: {pilot['sent']:,} requests sent, {pilot['answered']:,} answered"
+    if not pilot["answered"]:
+        return head + " with a length: nothing measured"
+    cut = pilot["at_max_tokens"]
+    return (f"{head}: mean {pilot['mean']:,.0f} completion tokens (min {pilot['min']:,}, max {pilot['max']:,}; "
+            f"{cut:,} cut at --max-tokens" + (", so the mean is a floor" if cut else "") + ")"
+            + ("" if pilot["used"] else f"; not used: the expected length comes from {source}"))

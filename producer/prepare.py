@@ -18,7 +18,7 @@ from render.modeldir import Context, ModelDirError, config_context
 from producer.order import permute
 from producer.progress import progress_bar
 from producer.reader import Problem, ReadResult, Sample
-from producer.settings import RunSettings
+from producer.settings import RunSettings, check_max_tokens
 from render.chat import Rendered, RenderError, Renderer
 from producer.runjson import ALL, DatasetSettings, resolve
 from producer.templatemix import Variants
@@ -367,6 +367,7 @@ def load_inputs(s: RunSettings, *, echo: Callable[[str], None], warn: Callable[[
         variants = Variants(tok, kwargs, s.template_mix, s.generations, opens_markers=opens_markers)
         echo(s.template_mix.describe())
     context = choose_context(s.max_context, tok)
+    check_max_tokens(s.max_tokens, context)
     echo(f"context: {context.tokens:,} tokens ({context.source})")
     bar = progress_bar(sum(len(r.samples) for r in reads), "rendering", show=s.show_progress)
     try:

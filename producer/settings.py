@@ -9,15 +9,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from budget.urls import server_urls
-from producer.amount import parse_budget_option
+from producer.amount import Budget, parse_budget_option
 from producer.errors import UsageError
 from producer.generations import parse_temperatures
 from producer.order import DEFAULT_SEED, RANDOM, Order
 from producer.records import FieldMapping
 from producer.templatemix import MixError, TemplateMix
+
+if TYPE_CHECKING:
+    from render.modeldir import Context
 
 
 @dataclass(frozen=True)
@@ -31,9 +34,10 @@ class RunSettings:
     max_samples: int | None
     out_dir: Path
     redis_url: str
-    #: --budget AMOUNT (every dataset not named; None: the stored budget, or unlimited) and NAME=AMOUNT
-    budget: int | None
-    named_budgets: Mapping[str, int | None]
+    #: --budget AMOUNT (every dataset not named; None: the stored budget, or unlimited) and NAME=AMOUNT; an
+    #: AMOUNT may be UNLIMITED (producer/amount.py): explicitly none
+    budget: Budget | None
+    named_budgets: Mapping[str, Budget]
     #: --budget-mode MODE and NAME=MODE (None: the stored mode, else predict)
     mode: str | None
     named_modes: Mapping[str, str]
@@ -94,6 +98,8 @@ class RunSettings:
                                    system_prompt=o["system_prompt"], tools_field=o.get("tools_field") or "tools")
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        if o["max_context"] is not None:
+            check_max_tokens(o["max_tokens"], _context(o["max_context"]))
         if o["order"] == "file" and o["order_seed"] is not None:
             raise UsageError("--order-seed goes with --order random")
         order = Order(o["order"] or RANDOM, DEFAULT_SEED if o["order_seed"] is None else o["order_seed"])
@@ -136,7 +142,7 @@ class RunSettings:
             params["sampling_seed"] = self.seed
         return params
 
-    def budgets_for(self, names: Iterable[str]) -> dict[str, int | None]:
+    def budgets_for(self, names: Iterable[str]) -> dict[str, Budget | None]:
         """Each dataset's --budget; a name given to --budget or --budget-mode that is not a dataset is an error."""
         names = set(names)
         unknown = sorted((set(self.named_budgets) | set(self.named_modes)) - names)
@@ -147,6 +153,21 @@ class RunSettings:
 
     def modes_for(self, names: Iterable[str]) -> dict[str, str | None]:
         return {n: self.named_modes.get(n, self.mode) for n in names}
+
+
+def check_max_tokens(max_tokens: int, context: "Context") -> None:
+    """Refuse (exit 2) a --max-tokens that leaves no room for a prompt in the context: every prompt would be
+    skipped one by one and the run would end "complete" having sent nothing. Called as soon as the context is
+    known: at once for --max-context, once the tokenizer is read otherwise, again with the servers' limit."""
+    if max_tokens >= context.tokens:
+        raise UsageError(f"--max-tokens {max_tokens:,} leaves no room for a prompt in the context of "
+                         f"{context.tokens:,} tokens ({context.source}): give a --max-tokens below it"
+                         + ("" if context.source == "--max-context" else " (or --max-context, if that is wrong)"))
+
+
+def _context(tokens: int) -> "Context":
+    from render.modeldir import Context
+    return Context(tokens, "--max-context")
 
 
 def parse_mode_option(values: Iterable[str]) -> tuple[str | None, dict[str, str]]:

@@ -143,3 +143,11 @@ def test_fuzz_parse_budget_option(values: tuple[str, ...]) -> None:
         return
     assert default is None or 0 <= default <= MAX_AMOUNT
     assert all(0 <= v <= MAX_AMOUNT for v in per_name.values())
+
+
+def test_budget_option_takes_unlimited_as_explicitly_none() -> None:
+    from producer.amount import UNLIMITED, budget_limit
+    assert parse_budget_option(("unlimited", "b=None", "c=10k")) == (UNLIMITED, {"b": UNLIMITED, "c": 10_000})
+    assert [budget_limit(x) for x in (None, UNLIMITED, 5)] == [None, None, 5]
+    with pytest.raises(ValueError, match="already given"):
+        parse_budget_option(("unlimited", "1k"))

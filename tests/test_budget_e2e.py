@@ -140,8 +140,21 @@ def test_dry_run_pilot_sends_only_pilot_requests(redis_url: str, r: "redis.Redis
                          env={**os.environ, "SGLANG_URL": sim.url})
     assert res.returncode == 0, res.stderr
     assert "pilot (5 requests)" in res.stdout and "agent_traces" in res.stdout
+    # What the pilot measured is shown (issue 29: it was not).
+    assert ("agent_traces: pilot: 5 requests sent, 5 answered: mean 300 completion tokens (min 300, max 300; 0 cut "
+            "at --max-tokens)") in res.stdout, res.stdout
     assert sim_stats(sim.url)["submitted"] == 5
     assert r.dbsize() == 0
+    # Shown also when --expect-mean takes precedence, and in the JSON plan.
+    res = subprocess.run([*produce_cmd(), str(TRACES), "--tokenizer", str(tokenizer_dir), "--max-tokens", "300",
+                          "--dry-run", "--pilot", "2", "--expect-mean", "100", "--json", "--redis-url", redis_url,
+                          "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "SGLANG_URL": sim.url})
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)["datasets"][0]
+    assert plan["expected_completion"] == 100
+    assert plan["pilot"] == {"sent": 2, "answered": 2, "mean": 300, "min": 300, "max": 300, "at_max_tokens": 2,
+                             "used": False}
 
 
 @pytest.mark.e2e

@@ -213,3 +213,59 @@ def test_pilot_refuses_an_sglang_url_that_is_not_http_before_reading_anything(
                                     "--max-tokens", "10", "--dry-run", "--pilot", "2"])
     assert res.exit_code == 2, res.output
     assert message in res.output and "not found" not in res.output
+
+
+def _model_dir_with_config(tokenizer_dir: Path, target: Path, positions: int) -> Path:
+    """The test tokenizer without model_max_length, beside a config.json stating the context, as real models do."""
+    import shutil
+    shutil.copytree(tokenizer_dir, target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("model_max_length", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    (target / "config.json").write_text(json.dumps({"max_position_embeddings": positions}))
+    return target
+
+
+@pytest.mark.parametrize("where, source", [
+    ("--max-context", "4,096 tokens (--max-context)"),
+    ("tokenizer", "32,768 tokens (tokenizer model_max_length)"),
+    ("config", "2,048 tokens (config.json max_position_embeddings)"),
+])
+def test_max_tokens_at_or_above_the_context_is_refused_before_anything_is_written(
+        tmp_path: Path, redis_url: str, seeded: Any, tokenizer_dir: Path, where: str, source: str) -> None:
+    # Accepted before: one "skipped" line per prompt, then "complete" and exit 0, having sent nothing.
+    path = write(tmp_path, "ds.jsonl", GOOD)
+    tok = _model_dir_with_config(tokenizer_dir, tmp_path / "model", 2048) if where == "config" else tokenizer_dir
+    limit = {"--max-context": 4096, "tokenizer": 32768, "config": 2048}[where]
+    extra = ["--max-context", "4096"] if where == "--max-context" else []
+    out = tmp_path / "out"
+    res = run([str(path), "--tokenizer", str(tok), "--max-tokens", str(limit), *extra, "--out", str(out)],
+              redis_url)
+    assert res.exit_code == 2, res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and f"--max-tokens {limit:,} leaves no room" in errors[0] and source in errors[0]
+    assert "skipped" not in res.output and "Traceback" not in res.output
+    assert seeded.dbsize() == 1 and not out.exists()
+    # One below the context is a run (here: a plan).
+    fits = run([str(path), "--tokenizer", str(tok), "--max-tokens", str(limit - 100), *extra, "--dry-run"],
+               redis_url)
+    assert fits.exit_code == 0, fits.output
+
+
+@pytest.mark.e2e
+def test_max_tokens_at_or_above_the_servers_context_is_refused_before_anything_is_written(
+        tmp_path: Path, redis_url: str, r: "redis.Redis", tokenizer_dir: Path, sim_factory: Any,
+        workers: Any) -> None:
+    """The context a worker recorded for its SGLang server (smaller than the tokenizer's) is checked too."""
+    from tests.procs import wait_for
+    sim = sim_factory("--time-scale", "50", "--context-length", "300")
+    workers(sim.url).start("w0")
+    wait_for(lambda: r.hlen(keys.SERVER_INFO) > 0, 60, "the worker recorded its server")
+    path = write(tmp_path, "ds.jsonl", GOOD)
+    dbsize = r.dbsize()
+    out = tmp_path / "out"
+    res = run([str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "300", "--out", str(out)], redis_url)
+    assert res.exit_code == 2, res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "context of 300 tokens (SGLang server" in errors[0], res.output
+    assert r.dbsize() == dbsize and not out.exists()
