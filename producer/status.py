@@ -75,11 +75,12 @@ def eta_seconds(budget: int | None, used: int, status: str, tps: float,
 
 
 def display_status(state: DatasetState) -> str:
-    """``open`` / ``closed`` (its budget reached) as the ledger keeps it, or ``complete``: every selected sample
-    handed out and nothing left running, queued or unwritten, so nothing more will happen to it."""
+    """``closed`` (its budget reached) as the ledger keeps it; ``open``, or ``complete`` when an open dataset has
+    every selected sample handed out and nothing left running, queued or unwritten: nothing more will happen to
+    it (a closed one stays ``closed``: what it did not run is its ``not run``)."""
     idle = not (state.live_chunks or state.queued_chunks or state.in_flight or state.unwritten)
     todo = state.fields.get("todo")
-    if state.status and todo is not None and int(todo or 0) == 0 and idle:
+    if state.status == "open" and todo is not None and int(todo or 0) == 0 and idle:
         return "complete"
     return state.status
 

@@ -146,7 +146,7 @@ def operate(url: str, tmp_path: Path) -> str:
         return res.stdout
 
     rows = json.loads(cli(*produce_cmd(), "status", "--json", "--redis-url", url))
-    assert {row["name"]: row["status"] for row in rows} == {"glaive_fc": "open", "code_instruct": "closed"}
+    assert {row["name"]: row["status"] for row in rows} == {"glaive_fc": "complete", "code_instruct": "closed"}
     assert cli(*produce_cmd(), "budget", "glaive_fc", "1G", "--redis-url", url).startswith(
         "glaive_fc: budget 1,000,000,000, used ")
     out = tmp_path / "out"

@@ -36,10 +36,11 @@ def dataset(r: "redis.Redis", name: str, budget: int | None, selected: int, todo
 def test_finished_dataset_reads_complete_with_no_eta(r: "redis.Redis") -> None:
     dataset(r, "finished", None, selected=3, todo=0)  # every sample handed out; nothing left anywhere
     dataset(r, "waiting", 1000, selected=3, todo=2)
+    dataset(r, "spent", 0, selected=3, todo=0)  # closed by its budget: it stays closed, never "complete"
     r.hset(keys.DatasetKeys("finished").stats, f"t:{int(time.time() // 10) - 2}", 600)
     rows = {row.name: row for row in all_status(r)}
     assert rows["finished"].status == "complete" and rows["finished"].eta_s is None
-    assert rows["waiting"].status == "open"
+    assert rows["waiting"].status == "open" and rows["spent"].status == "closed"
     table = status_table(list(rows.values()))
     assert "complete" in table and "not run" in table.splitlines()[0]
 
