@@ -151,7 +151,7 @@ class Smoke(Podman):
     def check_outputs(self, produce_block: str) -> None:
         sys.path.insert(0, str(ROOT))
         from budget.keys import DatasetKeys
-        from producer.reader import parse_dataset_arg
+        from producer.inputs.reader import parse_dataset_arg
 
         args = re.findall(r"\S+\.jsonl", produce_block)
         data_dir = re.search(r"DATA_DIR=(\S+)", produce_block)

@@ -189,7 +189,7 @@ def redis_round_trips(redis_url: str, n: int = 2048, batch: int = 64) -> dict[st
     time in one pipeline (budget/pipeline.py ``run_many``, what the worker's batcher sends)."""
     from budget.ledger import Ledger
     from budget.pipeline import run_many
-    from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+    from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
     out: dict[str, Any] = {"samples": n, "batch": batch}
     client = redis.Redis.from_url(redis_url)
     for mode in ("one_by_one", "pipelined"):

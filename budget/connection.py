@@ -45,7 +45,7 @@ KEEPALIVE_COUNT = 3
 #: PING once): a connection that died while it sat in the pool is replaced before a command is sent on it.
 HEALTH_CHECK_INTERVAL_S = 5
 #: After a timeout or connection error, redis-py reconnects and resends the command once, after 50-500 ms.
-#: One resend only: waiting out a longer outage is the caller's (worker/dispatch.py, producer/run.py), which
+#: One resend only: waiting out a longer outage is the caller's (worker/dispatch.py, producer/session/loop.py), which
 #: logs it; more resends here would only make a lost connection slower to report.
 RETRIES = 1
 BACKOFF_BASE_S = 0.05

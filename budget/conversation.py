@@ -127,7 +127,7 @@ def end_as_is(ledger: Any, name: str, sample_id: str, messages: Sequence[Mapping
     """End a started conversation with the turns it has (``stopped_by`` budget): for one no worker carries any
     more and none may pick up, because its dataset closed after the worker carrying it died (a closed dataset
     starts nothing, and its queued chunks are discarded); or ``failed`` with ``failed_reason`` for one whose
-    workers died too often (producer/run.py: a rerun reopens it at the turn it had reached). Its committed turns are counted; this writes them.
+    workers died too often (producer/session/loop.py: a rerun reopens it at the turn it had reached). Its committed turns are counted; this writes them.
     Returns the EndOutcome; MISMATCH means a worker committed a turn meanwhile (it is carried on after all)."""
     from budget.history import plan
     turns = ledger.committed_turns(name, sample_id)

@@ -260,7 +260,7 @@ def turn_bucket(turn: int) -> int:
     return min(max(turn, 0), TURN_BUCKETS - 1)
 
 
-#: The one separator of budgetq's composite names, byte 0x1f. Ids hold no control characters (producer/records.py
+#: The one separator of budgetq's composite names, byte 0x1f. Ids hold no control characters (producer/inputs/records.py
 #: refuses them at read), so each encoding below parses back unambiguously; the Lua scripts write it as '\\31'.
 #:
 #: | encoding       | form                                   | built by                     | parsed at        |

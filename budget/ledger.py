@@ -210,7 +210,7 @@ class Ledger:
         return Call(self._fail, [k.done, k.pending, k.failed, k.resv, k.inflight],
                     [sample, chunk, json.dumps(reason, ensure_ascii=False), reserved], bool)
 
-    # -- multi-turn conversations (docs/multiturn.md; worker/turns.py and producer/run.py call them) --------
+    # -- multi-turn conversations (docs/multiturn.md; worker/turns.py and producer/session/loop.py call them) --------
     @functools.cached_property
     def _commit_turn(self) -> Script:
         # Registered on first use, not in __init__: single-turn runs never load it.

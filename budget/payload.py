@@ -48,7 +48,7 @@ class SamplePayload(_SamplePayloadRequired, total=False):
     #: block's). Missing: the run's.
     chat_template_kwargs: dict[str, Any]
     tokenizer: str
-    #: The record's tool definitions (producer/records.py): ``input_ids`` were rendered with them, a
+    #: The record's tool definitions (producer/inputs/records.py): ``input_ids`` were rendered with them, a
     #: conversation's later turns are (``Renderer.render(messages, tools)``), and the record carries them.
     #: Missing: the record has none.
     tools: list[dict[str, Any]]

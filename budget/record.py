@@ -19,7 +19,7 @@ before; `as_v2` is the one place that reads them, so resume, counting and export
 and ``completion_tokens`` are the same in both, which is all a resume reads.
 
 Lives in budget/ because both sides build it: the worker the turn and the record without ``messages``
-(`worker.trip.result_record`), the producer adds ``messages`` and writes the line (`producer.output`).
+(`worker.trip.result_record`), the producer adds ``messages`` and writes the line (`producer.results`).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ RECORD_FIELDS: Final = ("record_version", "id", "dataset", "messages", "turns", 
 TURN_FIELDS: Final = ("response", "reasoning", "content", "reasoning_truncated", "reasoning_unclosed",
                       "tool_calls", "tool_call_errors", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason",
                       "prompt_ids_sha256", "output_ids")
-#: The field order of version 1 records (producer/output.py wrote them in this order).
+#: The field order of version 1 records (producer/results.py wrote them in this order).
 V1_FIELDS: Final = ("id", "dataset", "messages", "response", "reasoning", "content", "reasoning_truncated",
                     "prompt_tokens", "completion_tokens", "finish_reason", "sampling_params")
 #: The one vocabulary of ``stopped_by``: why a record's conversation ended before its planned end (null: it did

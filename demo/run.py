@@ -34,7 +34,7 @@ from budget.record import as_v2
 from demo.stack import (HOST, NotReady, RedisServer, Service, find_redis_server, produce_cmd, spawn, spawn_sim,
                         wait_for_sim, wait_for_workers, worker_argv, worker_env)
 from demo.tokenizer import build_tokenizer
-from producer.attach import pid_alive
+from producer.session.attach import pid_alive
 
 DATASETS: Final = ("glaive_fc", "code_instruct", "agent_traces")
 DEFAULT_BUDGETS: Final = ("code_instruct=30k",)

@@ -22,7 +22,7 @@ import decimal
 import re
 from typing import Final, Literal, Union
 
-from producer.reader import valid_name
+from producer.inputs.reader import valid_name
 
 MAX_AMOUNT = 2**53 - 1
 SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}

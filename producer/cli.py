@@ -254,7 +254,7 @@ def run_cmd(**options: Any) -> None:
 @opt("--json", "as_json", is_flag=True, envvar="BUDGETQ_STATUS_JSON", help="Print JSON for scripts.")
 def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: float, as_json: bool) -> None:
     import redis
-    from producer.status import all_status, status_table
+    from producer.ops.status import all_status, status_table
     client = connect(redis_url)
     try:
         while True:
@@ -290,7 +290,7 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
 @click.argument("amount")
 @redis_url_option
 def budget_cmd(name: str, amount: str, redis_url: str) -> None:
-    from producer.status import change_budget, parse_budget_change
+    from producer.ops.status import change_budget, parse_budget_change
     budget = parse_budget_change(name, amount)
     click.echo(change_budget(connect(redis_url), name, budget))
 
@@ -303,7 +303,7 @@ def budget_cmd(name: str, amount: str, redis_url: str) -> None:
 @listen_options("METRICS", 9464, "exposes the dataset names and progress to that network")
 @log_options
 def metrics_cmd(redis_url: str, host: str, port: int, verbose: bool, log_format: str) -> None:
-    from producer.metrics import MetricsServer, serve_metrics
+    from producer.ops.metrics import MetricsServer, serve_metrics
     _setup_logging(log_format, verbose)
     client = connect(redis_url)
 
@@ -335,7 +335,7 @@ def metrics_cmd(redis_url: str, host: str, port: int, verbose: bool, log_format:
 @log_options
 def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, password: str | None,
                   url_prefix: str, poll_interval: int | None, verbose: bool, log_format: str) -> None:
-    from producer.dashboard import check_exposure, make_app, serve
+    from producer.ops.dashboard import check_exposure, make_app, serve
     _setup_logging(log_format, verbose)
     # werkzeug logs every request at INFO on stderr; as rq-dashboard's own CLI, only with --verbose.
     logging.getLogger("werkzeug").setLevel(logging.INFO if verbose else logging.WARNING)
@@ -399,8 +399,8 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
 def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | None, truncated: str, reasoning: str,
                trainer: str | None, per_turn: bool | None, inexact: str, token_ids: bool, tokenizer: str | None,
                redis_url: str | None, server_url: str | None, verbose: bool, log_format: str) -> None:
-    from producer.export import ExportJob, ExportOptions, export_datasets
-    from producer.manifest import fetch_servers
+    from producer.export.writer import ExportJob, ExportOptions, export_datasets
+    from producer.export.manifest import fetch_servers
     _setup_logging(log_format, verbose)
     options = ExportOptions(format=fmt, truncated=truncated, reasoning=reasoning, token_ids=token_ids,
                             per_turn=per_turn, trainer=trainer, inexact=inexact)

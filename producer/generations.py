@@ -3,7 +3,7 @@
 A *prompt* is a source record; a *sample* is one generation of it, with its own key in every Redis structure,
 its own rids and exactly one record on disk. Generation 0's key is the prompt's id (a ``--generations 1`` run is
 generation 0 of itself). Generation k >= 1
-is ``id + "\\x1f" + str(k)``: ids hold no control characters (producer/records.py refuses them at read), so the
+is ``id + "\\x1f" + str(k)``: ids hold no control characters (producer/inputs/records.py refuses them at read), so the
 key parses back at its last ``\\x1f`` whatever the id is.
 
 What a generation sends differently from its chunk travels in the sample payload as a ``sampling_params``

@@ -3,8 +3,8 @@
 1. Read, validate and render every file (producer/prepare.py), before Redis is touched.
 2. ``--dry-run``: plan each dataset (producer/plan.py; ``--pilot`` asks SGLang for real lengths) and stop.
 3. Otherwise: check the output folders, Redis and what the workers recorded of their servers
-   (producer/preflight.py), attach and run (producer/run.py), then write each dataset's manifest
-   (producer/manifest.py).
+   (producer/preflight.py), attach and run (producer/session/loop.py), then write each dataset's manifest
+   (producer/export/manifest.py).
 
 `launch` returns what the command prints (the plan or the summary table); progress and warnings go to the log as
 they happen. Errors are producer/errors.py exceptions, with the exit code the command ends with.
@@ -71,14 +71,14 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     """Check, attach and run (or enqueue and detach); write the manifests of a run that ended; return the
     summary table."""
     from budget.runstate import RunState
-    from producer.attach import check_out_dir
-    from producer.datasetrun import RunOptions
-    from producer.enqueue import JobSettings
-    from producer.manifest import write_run_manifests
+    from producer.session.attach import check_out_dir
+    from producer.session.state import RunOptions
+    from producer.session.enqueue import JobSettings
+    from producer.export.manifest import write_run_manifests
     from producer.preflight import (check_out_dirs, check_redis, check_seed, check_server_parsers, connect,
                                     recheck_context)
-    from producer.report import summary_table
-    from producer.run import Producer
+    from producer.session.report import summary_table
+    from producer.session.loop import Producer
     s = settings
     names = set(budgets)
     params = inputs.settings.chunk_params

@@ -23,7 +23,7 @@ from typing import Any, Final, Sequence
 import aiohttp
 
 from render.modeldir import Context
-from producer.output import RESULTS, iter_results
+from producer.results import RESULTS, iter_results
 from producer.prepare import Prepared
 
 

@@ -17,7 +17,7 @@ from producer.generations import rounds, split_key
 from render.modeldir import Context, ModelDirError, config_context
 from producer.order import permute
 from producer.progress import progress_bar
-from producer.reader import Problem, ReadResult, Sample
+from producer.inputs.reader import Problem, ReadResult, Sample
 from producer.settings import RunSettings, check_max_tokens
 from render.chat import Rendered, RenderError, Renderer
 from producer.runjson import ALL, DatasetSettings, resolve
@@ -329,7 +329,7 @@ def choose_context(max_context: int | None, tokenizer: Any) -> Context:
 def load_inputs(s: RunSettings, *, echo: Callable[[str], None], warn: Callable[[str], None]) -> Inputs:
     """Read, validate and render every file of ``produce run`` ``s``, every dataset with the settings ``resolve``
     makes of ``s`` once the tokenizer is read. Raises UsageError (exit 2) on any input problem."""
-    from producer.reader import InputError, read_all
+    from producer.inputs.reader import InputError, read_all
     from render.chat import load_tokenizer
 
     reading = progress_bar(None, "validating", show=s.show_progress, unit=" records")

@@ -3,7 +3,7 @@ and how a rerun is compared with it.
 
 A response made under other settings would mix two distributions in one training set (and two parsers, two
 splits of the same text, in one file), so a dataset's settings are stored when its run starts and a rerun must
-give the same ones (producer/attach.py checks them before anything is written). The settings carry the run
+give the same ones (producer/session/attach.py checks them before anything is written). The settings carry the run
 format (``version``, budget/payload.py VERSION): a run of another format is refused, never read.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ TURNS: Final = (ALL, LAST)  # producer/cli.py spells them out, to keep `produce 
 VERSION_KEY: Final = "version"
 
 
-def run_settings(renderer: Renderer, sampling_params: dict[str, Any], chat_template_kwargs: dict[str, Any],
+def stored_settings(renderer: Renderer, sampling_params: dict[str, Any], chat_template_kwargs: dict[str, Any],
                  system_prompt: str | None, reasoning_parser: str, order: Order, turns: str,
                  mix: TemplateMix | None) -> dict[str, Any]:
     """What must not change between a run and its resume (run.json, and the dataset's ``settings`` in Redis).
@@ -97,7 +97,7 @@ def resolve(s: RunSettings, renderer: Renderer, parser: str) -> DatasetSettings:
     params = {**s.sampling_params(), "skip_special_tokens": s.skip_special_tokens if s.skip_special_tokens is not None
               else skip_special_tokens_default(parser, renderer.tokenizer)}
     kwargs = dict(s.chat_template_kwargs)
-    stored = run_settings(renderer, params, kwargs, s.mapping.system_prompt, parser, s.order, s.turns, s.template_mix)
+    stored = stored_settings(renderer, params, kwargs, s.mapping.system_prompt, parser, s.order, s.turns, s.template_mix)
     if s.generations > 1:
         stored[GENERATIONS] = s.generations
     think = renderer.think

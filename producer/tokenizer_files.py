@@ -2,7 +2,7 @@
 
 A GPU worker renders a multi-turn conversation's later turns, and a GPU host has no ``--tokenizer`` directory:
 `produce` stores the files at attach, once per fingerprint, and the worker (worker/tokenizer_cache.py) loads them
-and checks the fingerprint. Attach (producer/attach.py) calls `share_tokenizer` for a run with conversations of
+and checks the fingerprint. Attach (producer/session/attach.py) calls `share_tokenizer` for a run with conversations of
 more than one user turn; single-turn runs never store anything.
 """
 from __future__ import annotations

@@ -55,7 +55,7 @@ _RESERVED_KWARGS: Final = frozenset(
         "tokenizer_kwargs",
     }
 )
-#: A record's tool definitions (producer/records.py), as apply_chat_template takes them; None or empty: none.
+#: A record's tool definitions (producer/inputs/records.py), as apply_chat_template takes them; None or empty: none.
 Tools = Sequence[Mapping[str, Any]] | None
 # Bump when the way ids are produced changes, so runs stored by an older renderer are refused.
 _FINGERPRINT_VERSION: Final = "budgetq-render-1"

@@ -172,7 +172,7 @@ def test_dashboard_command_works_with_the_real_rq_dashboard(services: dict[str, 
     pytest.importorskip("rq_dashboard")
     from click.testing import CliRunner
 
-    import producer.dashboard
+    import producer.ops.dashboard
     import redis as redis_lib
     from producer.cli import main
     from rq import Queue
@@ -185,7 +185,7 @@ def test_dashboard_command_works_with_the_real_rq_dashboard(services: dict[str, 
     def fake_serve(app: Any, host: str, port: int, on_ready: Any = None) -> None:
         started.update(app=app, host=host, port=port)
 
-    monkeypatch.setattr(producer.dashboard, "serve", fake_serve)
+    monkeypatch.setattr(producer.ops.dashboard, "serve", fake_serve)
     result = CliRunner().invoke(main, args[1:], env=DUMMY_AUTH, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert (started["host"], started["port"]) == ("0.0.0.0", 9181)

@@ -705,7 +705,7 @@ def test_sim_profile_runs_the_documented_sample_job(tmp_path: Path, tokenizer_di
 
     # -- outputs land in ./out/<dataset>/raw_responses.jsonl on the host, exactly once each, counted exactly
     from budget.keys import DatasetKeys
-    from producer.reader import parse_dataset_arg
+    from producer.inputs.reader import parse_dataset_arg
 
     total_records = 0
     datasets = []

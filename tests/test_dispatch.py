@@ -20,7 +20,7 @@ import redis
 from budget import keys
 from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload
-from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from demo.stack import RedisServer
 from tests.dispatcher import dispatcher, until
 from tests.procs import sim_stats

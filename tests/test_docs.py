@@ -253,7 +253,8 @@ def test_the_module_map_lists_every_module_and_only_those() -> None:
     table = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1].replace("\\_", "_") for line in table.splitlines() if line.startswith("| ")]
     mapped = {name.strip() for row in rows for name in row.split(",") if name.strip().endswith(".py")}
-    modules = {f"{p}/{f.name}" for p in MAPPED_PACKAGES for f in (ROOT / p).glob("*.py") if f.name != "__init__.py"}
+    modules = {str(f.relative_to(ROOT)) for p in MAPPED_PACKAGES for f in (ROOT / p).rglob("*.py")
+               if f.name != "__init__.py"}
     assert sorted(modules - mapped) == [], "modules missing from docs/architecture.md's module map"
     assert sorted(mapped - modules) == [], "the module map names modules that do not exist"
 

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from producer.errors import ProduceError
-from producer.run import Producer
+from producer.session.loop import Producer
 from tests.producers import code_inputs
 
 

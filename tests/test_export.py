@@ -17,7 +17,7 @@ import pytest
 from demo.run import find_redis_server
 from demo.tokenizer import build_tokenizer
 from budget.record import as_v2, make_record as make_v2_record, make_turn, prompt_digest
-from producer.export import (CONVERSATION_FORMATS, ExportError, ExportOptions, export_dataset, template_hash,
+from producer.export.writer import (CONVERSATION_FORMATS, ExportError, ExportOptions, export_dataset, template_hash,
                              write_manifest)
 from render.chat import Renderer, load_tokenizer
 

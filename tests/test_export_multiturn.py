@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from budget.record import make_record, make_turn, prompt_digest
-from producer.export import ExportError, ExportOptions, export_dataset
+from producer.export.writer import ExportError, ExportOptions, export_dataset
 from render.chat import Renderer, load_tokenizer
 from tests.families import build_family_tokenizer
 
@@ -421,7 +421,7 @@ def test_multi_turn_rows_follow_the_trainer(tmp_path: Path, family: tuple[str, A
 
 def test_rows_are_checked_as_their_trainer_renders_them(tmp_path: Path, family: tuple[str, Any]) -> None:
     """With the run's tokenizer every row is rendered as its trainer renders it and compared with each trained
-    turn's prompt ids + output ids (producer/exportrows.py). SpecForge's per-turn rows and speculators' whole
+    turn's prompt ids + output ids (producer/export/rows.py). SpecForge's per-turn rows and speculators' whole
     rows are exact with both templates; a whole row read by SpecForge trains the earlier turns on the whole
     conversation's rendering, which the Qwen3-style template renders without their reasoning: counted and left
     out, or kept marked. speculators with per-turn rows would train each turn's history again: refused."""

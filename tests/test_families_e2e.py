@@ -119,7 +119,7 @@ def test_tool_turns_splice_the_datasets_results_and_every_turn_re_renders_to_its
     the dataset's tool result (its tool_call_id now the model's call id) and a next turn; one that calls none
     skips the dataset's tool exchange. The tokens export re-renders every turn's prompt from the record and
     checks it id by id against the digest of what the worker sent: none differs."""
-    from producer.export import ExportOptions, export_dataset
+    from producer.export.writer import ExportOptions, export_dataset
     from render.chat import load_tokenizer
     tok_dir = build_family_tokenizer(tmp_path / "tok", family)
     sim = sim_factory("--time-scale", "50", "--mean-tokens", "60", "--seed", "11", "--reasoning-style", family,

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer import columnar
-from producer.reader import (
+from producer.inputs import columnar as columnar
+from producer.inputs.reader import (
     FieldMapping,
     InputError,
     Problem,
@@ -529,7 +529,7 @@ def test_reading_jsonl_imports_neither_pyarrow_nor_datasets(tmp_path: Path) -> N
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}])
     json_path = tmp_path / "e.json"
     json_path.write_text('[{"prompt": "b"}]')
-    code = ("import sys; from pathlib import Path; from producer.reader import read_all; "
+    code = ("import sys; from pathlib import Path; from producer.inputs.reader import read_all; "
             f"read_all([{str(path)!r}, {str(json_path)!r}], skip_invalid=False); "
             "print(sorted(m for m in ('pyarrow', 'datasets', 'pandas') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

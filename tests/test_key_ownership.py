@@ -126,7 +126,7 @@ def test_a_run_sends_every_command_on_a_bq_key_from_budget(redis_url: str, token
     from click.testing import CliRunner
 
     from producer.cli import main
-    from producer.metrics import render_metrics
+    from producer.ops.metrics import render_metrics
     sim = sim_factory("--time-scale", "20", "--mean-tokens", "200", "--seed", "3")
     sink = tmp_path / "worker-senders.tsv"
     pool = workers(sim.url, BUDGETQ_CONCURRENCY="8",

@@ -16,7 +16,7 @@ from rq.serializers import JSONSerializer
 from budget import keys
 from budget.ledger import Ledger
 from budget.outcomes import Admit
-from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 
 
 def enqueue(r: "redis.Redis", name: str, n_chunks: int, size: int = 2) -> list[str]:

@@ -1,4 +1,4 @@
-"""producer/metrics.py on a real redis-server: the Prometheus text says what ``produce status`` says.
+"""producer/ops/metrics.py on a real redis-server: the Prometheus text says what ``produce status`` says.
 
 Two datasets are set up through the same calls the producer and the workers make (enqueue_chunks, and the
 ledger's set_budget, start_chunk, admit, commit, fail, discard), the exporter is bound on a free loopback port
@@ -22,9 +22,9 @@ from redis.retry import Retry
 from budget import keys
 from budget.ledger import Ledger
 from budget.outcomes import Admit
-from producer import metrics
-from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
-from producer.status import all_status
+from producer.ops import metrics as metrics
+from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.ops.status import all_status
 from demo.stack import free_port
 
 SAMPLE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')

@@ -12,7 +12,7 @@ from budget import keys
 from budget.ledger import Ledger
 from budget.outcomes import Admit
 from budget.pipeline import run
-from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from worker.estimate import LengthModel, RateTracker, predict_admits, prior_sample
 
 

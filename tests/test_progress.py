@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from budget import keys
-from producer.run import Producer
+from producer.session.loop import Producer
 from tests.producers import code_inputs
 
 PHASES = ("validating", "rendering", "enqueueing")
@@ -61,7 +61,7 @@ def test_the_progress_line_follows_a_budget_changed_while_attached(r: "redis.Red
                                                                    tmp_path: Path) -> None:
     """``produce budget NAME AMOUNT`` from another shell: the attached produce's next step shows the new budget
     (it showed the one it attached with)."""
-    from producer.status import change_budget
+    from producer.ops.status import change_budget
     inputs, options = code_inputs(tokenizer_dir, tmp_path / "out")
     producer = Producer(r, inputs.prepared, options, echo=lambda msg: None)
     producer.attach()

@@ -1,4 +1,4 @@
-"""Tests for producer.reader: the dataset formats, every rejection reason, and a fuzz that it never crashes."""
+"""Tests for producer.inputs.reader: the dataset formats, every rejection reason, and a fuzz that it never crashes."""
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer.reader import (
+from producer.inputs.reader import (
     InputError,
     Problem,
     ReadResult,

@@ -10,7 +10,7 @@ import pytest
 
 from budget import record, serverinfo
 from budget.payload import VERSION, ChunkPayload, SamplePayload
-from producer.output import FIELD_ORDER
+from producer.results import FIELD_ORDER
 from producer.parsers import skip_special_tokens_default
 from producer.preflight import seed_warning
 from worker.trip import result_record

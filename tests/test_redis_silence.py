@@ -21,7 +21,7 @@ import redis
 from budget import connection, keys
 from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload
-from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from demo.stack import RedisServer
 from tests.procs import wait_for
 from worker import dispatch

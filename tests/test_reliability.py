@@ -199,12 +199,12 @@ def test_a_sample_whose_worker_dies_three_times_is_failed(redis_url: str, r: "re
                                                           tmp_path: Path, sim_factory: Any, workers: Any) -> None:
     """The failure table's "a chunk's worker dies 3 times": a poison sample (the simulator never answers its
     rid, every attempt) whose worker is killed -9 each time it runs it. The producer reclaims the chunk by
-    lease each time and counts the deaths per sample (producer/run.py MAX_RECLAIMS); the third fails it, into
+    lease each time and counts the deaths per sample (producer/session/loop.py MAX_RECLAIMS); the third fails it, into
     failed.jsonl. The first death comes while other samples are in flight on that worker: they go back to the
     queue once and complete. The second and third come once everything else is done, so only the poison
     sample is unfinished in its chunk and only it reaches three deaths."""
     from budget.payload import request_id
-    from producer.run import MAX_RECLAIMS
+    from producer.session.loop import MAX_RECLAIMS
     selected = [str(x["id"]) for x in read_jsonl(GLAIVE)][:24]
     poison = selected[2]
     sim = sim_factory("--tokens-per-second-per-request", "200", "--mean-tokens", "200", "--seed", "13",

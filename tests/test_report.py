@@ -1,4 +1,4 @@
-"""What ``produce`` says of its datasets (producer/report.py): one tok/s and eta, the ones ``produce status`` shows,
+"""What ``produce`` says of its datasets (producer/session/report.py): one tok/s and eta, the ones ``produce status`` shows,
 read from the commit scripts' 10-second token buckets in Redis (docs/cli.md, "Status columns")."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import redis
 
 from budget import keys
-from producer.run import Producer
-from producer.status import all_status
+from producer.session.loop import Producer
+from producer.ops.status import all_status
 from tests.producers import code_inputs
 
 DS = "code_instruct"

@@ -1,4 +1,4 @@
-"""One reader of ``raw_responses.jsonl`` (producer/output.py ``iter_results``): the collector, ``--dry-run`` and
+"""One reader of ``raw_responses.jsonl`` (producer/results.py ``iter_results``): the collector, ``--dry-run`` and
 ``produce export`` read a file the same way, up to a torn last line or the first line that is not a record.
 The collector cuts the file there, a plan stops counting there, an export refuses a file with a bad line."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from producer.exportfiles import ExportError, Results
+from producer.export.files import ExportError, Results
 from producer.generations import sample_key
-from producer.output import RESULTS, ReadEnd, ResultsFile, iter_results
+from producer.results import RESULTS, ReadEnd, ResultsFile, iter_results
 from producer.plan import existing_turns
 
 DS = "ds"

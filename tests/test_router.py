@@ -106,7 +106,7 @@ def test_a_backend_killed_mid_run_loses_nothing(redis_url: str, r: "redis.Redis"
 def test_a_router_whose_servers_cannot_be_asked_leaves_version_and_model_unknown(tmp_path: Path,
                                                                                 sim_factory: Any) -> None:
     from budget import serverinfo
-    from producer.export import write_manifest
+    from producer.export.writer import write_manifest
     sim = sim_factory("--time-scale", "50")
     with Router([sim.url], tmp_path / "smg", policy="round_robin") as router:
         with urllib.request.urlopen(router.url + "/get_server_info", timeout=5) as resp:

@@ -15,7 +15,7 @@ from budget import keys
 from budget.ledger import Ledger
 from budget.runstate import RunState
 from producer.cli import main
-from producer.status import all_status, eta_seconds, status_table
+from producer.ops.status import all_status, eta_seconds, status_table
 from tests.procs import produce_cmd
 from demo.stack import RedisServer
 

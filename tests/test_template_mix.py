@@ -227,11 +227,11 @@ def test_every_turn_is_rendered_with_the_kwargs_its_sample_drew(redis_url: str, 
 def test_a_record_produce_writes_in_a_workers_stead_says_what_its_sample_was_sent(
         r: "redis.Redis", tmp_path: Path, hybrid_dir: Path) -> None:
     """Generation 1 of "two" started (turn 0 committed) by a worker that died, and the dataset closed: produce ends
-    it with its one turn (producer/run.py ``_end_stranded``), and the record says the temperature of generation 1
+    it with its one turn (producer/session/loop.py ``_end_stranded``), and the record says the temperature of generation 1
     and the kwargs it drew, not the chunks' (what a worker's record of it would say)."""
     from budget.ledger import Ledger
     from producer.prepare import load_inputs
-    from producer.run import Producer
+    from producer.session.loop import Producer
     from tests.chats import options, turn
     from tests.producers import run_settings
     mix = TemplateMix.parse("enable_thinking=true,false", seed=0)

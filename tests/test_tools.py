@@ -13,7 +13,7 @@ import redis
 from click.testing import CliRunner
 
 from producer.cli import main
-from producer.reader import read_dataset
+from producer.inputs.reader import read_dataset
 from render.chat import Renderer, load_tokenizer
 from tests import sim_log
 from tests.families import build_family_tokenizer
@@ -178,7 +178,7 @@ def test_turns_all_renders_every_turn_with_the_records_tools_and_keeps_them(
     assert exported.returncode == 0, exported.stderr
     rows = read_jsonl(out / "fc" / "openai-messages.jsonl")
     assert rows and all(row["tools"] == recs[row["id"]]["tools"] for row in rows)
-    from producer.export import ExportOptions, export_dataset
+    from producer.export.writer import ExportOptions, export_dataset
     report = export_dataset(out / "fc", tmp_path / "tokens.jsonl", ExportOptions(format="tokens"),
                             tokenizer=load_tokenizer(str(tok_dir)))
     assert report.prompt_mismatch == 0, "every turn's prompt re-renders, with the record's tools, to what was sent"

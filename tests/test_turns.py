@@ -19,7 +19,7 @@ from budget.ledger import Ledger
 from budget.outcomes import EndOutcome, EndVerdict, TurnAdmission, TurnAdmit, TurnVerdict
 from budget.pipeline import run, run_many
 from budget.runstate import RunState
-from producer.output import RESULTS, ResultsFile, collect
+from producer.results import RESULTS, ResultsFile, collect
 
 DS = "conv"
 

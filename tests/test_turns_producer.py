@@ -16,16 +16,16 @@ import redis
 from budget import keys, tokstore
 from budget.history import plan
 from budget.ledger import Ledger
-from producer.datasetrun import RunOptions
+from producer.session.state import RunOptions
 from producer.errors import ProduceError
-from producer.manifest import Stats
-from producer.output import RESULTS, RUN
+from producer.export.manifest import Stats
+from producer.results import RESULTS, RUN
 from producer.plan import plan_dataset, sequential_eta
 from producer.prepare import Inputs, load_inputs
 from producer.runjson import ALL, LAST
 from render.chat import Renderer, load_tokenizer
-from producer.run import Producer
-from producer.status import all_status, status_table
+from producer.session.loop import Producer
+from producer.ops.status import all_status, status_table
 from tests.chats import DS, MESSAGES, SIM_ARGS, SYSTEM, options, turn, write_dataset
 from tests.producers import run_settings
 from tests.rq_jobs import job_payloads
@@ -278,7 +278,8 @@ def test_the_manifest_counts_conversations_by_why_they_stopped() -> None:
     stats.add(record("a", [turn("a", 0, 3)], None))
     stats.add(record("b", [turn("b", 0, 3), turn("b", 1, 2)], "length"))
     stats.add(record("c", [turn("c", 0, 3)], "tool_mismatch"))
-    assert stats.stopped() == {"budget": 0, "context": 0, "failed": 0, "length": 1, "tool_mismatch": 1}
+    assert stats.stopped() == {"budget": 0, "context": 0, "failed": 0, "length": 1, "reasoning_unclosed": 0,
+                               "tool_mismatch": 1}
     assert (stats.incomplete, stats.multi_turn, stats.turns) == (2, 1, 4)
 
 

@@ -17,8 +17,8 @@ from budget.history import plan, turn_prompts
 from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload
 from budget.record import make_turn, prompt_digest
-from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
-from producer.output import entry_record
+from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.results import entry_record
 from render.chat import Renderer, load_tokenizer
 from producer.tokenizer_files import share_tokenizer
 from tests.dispatcher import dispatcher, until

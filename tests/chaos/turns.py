@@ -118,7 +118,7 @@ def turn_audit(res: Result, st: ChaosStack, out: Path, log: Path, n: int) -> dic
     return figures
 
 
-#: Workers and chunk size here: a chunk that loses its worker 3 times fails its samples (producer/run.py), and
+#: Workers and chunk size here: a chunk that loses its worker 3 times fails its samples (producer/session/loop.py), and
 #: with 2 workers killed in turn every 5 s on the loaded 2-core machine each lived ~10 s, about a chunk of
 #: 3-turn conversations' time: every chunk failed (ci form, 2026-12-02: 140 of 140). 4 workers live ~20 s each.
 WORKERS, CHUNK = 4, 10

@@ -17,7 +17,7 @@ from rq.serializers import JSONSerializer
 from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
 from tests.chaos.run import ChaosStack, Ctx, KEYS, Produce, QUEUE, Watch
 from demo.stack import wait_until
-from producer.enqueue import BATCH_CHUNKS
+from producer.session.enqueue import BATCH_CHUNKS
 
 
 def worker_kill(ctx: Ctx) -> Result:

@@ -22,8 +22,8 @@ import re
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, NoReturn
 
-from producer.records import FieldMapping, RecordError, normalize
-from producer.samples import Collector, InputError, Problem, file_error
+from producer.inputs.records import FieldMapping, RecordError, normalize
+from producer.inputs.samples import Collector, InputError, Problem, file_error
 
 BOM = b"\xef\xbb\xbf"
 _SURROGATE_ESCAPE_RE = re.compile(r"\\u[dD]")

@@ -48,7 +48,7 @@ class Sample:
     line: int
     path: str
     unit: Unit
-    #: The record's tool definitions (producer/records.py), rendered into every turn's prompt; None: none.
+    #: The record's tool definitions (producer/inputs/records.py), rendered into every turn's prompt; None: none.
     tools: list[dict[str, Any]] | None = None
 
     def problem(self, reason: str) -> Problem:

@@ -1,6 +1,6 @@
 """``produce metrics``: every dataset's budget state as Prometheus text over HTTP, read-only.
 
-Each scrape reads Redis afresh (``producer.status.all_status`` plus the length of the shared RQ queue), so the
+Each scrape reads Redis afresh (``producer.ops.status.all_status`` plus the length of the shared RQ queue), so the
 exporter holds no state: it can run anywhere that reaches Redis, several of them can run at once, and it needs no
 attached ``produce``. It binds 127.0.0.1 by default: the figures name the datasets and their progress, so expose
 it to a Prometheus on another host on purpose (``--host``), never by accident.
@@ -22,7 +22,7 @@ from rq import Queue
 
 from budget import keys
 from producer.errors import ProduceError
-from producer.status import DatasetStatus, all_status
+from producer.ops.status import DatasetStatus, all_status
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9464

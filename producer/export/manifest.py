@@ -1,6 +1,6 @@
 """``manifest.json``: what a dataset holds (counts recomputed from its files every time) and how it was made
 (run settings, servers, budget state), refreshed by ``produce`` at the end of a run (`write_run_manifests`) and by
-every export. docs/export.md ("Manifest") describes it. Split from producer/export.py.
+every export. docs/export.md ("Manifest") describes it. Split from producer/export/writer.py.
 
 Which SGLang servers a manifest names is decided here (`choose_servers`): those asked just now (``produce export
 --server-url``, `fetch_servers`), else those the workers recorded in Redis (``bq:server_info``; at the end of a
@@ -24,9 +24,9 @@ import redis
 from budget import record, serverinfo
 from budget.urls import server_urls
 from producer.errors import ProduceError, UsageError
-from producer.exportfiles import MANIFEST, ExportError, Results, atomic, failed_ids, run_settings
-from producer.exportrows import is_truncated
-from producer.output import RESULTS
+from producer.export.files import MANIFEST, ExportError, Results, atomic, failed_ids, read_run_json
+from producer.export.rows import is_truncated
+from producer.results import RESULTS
 from producer.templatemix import SETTING as MIX_SETTING, TemplateMix, labels
 
 log = logging.getLogger("budgetq.produce")
@@ -46,7 +46,7 @@ def write_manifest(dataset_dir: Path, *, servers: Sequence[Mapping[str, Any]] | 
     - `extra` (budget, mode...: `budget_state`).
     """
     dataset_dir = Path(dataset_dir)
-    settings = run_settings(dataset_dir)
+    settings = read_run_json(dataset_dir)
     source = dataset_dir / RESULTS
     stats = Stats()
     if source.is_file():

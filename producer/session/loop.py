@@ -1,9 +1,9 @@
 """The attached producer's loop: keep the queue topped up, recover dead chunks, collect results onto disk.
 
-One ``Producer`` per ``produce`` command. It attaches first (producer/attach.py: the collector locks, the settings
+One ``Producer`` per ``produce`` command. It attaches first (producer/session/attach.py: the collector locks, the settings
 check, each dataset's state rebuilt from Redis and the output files), so killing it (Ctrl-C, kill -9, a crash)
 loses nothing: the next ``produce`` with the same arguments picks up where the run is. It reports with
-producer/report.py (the progress line, the summary table).
+producer/session/report.py (the progress line, the summary table).
 
 Per loop step and dataset, in this order (the order is what keeps a sample from being enqueued twice):
 1. reclaim chunks whose lease expired (their worker died);
@@ -29,16 +29,16 @@ from budget.conversation import end_as_is
 from budget.ledger import LEASE_MS, REDIS_DOWN, Ledger, default_prior_mean
 from budget.outcomes import DatasetState, EndVerdict
 from budget.runstate import RunState
-from producer.attach import LOCK_TTL_MS, Attacher
-from producer.datasetrun import DatasetRun, RunOptions
+from producer.session.attach import LOCK_TTL_MS, Attacher
+from producer.session.state import DatasetRun, RunOptions
 from producer.errors import ProduceError
-from producer.enqueue import (BATCH_CHUNKS, COMPRESS_THREADS, Item, chunk_size_for, enqueue_chunks,
+from producer.session.enqueue import (BATCH_CHUNKS, COMPRESS_THREADS, Item, chunk_size_for, enqueue_chunks,
                               listening_workers, make_queue)
 from producer.generations import record_key, split_key
-from producer.output import FAILED_FILE, collect, write_failed
+from producer.results import FAILED_FILE, collect, write_failed
 from producer.prepare import Prepared, Prompt
 from producer.progress import progress_bar
-from producer.report import DatasetSummary, progress_line, summaries
+from producer.session.report import DatasetSummary, progress_line, summaries
 
 log = logging.getLogger("budgetq.produce")
 
@@ -75,7 +75,7 @@ class Producer:
         self._grace_until = 0.0
         self.epoch = ""
 
-    # -- attach (producer/attach.py) -------------------------------------------------------------------
+    # -- attach (producer/session/attach.py) -------------------------------------------------------------------
     def attach(self) -> None:
         """Take every dataset's collector lock and rebuild its state. Nothing is enqueued yet.
 
@@ -333,7 +333,7 @@ class Producer:
         In batches of ``BATCH_CHUNKS`` chunks, each one MULTI/EXEC (all of it or none): a ``--detach`` of a
         whole dataset never holds more than one batch's payloads, and a produce killed between batches leaves
         whole batches, which its rerun finds live and does not enqueue again. Chunk data is compressed in a
-        small thread pool while this thread serializes and builds the jobs (producer/enqueue.py)."""
+        small thread pool while this thread serializes and builds the jobs (producer/session/enqueue.py)."""
         with ThreadPoolExecutor(COMPRESS_THREADS, thread_name_prefix="bq-zlib") as pool:
             for chunks in self._batches(d, max_chunks, max_samples):
                 try:
@@ -358,7 +358,7 @@ class Producer:
 
     def _batches(self, d: DatasetRun, max_chunks: int | None, max_samples: int | None) -> Iterator[list[list[Item]]]:
         """Pop ``d``'s to-do samples into chunks, one batch at a time: only the batch being sent exists as Items.
-        Each chunk's size is ``chunk_size_for`` the to-do left (producer/enqueue.py): --chunk-size at most.
+        Each chunk's size is ``chunk_size_for`` the to-do left (producer/session/enqueue.py): --chunk-size at most.
         Items keep the prepared ``array``s; their JSON is written from the arrays (no Python int per token)."""
         p = d.prepared
         workers = listening_workers(self.queue)
@@ -398,7 +398,7 @@ class Producer:
         return Item(key, ids, opens, messages=prompt.sample.messages, turns=prompt.turns, sampling_params=overrides,
                     chat_template_kwargs=kwargs, tokenizer=fingerprint, tools=prompt.sample.tools)
 
-    # -- reporting (producer/report.py) ----------------------------------------------------------------
+    # -- reporting (producer/session/report.py) ----------------------------------------------------------------
     def progress_line(self) -> str:
         return progress_line(self.runs)
 

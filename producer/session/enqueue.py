@@ -3,7 +3,7 @@
 A batch of chunks goes in one MULTI/EXEC: the RQ jobs, their ids in the dataset's live-chunk set (score +inf:
 queued) and each sample's holder in the pending hash. A ``produce`` killed mid-enqueue leaves either a whole
 batch or nothing, so a rerun never enqueues a sample twice and never loses one. ``produce --detach`` sends a
-dataset in batches of ``BATCH_CHUNKS`` chunks (producer/run.py): one MULTI/EXEC of everything would hold every
+dataset in batches of ``BATCH_CHUNKS`` chunks (producer/session/loop.py): one MULTI/EXEC of everything would hold every
 payload in memory at once (1.9 GB for 100,000 prompts) for no gain in safety, since each batch is atomic.
 
 Serialization is the producer's hot spot (benchmark 4, docs/performance.md): a chunk of 64 prompts is ~100 KB of

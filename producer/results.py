@@ -67,7 +67,7 @@ def iter_results(path: Path, end: ReadEnd | None = None) -> Iterator[Result]:
     """The records of a results file (``raw_responses.jsonl``) in order, read as every reader of the file reads it:
     up to a torn last line (no newline: a crash mid-write) or the first line that is not a record, whichever comes
     first; ``end`` says which. The collector cuts the file there (`ResultsFile`), a plan stops counting there, and
-    an export refuses the file at a bad line (producer/exportfiles.py ``Results``)."""
+    an export refuses the file at a bad line (producer/export/files.py ``Results``)."""
     end = ReadEnd() if end is None else end
     with open(path, "rb") as fh:
         for number, raw in enumerate(fh, 1):

@@ -1,7 +1,7 @@
 """What the attached producer is told (``RunOptions``) and what it knows of each dataset (``DatasetRun``).
 
-A ``DatasetRun`` is rebuilt from Redis and the output files by every attach (producer/attach.py), kept up to date by
-the loop (producer/run.py) and read by the report (producer/report.py). A killed ``produce`` loses only what it
+A ``DatasetRun`` is rebuilt from Redis and the output files by every attach (producer/session/attach.py), kept up to date by
+the loop (producer/session/loop.py) and read by the report (producer/session/report.py). A killed ``produce`` loses only what it
 counts in memory: a sample's reclaims (``MAX_RECLAIMS``, counted from 0 again) and when it saw a chunk queued.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 from budget.payload import ConversationPayload
 from producer.amount import Budget
-from producer.enqueue import JobSettings
-from producer.output import ResultsFile
+from producer.session.enqueue import JobSettings
+from producer.results import ResultsFile
 from producer.prepare import Prepared
 from producer.templatemix import Variants
 
@@ -60,7 +60,7 @@ class DatasetRun:
     finished: bool = False
     queued_seen: dict[str, float] = field(default_factory=dict)
     #: The dataset's stats hash as last read (``DatasetState.stats``): its 10-second token buckets give the progress
-    #: line's tok/s, the one ``produce status`` shows (producer/status.py ``tokens_per_second``).
+    #: line's tok/s, the one ``produce status`` shows (producer/ops/status.py ``tokens_per_second``).
     stats: dict[str, str] = field(default_factory=dict)
     enqueued_samples: int = 0
     #: Conversations whose record on disk ended ``stopped_by: failed`` and that this run carries on (``reopen``):

@@ -6,8 +6,8 @@ SpecForge, SFT tools) want one conversation per line with the model's own answer
 module is that conversion and nothing else: the CLI (``produce export``) only parses options into an `ExportJob`
 and calls `export_datasets`, which decides where each dataset goes and which servers its manifest names, then
 `export_dataset` for each. docs/export.md describes the formats, the decisions and their sharp edges. The pieces live
-beside it: producer/exportfiles.py (reading and checking the files, the atomic write), producer/exportrows.py
-(the conversation rows), producer/manifest.py (the manifest), budget/history.py (which messages each turn answers).
+beside it: producer/export/files.py (reading and checking the files, the atomic write), producer/export/rows.py
+(the conversation rows), producer/export/manifest.py (the manifest), budget/history.py (which messages each turn answers).
 
 Rules kept here:
 
@@ -33,14 +33,14 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final, Iterator, Mapping, Sequence
 
 from budget import history, record, serverinfo
-from producer.exportfiles import (DEFAULT_THINK, MANIFEST, ExportError, Results, atomic, check_dest, failed_ids,
-                                  markers, run_settings)
-from producer.exportrows import (SHAREGPT_FROM, answers, conversation_row, generation, is_exact, is_truncated,
+from producer.export.files import (DEFAULT_THINK, MANIFEST, ExportError, Results, atomic, check_dest, failed_ids,
+                                  markers, read_run_json)
+from producer.export.rows import (SHAREGPT_FROM, answers, conversation_row, generation, is_exact, is_truncated,
                                  trained_conversations, turn_rows)
-from producer.manifest import (Stats, budget_state, choose_servers, describe_servers, read_manifest, template_hash,
+from producer.export.manifest import (Stats, budget_state, choose_servers, describe_servers, read_manifest, template_hash,
                                write_manifest, write_manifest_of)
 from producer.generations import record_key
-from producer.output import RESULTS
+from producer.results import RESULTS
 from render.chat import RenderError, Renderer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class ExportOptions:
     # reads exactly (PER_TURN_FOR), and without a trainer a conversation of several turns is refused
     per_turn: bool | None = None
     trainer: str | None = None  # "specforge" | "speculators" (``--for``)
-    # conversation rows a trainer would not train on exactly (producer/exportrows.py; checked when the run's
+    # conversation rows a trainer would not train on exactly (producer/export/rows.py; checked when the run's
     # tokenizer is given): "drop" leaves them out, "keep" writes them with "inexact": true; both count them
     inexact: str = "drop"
 
@@ -135,7 +135,7 @@ class ExportReport:
     template_hash: str | None = None
     tokenizer_revision: str | None = None
     superseded: int = 0  # failed conversations a rerun's record of the same id replaced (only the last is exported)
-    # conversation rows checked as their trainer renders them (producer/exportrows.py), with the run's tokenizer:
+    # conversation rows checked as their trainer renders them (producer/export/rows.py), with the run's tokenizer:
     inexact: int = 0  # rows that would not train on exactly the generated ids (left out with inexact="drop")
     inexact_ids: list[str] = field(default_factory=list)  # the first of their conversations, for the message
     unchecked: int = 0  # rows written unchecked: no tokenizer given, or a version 1 record (no server ids)
@@ -231,13 +231,13 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
     then left as it was.
     """
     dataset_dir, dest = Path(dataset_dir), Path(dest)
-    settings = run_settings(dataset_dir)
+    settings = read_run_json(dataset_dir)
     source = dataset_dir / RESULTS
     if not source.is_file():
         raise ExportError(f"{source} not found: nothing was collected for this dataset yet")
     check_dest(dest, dataset_dir)
     failed = failed_ids(dataset_dir)
-    # The run's tokenizer also checks conversation rows (producer/exportrows.py): given, it is used.
+    # The run's tokenizer also checks conversation rows (producer/export/rows.py): given, it is used.
     ids = _TokenIds(tokenizer, settings) if options.needs_tokenizer or tokenizer is not None else None
     think = markers(settings)
     report = ExportReport(written=0, dropped_truncated=0, skipped_failed=len(failed), path=dest,
@@ -264,7 +264,7 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
                 batch = []
 
         # An id's last record is its record: a conversation that ended with a failed turn may be followed by the
-        # rerun's record of it (producer/output.py ResultsFile). Those are held back until the file is read.
+        # rerun's record of it (producer/results.py ResultsFile). Those are held back until the file is read.
         held: dict[str, tuple[int, dict[str, Any]]] = {}
         for number, rec in results:
             key = record_key(rec)  # a sample: the prompt's id and the generation (producer/generations.py)
@@ -413,7 +413,7 @@ def _rows(rec: Mapping[str, Any], points: list[int], checked: list[tuple[list[in
 
 def _trained(rec: Mapping[str, Any], points: list[int], options: ExportOptions,
              think: tuple[str, str]) -> list[list[tuple[int, list[dict[str, Any]]]]]:
-    """What the trainer renders for each turn of each row (producer/exportrows.py)."""
+    """What the trainer renders for each turn of each row (producer/export/rows.py)."""
     return trained_conversations(rec["messages"], answers(rec, options.reasoning, think),
                                  [history.history_message(t) for t in rec["turns"]], points,
                                  per_turn=options.rows_per_turn, trainer=options.trainer)

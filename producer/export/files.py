@@ -1,6 +1,6 @@
 """The files an export reads and writes: ``raw_responses.jsonl`` read record by record in its version 2 view and
 checked field by field (errors name file, line and field), ``run.json``, ``failed.jsonl``, and the atomic write
-(temporary file beside the destination, fsynced, renamed). Split from producer/export.py, which uses them."""
+(temporary file beside the destination, fsynced, renamed). Split from producer/export/writer.py, which uses them."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from typing import IO, Any, Final, Iterator, Mapping
 from budget import record
 from producer.errors import UsageError
 from producer.generations import record_key
-from producer.output import FAILED_FILE, RESULTS, RUN, ReadEnd, iter_results
+from producer.results import FAILED_FILE, RESULTS, RUN, ReadEnd, iter_results
 
 MANIFEST: Final = "manifest.json"
 DEFAULT_THINK: Final = ("<think>", "</think>")
@@ -33,7 +33,7 @@ class ExportError(UsageError):
 
 
 class Results:
-    """The records of raw_responses.jsonl (producer/output.py ``iter_results``) with their line numbers, checked and
+    """The records of raw_responses.jsonl (producer/results.py ``iter_results``) with their line numbers, checked and
     in their version 2 view; remembers whether the last line was torn. A line that is not a record is an error
     naming it, where the collector would cut the file there: an export never skips what it cannot read."""
 
@@ -83,7 +83,7 @@ def check_record(rec: Any, where: str) -> None:
             raise ExportError(f"{where}: turns[{n}]: output_ids must be a list of integers or null")
 
 
-def run_settings(dataset_dir: Path) -> dict[str, Any]:
+def read_run_json(dataset_dir: Path) -> dict[str, Any]:
     path = dataset_dir / RUN
     try:
         settings = json.loads(path.read_text(encoding="utf-8"))

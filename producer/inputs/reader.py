@@ -8,7 +8,7 @@ The format is chosen by the path: a folder written by ``save_to_disk`` (it holds
 ``dataset_dict.json``) is a Hugging Face dataset; any other folder is read as all its ``.jsonl``, ``.json`` and
 ``.parquet`` files, recursively, in path order, skipping hidden ones, as one dataset; a ``.parquet`` file is
 Parquet; a ``.json`` file a JSON array (JSON Lines if it does not start with ``[``); any other file JSON Lines.
-What each record may hold is ``producer.records``; how each format is read is ``jsonfiles`` and ``columnar``.
+What each record may hold is ``producer.inputs.records``; how each format is read is ``jsonfiles`` and ``columnar``.
 
 Duplicate ids: the first wins; later ones are reported in ``ReadResult.duplicates``, which is not an error.
 """
@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Callable
 
 from budget.keys import DATASET_NAME_RULE, valid_dataset_name
-from producer.jsonfiles import read_json, read_jsonl
-from producer.records import DEFAULT_MAPPING, FieldMapping
-from producer.samples import Collector, InputError, Problem, ReadResult, Sample, file_error
+from producer.inputs.jsonl import read_json, read_jsonl
+from producer.inputs.records import DEFAULT_MAPPING, FieldMapping
+from producer.inputs.samples import Collector, InputError, Problem, ReadResult, Sample, file_error
 
 __all__ = ["FieldMapping", "InputError", "Problem", "ReadResult", "Sample", "check_unique_names",
            "parse_dataset_arg", "read_all", "read_dataset", "valid_name"]
@@ -123,7 +123,7 @@ def read_dataset(name: str, path: Path, *, mapping: FieldMapping = DEFAULT_MAPPI
 def _read_file(path: Path, sink: Collector, mapping: FieldMapping) -> None:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        from producer.columnar import read_parquet  # pyarrow is imported only for a Parquet input
+        from producer.inputs.columnar import read_parquet  # pyarrow is imported only for a Parquet input
 
         read_parquet(path, sink, mapping)
     elif suffix == ".json":
@@ -135,7 +135,7 @@ def _read_file(path: Path, sink: Collector, mapping: FieldMapping) -> None:
 def _read_folder(path: Path, sink: Collector, mapping: FieldMapping) -> None:
     where = str(path)
     if any((path / marker).is_file() for marker in SAVED_MARKERS):
-        from producer.columnar import read_saved  # datasets is imported only for a save_to_disk folder
+        from producer.inputs.columnar import read_saved  # datasets is imported only for a save_to_disk folder
 
         read_saved(path, sink, mapping)
         return

@@ -121,7 +121,7 @@ def all_status(client: "redis.Redis", names: list[str] | None = None) -> list[Da
 
 def parse_budget_change(name: str, amount: str) -> int | None:
     """``produce budget NAME AMOUNT`` checked before Redis is asked: the new budget, None for unlimited."""
-    from producer.reader import valid_name
+    from producer.inputs.reader import valid_name
     if not valid_name(name):
         raise UsageError(f"invalid dataset name {name!r}")
     try:

@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from producer.records import FieldMapping, RecordError, normalize
-from producer.samples import Collector, InputError, Problem, file_error
+from producer.inputs.records import FieldMapping, RecordError, normalize
+from producer.inputs.samples import Collector, InputError, Problem, file_error
 
 if TYPE_CHECKING:
     import pyarrow as pa

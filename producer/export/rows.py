@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Final, Mapping, Sequence
 
 from budget import history
-from producer.exportfiles import ExportError
+from producer.export.files import ExportError
 from render.chat import Renderer, RenderError
 
 #: OpenAI role -> ShareGPT "from". SpecForge's parser maps human/gpt back and passes system/tool through.
@@ -137,10 +137,10 @@ def turn_rows(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, think: tupl
 #   Kimi-K2) render the earlier turns without it: not exact.
 # - speculators renders every assistant turn on its own prefix (the conversation through that turn) and
 #   supervises each: a whole row (``--for speculators``) is exact turn by turn; a per-turn row would train its
-#   history's turns again, so that combination is refused (producer/export.py).
+#   history's turns again, so that combination is refused (producer/export/writer.py).
 #
 # Both render without budgetq's ``chat_template_kwargs`` (neither takes them from a row), so the check renders
-# without them too. The check needs the run's tokenizer (``produce export --tokenizer``); producer/export.py counts
+# without them too. The check needs the run's tokenizer (``produce export --tokenizer``); producer/export/writer.py counts
 # the rows that fail it and leaves them out unless asked (``--inexact keep``).
 
 

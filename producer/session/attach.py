@@ -1,6 +1,6 @@
 """Attach the producer to its datasets' runs: take each dataset's collector lock, check the stored settings, and
 rebuild each dataset's state (``DatasetRun``) from Redis and the output files. Nothing is enqueued here; the loop
-(producer/run.py) does that.
+(producer/session/loop.py) does that.
 
 Every time ``produce`` starts, for each dataset (docs/architecture.md, "Attach"):
 1. refuse a rerun whose settings differ from the stored run, or whose ``--out`` resolves to another directory
@@ -30,10 +30,10 @@ from budget.ledger import Ledger
 from budget.payload import OTHER_VERSION, VERSION
 from budget.runstate import RunState
 from producer.amount import budget_limit
-from producer.datasetrun import DatasetRun, RunOptions
+from producer.session.state import DatasetRun, RunOptions
 from producer.errors import ProduceError
 from producer.generations import SETTING as GENERATIONS
-from producer.output import RESULTS, RUN, ResultsFile
+from producer.results import RESULTS, RUN, ResultsFile
 from producer.prepare import Prepared
 from producer.runjson import VERSION_KEY, settings_diff
 

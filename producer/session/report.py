@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from producer.datasetrun import DatasetRun
+from producer.session.state import DatasetRun
 from producer.generations import split_key
-from producer.output import RESULTS
-from producer.status import eta_seconds, tokens_per_second
+from producer.results import RESULTS
+from producer.ops.status import eta_seconds, tokens_per_second
 
 
 @dataclass
@@ -31,7 +31,7 @@ class DatasetSummary:
 
 def progress_line(runs: list[DatasetRun]) -> str:
     """One line for every dataset, printed every ``--progress`` seconds while attached. Its tok/s and eta are
-    ``produce status``'s (producer/status.py): from the 10-second token buckets of the stats last read."""
+    ``produce status``'s (producer/ops/status.py): from the 10-second token buckets of the stats last read."""
     parts = []
     now = time.time()
     for d in runs:

@@ -1,0 +1,1 @@
+"""Exports for trainers: rows, files, manifests."""

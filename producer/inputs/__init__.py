@@ -1,0 +1,1 @@
+"""Reading datasets: files of every format -> validated samples."""

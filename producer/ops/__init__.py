@@ -1,0 +1,1 @@
+"""Watching a run: status, metrics, the dashboard."""

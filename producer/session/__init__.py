@@ -1,0 +1,1 @@
+"""The attached session: attach, the loop that enqueues and collects, its state and report."""
