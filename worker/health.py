@@ -93,6 +93,9 @@ class HealthMonitor:
         self.all_down = threading.Event()
         self.up = threading.Event()
         self.up.set()
+        #: Set once every server has been asked at start: RQ's main thread takes no chunk before, so a worker
+        #: started while its servers are down takes none at all.
+        self.checked = threading.Event()
         self.probes = 0  # /health requests sent, for tests and logs
         self._suspects: set[str] = set(config.servers)  # probed at start: a worker started dead takes nothing
         self._asked: dict[str, float] = {}
@@ -111,6 +114,7 @@ class HealthMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+        self.checked.set()
         self._wake.set()
 
     def suspect(self, url: str) -> None:
@@ -133,6 +137,7 @@ class HealthMonitor:
                     return
                 self._check(url, due, backoff)
             self._publish()
+            self.checked.set()
             waits = [t - time.monotonic() for t in due.values()]
             if self.down:
                 waits.append(health_record.REFRESH_S)

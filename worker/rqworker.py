@@ -215,6 +215,8 @@ class Worker(SimpleWorker):
             while True:
                 if self.runtime.dispatcher.fault is not None:
                     return None
+                if not self.runtime.health.checked.wait(FAULT_POLL_S):
+                    continue  # the servers are being asked at start (worker/health.py)
                 if self.runtime.health.all_down.is_set():
                     self._wait_for_a_server()
                     continue
