@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,11 @@ BACK_LINE = "taking chunks again"
 N = 40
 
 
-def _produce(redis_url: str, tokenizer_dir: Path, out: Path, logs: Path) -> subprocess.Popen[bytes]:
+def _produce(redis_url: str, tokenizer_dir: Path, out: Path, logs: Path, *extra: str) -> subprocess.Popen[bytes]:
     with open(logs / "produce.out", "wb") as so, open(logs / "produce.err", "wb") as se:
         return subprocess.Popen([*produce_cmd(), str(GLAIVE), "--tokenizer", str(tokenizer_dir), "--max-tokens",
                                  "256", "--max-samples", str(N), "--chunk-size", "8", "--queue-depth", "4",
-                                 "--out", str(out), "--redis-url", redis_url], stdout=so, stderr=se,
+                                 "--out", str(out), "--redis-url", redis_url, *extra], stdout=so, stderr=se,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
@@ -65,9 +66,8 @@ def test_a_worker_on_a_dead_port_takes_nothing_and_the_healthy_one_finishes_the_
     sim = sim_factory("--time-scale", "50", "--mean-tokens", "50", "--seed", "29")
     dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     dead = workers(dead_url, BUDGETQ_CONCURRENCY="8")
-    dead_proc = dead.start("dead0")
-    wait_for(lambda: DOWN_LINE in dead.log("dead0"), 60, "the dead-server worker to find its server down")
-    wait_for(lambda: r.hexists(keys.SERVER_HEALTH, "dead0"), 30, "its entry in bq:server_health")
+    dead_proc = dead.start("dead0")  # started first, it would be the first to take chunks
+    wait_for(lambda: r.exists("rq:worker:dead0"), 60, "the dead-server worker to register with rq")
 
     out = tmp_path / "out"
     t0 = time.monotonic()
@@ -86,6 +86,7 @@ def test_a_worker_on_a_dead_port_takes_nothing_and_the_healthy_one_finishes_the_
     assert len(recs) == N and not read_jsonl(out / "glaive_fc" / "failed.jsonl")
     assert _holds_nothing(r, k)
     text = dead.log("dead0")
+    assert DOWN_LINE in text and r.hexists(keys.SERVER_HEALTH, "dead0")
     assert "bq-glaive_fc-" not in text, "the dead-server worker took a chunk: " + text[-2000:]
     assert dead_url in text and "connection refused" in text
     _named(r, redis_url, "dead0", dead_url)
@@ -111,7 +112,9 @@ def test_a_server_that_dies_mid_run_has_its_chunks_given_back_and_work_resumes_w
     proc = w.start("w0")
     out = tmp_path / "out"
     k = keys.DatasetKeys("glaive_fc")
-    prod = _produce(redis_url, tokenizer_dir, out, tmp_path)
+    # predict mode, as in the issue: its reservations grow with the time a request has run, and grew to the cap
+    # for requests retrying against a dead server (98,304 tokens reserved against 39,101 left)
+    prod = _produce(redis_url, tokenizer_dir, out, tmp_path, "--budget", "1M", "--budget-mode", "predict")
     try:
         wait_for(lambda: int(r.get(k.used) or 0) > 0, 60, "a first commit")
         assert sim.proc is not None
@@ -151,3 +154,19 @@ def test_a_server_that_dies_mid_run_has_its_chunks_given_back_and_work_resumes_w
     assert proc.wait(15) == 0
     assert "Traceback" not in w.log("w0")
     print(f"chunks given back {gave_back:.1f} s after the server died; work again {resumed:.1f} s after it returned")
+
+
+def test_down_is_what_sglangs_contract_says_not_a_slow_server(sim_factory: Any) -> None:
+    """worker/health.py's probe: refused and /health 503 are down; a server that accepts and answers late is slow,
+    not down; a healthy one is up."""
+    from worker.health import probe
+    assert probe(f"http://127.0.0.1:{free_port()}", api_key=None, connect_timeout=2) == "connection refused"
+    sim = sim_factory("--time-scale", "50")
+    assert probe(sim.url, api_key=None, connect_timeout=2) is None
+    with urllib.request.urlopen(urllib.request.Request(sim.url + "/sim/faults", data=b'{"outage_for": 30}',
+                                                       headers={"Content-Type": "application/json"}), timeout=5):
+        pass
+    assert probe(sim.url, api_key=None, connect_timeout=2) == "/health answered 503"
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nothing ever answers
+        port = silent.getsockname()[1]
+        assert probe(f"http://127.0.0.1:{port}", api_key=None, connect_timeout=2, read_timeout=0.5) is None
