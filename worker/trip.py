@@ -149,6 +149,8 @@ class RequestContext:
             rc.report.errors.append(f"{label}: {err.reason}")
             if err.held:  # the worker is stopping or every server is down: given back, uncounted and unfailed
                 rc.report.not_started += 1
+                if rc.report.status == "ok":
+                    rc.report.status = "stopped" if self.stopping else "server down"
                 return None
             if not err.auth:
                 return err
