@@ -134,7 +134,7 @@ class HealthMonitor:
             now = time.monotonic()
             for url in sorted(suspects | {u for u, t in due.items() if t <= now}):
                 if self._stop.is_set():
-                    return
+                    break
                 self._check(url, due, backoff)
             self._publish()
             self.checked.set()

@@ -254,10 +254,12 @@ class SGLangClient:
             if self.down_until[server] == 0.0:  # closed: healthy
                 return server, False
             if not self.probing[server]:
+                self.probing[server] = True  # the others wait for its verdict, below
                 await self.pause(max(0.0, self.down_until[server] - time.monotonic()))
-                if self.hold.is_set():
+                if self.hold.is_set():  # held while it waited: no probe after all
+                    self.probing[server] = False
+                    self.changed.set()
                     continue
-                self.probing[server] = True
                 return server, True
             self.changed.clear()  # a probe is pending: wait for its verdict
             try:
