@@ -11,6 +11,10 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:epoch``                | string | producer                 | this Redis' lifetime id (lost state detection)    |
 | ``bq:server_info``          | hash   | worker (serverinfo)      | "host url" -> JSON: SGLang's /get_server_info,    |
 |                             |        |                          | SERVER_INFO_KEYS only; expires with the workers   |
+| ``bq:server_health``       | hash   | worker (health)          | RQ worker name -> JSON: the servers it finds down |
+|                             |        |                          | (budget/health.py); rewritten every 10 s while    |
+|                             |        |                          | any is down, deleted when all answer; entries     |
+|                             |        |                          | older than 30 s are dead workers': pruned         |
 | ``bq:tok:{fp}``             | hash   | producer (tokstore)      | file name -> zlib bytes: the tokenizer files of   |
 |                             |        |                          | the run whose Renderer fingerprint is fp, for the |
 |                             |        |                          | workers that render later turns; HSETNX, never    |
@@ -83,7 +87,7 @@ The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default, so 
 |                    |                                         | budget ``produce budget`` set since; unset: none     |
 
 Who may send commands on these keys: budget/ alone (ledger.py and its scripts, runstate.py, serverinfo.py,
-tokstore.py).
+tokstore.py, health.py).
 producer/, render/, worker/ and demo/ call those and never name a key; tests/test_key_ownership.py enforces it. RQ's keys
 are RQ's: read or written through RQ's API, or by our scripts where a decision needs them (below).
 
@@ -104,6 +108,8 @@ EPOCH = PREFIX + "epoch"
 #: What each worker's SGLang servers say about themselves (budget/serverinfo.py): field ``"<worker host> <url>"``,
 #: value JSON of SERVER_INFO_KEYS plus when it was fetched. Never an API key: only the listed keys are kept.
 SERVER_INFO = PREFIX + "server_info"
+#: Which servers each worker finds down (budget/health.py): field = the RQ worker's name, value = JSON.
+SERVER_HEALTH = PREFIX + "server_health"
 
 
 def tokenizer_files(fingerprint: str) -> str:

@@ -254,12 +254,13 @@ def run_cmd(**options: Any) -> None:
 @opt("--json", "as_json", is_flag=True, envvar="BUDGETQ_STATUS_JSON", help="Print JSON for scripts.")
 def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: float, as_json: bool) -> None:
     import redis
-    from producer.ops.status import all_status, status_table
+    from producer.ops.status import all_status, down_servers, status_table
     client = connect(redis_url)
     try:
         while True:
             try:
                 rows = all_status(client, list(names))
+                down = down_servers(client)
             except redis.RedisError as exc:  # --watch outlives a Redis restart; a single look reports it
                 if not watch:
                     raise ProduceError(f"Redis at {logs.redact(redis_url)}: {exc}") from None
@@ -270,7 +271,7 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
             if as_json:
                 text = json.dumps([r.as_dict() for r in rows], indent=2)
             else:
-                text = status_table(rows)
+                text = status_table(rows) + down
             if watch and not as_json:
                 click.echo("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + logs.redact(redis_url) + "\n" + text)
             else:

@@ -22,6 +22,13 @@ dataset failed in seconds. The first one sets ``fault``, logs one error naming t
 stops the dispatcher as a warm stop does: nothing more starts, the refused samples and the unstarted rest are
 given back uncounted and unfailed (the producer re-enqueues them once the chunk ends), requests already running
 finish and are committed. ``on_fault`` then tells the worker, which exits non-zero (worker/rqworker.py).
+
+When every server of the worker is down (worker/health.py: no connection, or /health 503), the dispatcher holds
+the same way but for as long as the outage lasts: the chunk being dispatched gives its unstarted samples back,
+samples between retries are given back instead of waiting out BUDGETQ_RETRY_FOR (SGLangClient.hold), and each
+chunk ends as soon as its last request does; no attempt is charged against a sample given back, nothing is
+counted, and it is not a reclaim. RQ's loop takes no chunk meanwhile (worker/rqworker.py); when a server answers
+/health again the hold is released.
 """
 from __future__ import annotations
 
@@ -81,6 +88,11 @@ class Dispatcher:
         #: A warm shutdown (or a fault) asked for: start nothing more, finish what runs. It also wakes a dispatch
         #: waiting for a free slot (``_take_slots``), so the chunk gives its unstarted samples back at once.
         self.stop_requested = asyncio.Event()
+        #: Every server of this worker is down (worker/health.py): start nothing, give chunks back, until one is up.
+        self.servers_down = False
+        #: Start nothing now: a stop, a fault, or every server down. Set, it wakes a dispatch waiting for a slot
+        #: and holds the client (SGLangClient.hold): samples between retries are given back, not retried.
+        self.hold = asyncio.Event()
         #: What each request needs of this worker (worker/trip.py), for one-turn samples and conversations alike.
         self.requests = RequestContext(ledger, self.batcher, client, config, self.length_models, self.ended,
                                        self.stop_requested, self._fault)
@@ -90,8 +102,23 @@ class Dispatcher:
         return self.stop_requested.is_set()
 
     def stop(self) -> None:
-        """Warm stop: start nothing more; requests already running finish and are committed."""
+        """Warm stop: start nothing more; requests already running finish and are committed, those waiting to
+        retry are given back."""
         self.stop_requested.set()
+        self._set_hold()
+
+    def set_servers_down(self, down: bool) -> None:
+        """From worker/health.py (on the loop): every server is down (True), or one answers again (False)."""
+        self.servers_down = down
+        self._set_hold()
+
+    def _set_hold(self) -> None:
+        held = self.stopping or self.servers_down
+        if held:
+            self.hold.set()
+        else:
+            self.hold.clear()
+        self.client.set_hold(held)
 
     def _fault(self, message: str, log_extra: Mapping[str, Any]) -> None:
         """A fault of this worker, not of its samples (a refused API key, the run's tokenizer files unusable:
@@ -141,7 +168,7 @@ class Dispatcher:
         """Admit and start the chunk's samples as slots free up. Every free slot is filled at once: one
         admission script decides them all (budget/scripts.py ADMIT), then the admitted requests start together."""
         todo = list(reversed(rc.chunk["samples"]))  # a stack: the next sample to start is last
-        stop = asyncio.ensure_future(self.stop_requested.wait())  # what wakes a wait for a slot on a stop
+        stop = asyncio.ensure_future(self.hold.wait())  # what wakes a wait for a slot on a stop or an outage
         try:
             await self._start_each(rc, todo, stop)
         finally:
@@ -151,8 +178,8 @@ class Dispatcher:
         """``_start_all``'s loop: ``todo`` is a stack (the next sample to start is last), ``stop`` the stop request."""
         while todo:
             n = await self._take_slots(len(todo), stop)
-            if self.stopping:
-                rc.report.status = "unauthorized" if self.fault else "stopped"
+            if self.hold.is_set():
+                rc.report.status = "unauthorized" if self.fault else "stopped" if self.stopping else "server down"
                 rc.report.not_started += len(todo)
                 self._release(n)
                 return
@@ -278,7 +305,7 @@ class Dispatcher:
 
     async def _slot_or_stop(self, stop: "asyncio.Future[Any]") -> bool:
         """Wait for whichever comes first: a slot frees (True: it is taken) or ``stop`` (False: none is)."""
-        if self.stopping:
+        if self.hold.is_set():
             return False
         slot = asyncio.ensure_future(self.slots.acquire())
         try:

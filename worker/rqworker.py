@@ -11,6 +11,9 @@ one place that can *enforce* what a deployment must never get wrong:
   dispatcher) for its life: a chunk job returns once its samples have started, and their requests run on
   while the worker takes the next chunk (worker/dispatch.py). Liveness comes from the chunk lease
   (budget/ledger.py), not from RQ's abandoned-job detection (worker TTL plus a 600 s maintenance interval).
+- A dead server holds the worker. While every SGLang server of the worker is down (worker/health.py), it gives
+  its chunks back and takes none from RQ (``_wait_for_a_server``), so the healthy workers take them; a SIGTERM
+  ends it within seconds in that state too.
 - A refused API key ends the worker. SGLang answering 401/403 means this worker's ``SGLANG_API_KEY`` is wrong
   or missing: the dispatcher gives its chunk back (worker/dispatch.py), the worker stops as after a SIGTERM
   (requests already running are committed, rq unregisters it) and exits with EXIT_CONFIG, so a supervisor
@@ -90,7 +93,7 @@ class Worker(SimpleWorker):
         self._ordered_queues = self.queues[:]
         self.config = WorkerConfig.from_env()
         self.runtime = runtime.Runtime(self.connection, self.config, heartbeat=self._job_heartbeat,
-                                       on_fault=self._config_fault)
+                                       on_fault=self._config_fault, name=self.name)
         runtime.install(self.runtime)
         # rq installs its SIGTERM/SIGINT handlers only once the worker has registered itself: a signal in
         # between (a deploy that starts and stops workers at once) ended the process by the signal's default
@@ -212,6 +215,11 @@ class Worker(SimpleWorker):
             while True:
                 if self.runtime.dispatcher.fault is not None:
                     return None
+                if not self.runtime.health.checked.wait(FAULT_POLL_S):
+                    continue  # the servers are being asked at start (worker/health.py)
+                if self.runtime.health.all_down.is_set():
+                    self._wait_for_a_server()
+                    continue
                 idle_left = None if max_idle_time is None else max_idle_time - (time.monotonic() - since)
                 if idle_left is not None and idle_left <= 0:
                     return None
@@ -223,6 +231,15 @@ class Worker(SimpleWorker):
                     break
         self._redis_lost = False  # rq's dequeue waits out connection errors by itself
         return result
+
+    def _wait_for_a_server(self) -> None:
+        """Every SGLang server of this worker is down (worker/health.py): take no chunk, so that the healthy workers
+        take them, until one answers /health again. In slices of FAULT_POLL_S, heartbeating so that the worker stays
+        registered; a SIGTERM ends the wait at once (rq's handler raises StopRequested here, the loop exits)."""
+        while self.runtime.health.all_down.is_set() and not self._stop_requested \
+                and self.runtime.dispatcher.fault is None:
+            self.heartbeat()
+            self.runtime.health.up.wait(FAULT_POLL_S)
 
     def _pubsub_exception_handler(self, exc: Exception, pubsub: Any, pubsub_thread: Any) -> None:
         """rq's teardown stops its pubsub thread, waits 1 s for it, then closes the thread's connection. On a

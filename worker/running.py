@@ -20,7 +20,7 @@ class ChunkReport:
     given back); the counts of its requests still running keep growing until the chunk finishes."""
 
     chunk: str
-    status: str = "ok"  # ok / stopped / revoked / closed / full / unauthorized
+    status: str = "ok"  # ok / stopped / revoked / closed / full / unauthorized / server down
     committed: int = 0
     duplicates: int = 0
     failed: int = 0

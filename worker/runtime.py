@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import threading
 from typing import Any, Callable
 
@@ -21,6 +23,7 @@ from budget.ledger import Ledger
 from budget.payload import ChunkPayload
 from worker.config import WorkerConfig
 from worker.dispatch import Dispatcher
+from worker.health import HealthMonitor
 from worker.running import ChunkReport
 from worker.serverinfo import ServerInfoReporter
 from worker.sglang import SGLangClient
@@ -33,7 +36,7 @@ _current: "Runtime | None" = None
 class Runtime:
     def __init__(self, connection: "redis.Redis", config: WorkerConfig,
                  heartbeat: Callable[[], None] | None = None,
-                 on_fault: Callable[[str], None] | None = None) -> None:
+                 on_fault: Callable[[str], None] | None = None, name: str | None = None) -> None:
         self.config = config
         # A pool of its own, with short timeouts (budget/connection.py), not RQ's: RQ sets 415 s on its pool for
         # its blocking dequeue, and a ledger call stuck that long on a silent connection outlives every lease.
@@ -52,6 +55,15 @@ class Runtime:
             self.loop.call_soon_threadsafe(client.note_router, url)
 
         self.server_info = ServerInfoReporter(self.redis, config, on_router=on_router).start()
+        dispatcher = self.dispatcher
+
+        def on_health(down: bool) -> None:  # from the health thread to the request loop
+            self.loop.call_soon_threadsafe(dispatcher.set_servers_down, down)
+
+        self.health = HealthMonitor(self.redis, config, worker=name or f"{socket.gethostname()}.{os.getpid()}",
+                                    on_change=on_health)
+        client.on_unreachable = self.health.suspect
+        self.health.start()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -84,7 +96,9 @@ class Runtime:
             return
         self._closed = True
         self.server_info.stop()
+        self.health.stop()
         try:
+            self.health.thread.join(2)  # it deletes this worker's entry in bq:server_health as it ends
             self._call(self.dispatcher.drain())
             self._call(self.session.close())
             self.dispatcher.batcher.close()

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import orjson
@@ -33,7 +33,7 @@ class GenerateError(Exception):
 
     def __init__(self, reason: str, *, retryable: bool, status: int | None = None,
                  retry_after: float | None = None, new_rid: bool = False, unavailable: bool = False,
-                 auth: bool = False, server: str | None = None) -> None:
+                 auth: bool = False, server: str | None = None, held: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.retryable = retryable
@@ -47,6 +47,9 @@ class GenerateError(Exception):
         # this is a configuration fault of the worker, never a failure of the sample (worker/dispatch.py).
         self.auth = auth
         self.server = server
+        # Not sent, or not retried: the worker holds its requests (a warm stop, or every server down:
+        # SGLangClient.hold). Not the sample's failure: the sample is given back (worker/trip.py).
+        self.held = held
         self.attempts = 1  # requests sent for the sample, set when the last attempt gave up
 
 
@@ -153,6 +156,29 @@ class SGLangClient:
         self._timeouts: dict[int, aiohttp.ClientTimeout] = {}
         self.routers: set[str] = set()  # SGLANG_URLs found to be SGLang's router (worker/serverinfo.py says so)
         self._router_warned = False
+        #: Set while no attempt may be sent: a warm stop, or every server down (worker/health.py). An attempt asked
+        #: for meanwhile, and a retry whose backoff it cuts short, raise a ``held`` GenerateError: the sample is
+        #: given back instead of waiting out an outage for BUDGETQ_RETRY_FOR seconds.
+        self.hold = asyncio.Event()
+        #: Told (on the loop) of a server that could not be connected to: worker/health.py then asks its /health.
+        self.on_unreachable: Callable[[str], None] | None = None
+
+    def set_hold(self, held: bool) -> None:
+        """Hold (or release) every attempt; wakes whatever waits in ``pause`` or ``_gate``."""
+        if held:
+            self.hold.set()
+        else:
+            self.hold.clear()
+        self.changed.set()
+
+    async def pause(self, seconds: float) -> None:
+        """A retry's backoff: ``seconds``, or less if the client is held meanwhile."""
+        if self.hold.is_set():
+            return
+        try:
+            await asyncio.wait_for(self.hold.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
 
     def note_router(self, url: str) -> None:
         """``url`` is SGLang's router (called on the request loop). It times a request out after its
@@ -218,6 +244,7 @@ class SGLangClient:
     async def _gate(self) -> tuple[str, bool]:
         """Pick a server to send to now; returns (server, is_probe). Waits while every server is down."""
         while True:
+            self._raise_if_held()
             now = time.monotonic()
             for url in self.config.servers:  # a down server whose cooldown is over gets one probe, even while
                 if 0.0 < self.down_until[url] <= now and not self.probing[url]:  # others are healthy
@@ -227,8 +254,12 @@ class SGLangClient:
             if self.down_until[server] == 0.0:  # closed: healthy
                 return server, False
             if not self.probing[server]:
-                self.probing[server] = True
-                await asyncio.sleep(max(0.0, self.down_until[server] - time.monotonic()))
+                self.probing[server] = True  # the others wait for its verdict, below
+                await self.pause(max(0.0, self.down_until[server] - time.monotonic()))
+                if self.hold.is_set():  # held while it waited: no probe after all
+                    self.probing[server] = False
+                    self.changed.set()
+                    continue
                 return server, True
             self.changed.clear()  # a probe is pending: wait for its verdict
             try:
@@ -236,7 +267,13 @@ class SGLangClient:
             except asyncio.TimeoutError:
                 pass
 
+    def _raise_if_held(self) -> None:
+        if self.hold.is_set():
+            raise GenerateError("not sent: this worker holds its requests (stopping, or every server down)",
+                                retryable=False, unavailable=True, held=True)
+
     async def generate(self, payload: dict[str, Any], max_new_tokens: int, prefer: str | None = None) -> Generation:
+        self._raise_if_held()
         if any(self.down_until.values()):
             server, probe = await self._gate()
         else:  # every server healthy: what _gate would pick, without a coroutine per request
@@ -262,9 +299,19 @@ class SGLangClient:
                 raw = await resp.read()
                 status = resp.status
                 retry_after = _retry_after(resp.headers)
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError as exc:
             self._mark(server, False, probe)
+            if isinstance(exc, aiohttp.ConnectionTimeoutError) and self.on_unreachable is not None:
+                self.on_unreachable(server)  # no connection within BUDGETQ_CONNECT_TIMEOUT: maybe gone
             raise GenerateError(f"timeout from {server}", retryable=True, unavailable=True) from None
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+            # Not connected, or closed before any answer: maybe the server is gone. worker/health.py asks its
+            # /health and decides; a slow server (the timeout above) or an error answer is not this.
+            self._mark(server, False, probe)
+            if self.on_unreachable is not None:
+                self.on_unreachable(server)
+            raise GenerateError(f"{type(exc).__name__} from {server}: {exc}", retryable=True,
+                                unavailable=True) from None
         except (aiohttp.ClientError, OSError) as exc:
             self._mark(server, False, probe)
             raise GenerateError(f"{type(exc).__name__} from {server}: {exc}", retryable=True,

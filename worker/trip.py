@@ -4,7 +4,9 @@ The retry policy lives here: 5xx, 429, resets, timeouts, aborted generations and
 with full-jitter backoff (never before Retry-After) up to ``BUDGETQ_MAX_ATTEMPTS``; a 400 is final, except
 "Duplicate request ID" (a previous run of the sample still holds the rid), retried at once under the next rid.
 A 401/403 (the server refused ``SGLANG_API_KEY``) is given up at once too, but it is not the sample's failure:
-the sample is given back and the worker stops (``RequestContext.generate``).
+the sample is given back and the worker stops (``RequestContext.generate``). Nothing is retried while the worker
+holds its requests (a warm stop, or every server down: worker/health.py): the sample is given back unfailed, so
+neither a SIGTERM nor a dead server waits out ``BUDGETQ_RETRY_FOR``.
 
 ``RequestContext`` is what a request needs from its worker, on both paths: a one-turn sample
 (worker/dispatch.py ``Dispatcher._run_one``) and each turn of a conversation (worker/turns.py). It holds the
@@ -72,15 +74,17 @@ async def generate_sample(client: SGLangClient, config: WorkerConfig, dataset: s
             if err.new_rid and rid_no < 100:
                 continue  # a previous run of this sample still holds the rid: not a failure
             tries += 1
+            if client.hold.is_set() and not err.held:  # stopping, or every server down: give it back, not retry
+                err.held = True
             if not err.unavailable:
                 unusable += 1
             waited = time.monotonic() - first
-            if (not err.retryable or unusable >= config.max_attempts
+            if (not err.retryable or err.held or unusable >= config.max_attempts
                     or (err.unavailable and waited >= config.retry_for and tries >= config.max_attempts)):
                 err.attempts = rid_no
                 raise
             log.info("%s/%s attempt %d failed (%s), retrying", dataset, sample["id"], tries, err.reason)
-            await asyncio.sleep(backoff(tries, config.backoff_cap, err.retry_after))
+            await client.pause(backoff(tries, config.backoff_cap, err.retry_after))  # cut short by a hold
 
 
 def parse_response(dataset: str, chunk: ChunkPayload, sample: SamplePayload, gen: Generation) -> dict[str, Any]:
@@ -136,12 +140,18 @@ class RequestContext:
         chunk's report (``label`` names the request) and returned: the caller decides what it fails. None when the
         server refused this worker's credentials: not the sample's failure but the worker's, so the sample is
         given back unfailed (its reservation and in-flight count stay with the chunk until the chunk ends:
-        finish_chunk drops both) and the worker stops."""
+        finish_chunk drops both) and the worker stops. None too when the worker holds its requests (a warm stop,
+        or every server down: SGLangClient.hold): the sample is given back the same way, and the worker goes on."""
         try:
             gen = await generate_sample(self.client, self.config, rc.dataset, sample, sampling_params, rc.report,
                                         rid_key=rid_key, prefer=prefer)
         except GenerateError as err:
             rc.report.errors.append(f"{label}: {err.reason}")
+            if err.held:  # the worker is stopping or every server is down: given back, uncounted and unfailed
+                rc.report.not_started += 1
+                if rc.report.status == "ok":
+                    rc.report.status = "stopped" if self.stopping else "server down"
+                return None
             if not err.auth:
                 return err
             url = public_url(err.server) if err.server else "SGLang"

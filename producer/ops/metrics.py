@@ -20,7 +20,7 @@ from typing import Callable
 import redis
 from rq import Queue
 
-from budget import keys
+from budget import health, keys
 from producer.errors import ProduceError
 from producer.ops.status import DatasetStatus, all_status
 
@@ -116,6 +116,14 @@ def render_metrics(client: "redis.Redis") -> str:
     _family(lines, "budgetq_responses", "Committed responses by finish reason (length: cut at max_new_tokens).",
             [(f'{{dataset="{_label(r.name)}",finish_reason="{reason}"}}', count) for r in rows
              for reason, count in (("stop", r.finish_stop), ("length", r.finish_length))])
+    try:
+        down = health.load(client)
+    except redis.RedisError:
+        down = []
+    _family(lines, "budgetq_server_down_seconds", "Seconds since a worker found this SGLang server down (no connection, "
+            "or /health 503); only down servers are listed (budget/health.py).",
+            [(f'{{worker="{_label(str(e.get("worker")))}",host="{_label(str(e.get("host")))}",'
+              f'server="{_label(url)}"}}', round(e["for_s"], 1)) for e in down for url in sorted(e["down"])])
     _family(lines, "budgetq_scrape_duration_seconds", "Time this scrape took to read Redis.",
             [("", round(time.monotonic() - started, 6))])
     return "\n".join(lines) + "\n"

@@ -8,6 +8,7 @@ from typing import Any
 
 import redis
 
+from budget import health
 from budget.runstate import RunState
 from budget.ledger import Ledger
 from budget.outcomes import DatasetState
@@ -171,8 +172,14 @@ def status_table(rows: list[DatasetStatus]) -> str:
     if any(r.turns or r.conversations_open for r in rows):  # multi-turn: turns beside conversations
         head = (*head, "conversations", "turns")
         body = [(*row, f"{r.conversations:,}" + (f" (+{r.conversations_open:,} open)" if r.conversations_open else ""),
-                 _n(r.turns)) for row, r in zip(body, rows)]
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *body)]
+                 _n(r.turns)) for row, r in zip(body, rows, strict=True)]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in (head, *body)]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def down_servers(client: "redis.Redis") -> str:
+    """The lines naming each worker whose SGLang servers are down (budget/health.py), after the table; '' if none."""
+    lines = health.describe(health.load(client))
+    return "\n" + "\n".join(lines) if lines else ""
