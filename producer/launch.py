@@ -43,6 +43,7 @@ def prepare(settings: RunSettings, *, warn: Callable[[str], None]) -> tuple[Inpu
     from producer.parsers import skip_special_tokens_default
     from producer.prepare import load_inputs
     from producer.runjson import ALL, choose_turns
+    from producer.vocab import check_offline as check_vocab_offline
     s = settings
     started = time.monotonic()
     inputs = load_inputs(s.files, tokenizer=s.tokenizer, max_tokens=s.max_tokens, max_context=s.max_context,
@@ -57,6 +58,7 @@ def prepare(settings: RunSettings, *, warn: Callable[[str], None]) -> tuple[Inpu
                          mix=s.template_mix, generations=s.generations)
     log.debug("read, validated and rendered %d dataset(s) in %.1f s", len(inputs.prepared),
               time.monotonic() - started)
+    check_vocab_offline(inputs, s.tokenizer)  # producer/vocab.py: exit 2 on an id the model cannot take
     # Known once the template is read (the parser is detected from it); stored with the run like every parameter.
     parser = inputs.settings.get("reasoning_parser")
     inputs.sampling_params["skip_special_tokens"] = (s.skip_special_tokens if s.skip_special_tokens is not None
@@ -99,6 +101,7 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, int | None], g
     from producer.preflight import (check_out_dirs, check_redis, check_seed, check_server_parsers, connect,
                                     recheck_context)
     from producer.report import summary_table
+    from producer.vocab import check_servers as check_vocab_servers
     from producer.datasetrun import RunOptions
     from producer.run import Producer
     s = settings
@@ -120,6 +123,7 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, int | None], g
     check_server_parsers(client, inputs.reasoning_parser, warn=warn)
     recheck_context(client, inputs, s.max_tokens, warn=warn)
     options.conversation = inputs.conversation()  # after the recheck: the context turn 0 was checked against
+    check_vocab_servers(client, inputs, s.tokenizer, options.conversation)  # producer/vocab.py; sets vocab_size
     check_seed(client, inputs.sampling_params, warn=warn)
     producer = Producer(client, inputs.prepared, options, echo=log.info)
     try:

@@ -58,6 +58,23 @@ class SimState:
     unauthorized: int = 0  # requests refused with 401 (--api-key): a worker's wrong key, counted for tests
     tokenizer: Any = None  # sglang_sim.families.SimTokenizer with --tokenizer: real output_ids
     request_log: RequestLog | None = None  # --request-log: one line per answered /generate
+    crashed: asyncio.Event = field(default_factory=asyncio.Event)  # --oov-crash fired: the server is dead
+
+    def crash(self, token: int, request: web.Request) -> None:
+        """--oov-crash: what SGLang 0.5.23 does on an id past the vocabulary (the scheduler's IndexError, then
+        SIGQUIT and kill_process_tree): every connection dropped without an answer, the socket closed; a process
+        (sglang_sim/__main__.py) exits 1."""
+        import sys
+        print(f"sglang-sim: input id {token} >= vocab_size {self.cfg.vocab_size}: IndexError: index out of range in "
+              "self (embedding); SIGQUIT received, kill_process_tree (as SGLang)", file=sys.stderr, flush=True)
+        self.crashed.set()
+        for f in list(self.inflight.values()):
+            if f.request.transport is not None:
+                f.request.transport.close()
+        self.engine.abort_many([f.job for f in self.inflight.values()])
+        fault_http.reset(request)
+        if self.faults.listener is not None:
+            asyncio.ensure_future(self.faults.listener(False))
 
     def cut_inflight(self, mode: OutageMode) -> None:
         """An outage began: end every in-flight request now (each handler answers per `mode`)."""
@@ -85,6 +102,8 @@ async def _read_json(request: web.Request) -> object:
 async def generate(request: web.Request) -> web.StreamResponse:
     """POST /generate: validate, plan the output, wait for the engine, answer per the contract."""
     st = request.app[STATE]
+    if st.crashed.is_set():  # a keep-alive connection that outlived the crash
+        return fault_http.reset(request)
     t0 = time.monotonic()
     faults = st.faults
     arrival = faults.arrive()
@@ -97,6 +116,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
         spec = parse_generate(await _read_json(request), st.cfg)
     except ApiError as e:
         return _error(e)
+    if st.cfg.oov_crash and st.cfg.vocab_size is not None and spec.prompt and isinstance(spec.prompt[0], int):
+        ids = spec.prompt
+        if min(ids) < 0 or max(ids) >= st.cfg.vocab_size:  # type: ignore[type-var]
+            st.crash(next(t for t in ids if t < 0 or t >= st.cfg.vocab_size), request)  # type: ignore[operator]
+            return web.Response(status=500)  # never sent: the connection is closed
     rid = spec.rid if spec.rid is not None else uuid.uuid4().hex
     if st.cfg.hang_rid_prefixes and rid.startswith(st.cfg.hang_rid_prefixes):
         return await faults.hang(request)  # a poison sample: no answer, whichever attempt
@@ -170,6 +194,8 @@ async def health(request: web.Request) -> web.Response:
     """GET /health and /health_generate: 503 while warming up (SGLang's ServerStatus.Starting, until its warm-up
     request has run) and during an outage, else 200."""
     st = request.app[STATE]
+    if st.crashed.is_set():
+        return fault_http.reset(request)
     if time.monotonic() < st.ready_at:
         return web.Response(status=503)
     faults = st.faults

@@ -29,6 +29,7 @@ from budget.outcomes import EndVerdict, TurnAdmit, TurnVerdict
 from budget.payload import SamplePayload, sampling_params_of, turn_request_key
 from budget.record import make_turn
 from budget.serverinfo import public_url
+from budget.vocab import turn_refusal
 from worker.batch import in_thread_until_answered
 from worker.running import Flight, RunningChunk
 from worker.sglang import GenerateError
@@ -96,6 +97,9 @@ async def run_conversation(d: "Dispatcher", rc: RunningChunk, sample: SamplePayl
                 stopped_by, failed_reason = FAILED, f"turn {i}: {exc}"
                 break
             ids, opens = rendered.input_ids, rendered.opens_think
+            if (oov := turn_refusal(ids, chunk["conversation"], i)) is not None:  # budget/vocab.py: never sent
+                stopped_by, failed_reason = FAILED, oov
+                break
             if len(ids) + max_new > chunk["conversation"]["max_context"]:
                 stopped_by = CONTEXT
                 break
