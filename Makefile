@@ -1,4 +1,4 @@
-.PHONY: setup install demo test typecheck chaos compose-smoke clean
+.PHONY: setup install demo test typecheck chaos compose-smoke sglang-cpu-smoke clean
 
 PYTHON ?= python3
 
@@ -43,3 +43,17 @@ compose-smoke:
 clean:
 	rm -rf .demo out .pytest_cache .mypy_cache build
 	find budget producer render worker sglang_sim demo tests -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# The real SGLang engine (PyPI's sglang 0.5.23) on this machine's CPU with a tiny random Qwen3, budgetq end to end
+# against it (real rq workers, kill -9, --generations 2, exports), the contract recorded to FIXTURES
+# (FIXTURES=tests/fixtures/sglang_real re-records the repository's, which tests/test_sim_contract_real.py replays).
+# Opt-in, not CI: cold ~15 min (a ~10 min C++ build of SGLang's CPU kernels, under nice) and ~7 GB under
+# SGLANG_CPU_CACHE; warm a few minutes. KERNEL_SRC: SGLang's python/sglang/kernels/aot tree (bench/sglang_cpu_env.py
+# says how to bring it in with fetch). See docs/simulator.md "Against the real engine".
+SGLANG_CPU_CACHE ?= /work/cache/sglang-cpu
+KERNEL_SRC ?= $(SGLANG_CPU_CACHE)/src/python/sglang/kernels/aot
+FIXTURES ?= $(SGLANG_CPU_CACHE)/fixtures
+
+sglang-cpu-smoke:
+	$(PYTHON) -m bench.sglang_cpu_smoke --cache $(SGLANG_CPU_CACHE) --kernel-src $(KERNEL_SRC) \
+		--record-fixtures $(FIXTURES) $(SMOKE_ARGS)
