@@ -87,7 +87,7 @@ def http_call(url: str, method: str = "GET", body: bytes | None = None, headers:
               timeout: float = 60.0) -> tuple[int, dict[str, str], bytes]:
     """One request; (status, headers, body). Raises OSError when there is no answer."""
     u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    conn = http.client.HTTPConnection(u.hostname or HOST, u.port, timeout=timeout)
     try:
         conn.request(method, u.path + (f"?{u.query}" if u.query else ""), body=body, headers=headers or {})
         resp = conn.getresponse()

@@ -7,6 +7,7 @@ small function that tests can read next to reference/sglang-generate.md.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Mapping
 
 from sglang_sim.config import SimConfig
@@ -15,6 +16,7 @@ from sglang_sim.textgen import Lexicon, OutputPlan, render
 
 VERSION = "0.5.23-sim"
 MODEL_PATH = "sglang-sim"
+WEIGHT_VERSION = "default"  # SGLang's --weight-version default
 # finish_reason messages as SGLang words them.
 ABORT_QUEUED_MESSAGE = "Abort before prefill"
 ABORT_RUNNING_MESSAGE = "Aborted by AbortReq."
@@ -47,6 +49,10 @@ def generate_body(
     else:
         finish = {"type": "length", "length": max_new_tokens}
         text, output_ids = render(lexicon, plan, max_new_tokens, None, skip_special_tokens)
+    # meta_info's keys in SGLang 0.5.23's order (tokenizer_manager._handle_batch_output), as recorded from the real
+    # engine (tests/fixtures/sglang_real). Only id, finish_reason and the counts mean anything here: one weight
+    # version ("default", its span the whole output), no retraction, no data parallelism, no reasoning parser.
+    completion = len(output_ids)
     return {
         "text": text,
         "output_ids": output_ids,
@@ -54,10 +60,29 @@ def generate_body(
             "id": rid,
             "finish_reason": finish,
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(output_ids),
+            "weight_version": WEIGHT_VERSION,
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "completion_tokens": completion,
             "cached_tokens": outcome.cached_tokens if outcome.started else 0,
+            "cached_tokens_details": None,
+            "weight_versions": [{"version": WEIGHT_VERSION, "start": 0, "end": completion}],
+            "dp_rank": None,
             "e2e_latency": e2e_latency,
+            "response_sent_to_client_ts": time.time(),
         },
+    }
+
+
+def model_info(cfg: SimConfig) -> dict[str, Any]:
+    """/model_info (= /get_model_info): SGLang 0.5.23's keys (http_server.model_info); the model is the
+    simulator's own, so model_type and architectures name it."""
+    return {
+        "model_path": MODEL_PATH, "served_model_name": MODEL_PATH, "tokenizer_path": cfg.tokenizer, "is_generation": True,
+        "preferred_sampling_params": None, "weight_version": WEIGHT_VERSION, "load_format": "auto",
+        "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+        "has_image_understanding": False, "has_audio_understanding": False, "model_type": MODEL_PATH,
+        "architectures": ["SGLangSim"],
     }
 
 

@@ -31,7 +31,7 @@ from sglang_sim.fault_http import ABORT_INJECTED_MESSAGE, FaultState, mangled_re
 from sglang_sim.faults import FaultSettings, OutageMode
 from sglang_sim.prefix_cache import PrefixCache
 from sglang_sim.request_log import RequestLog
-from sglang_sim.responses import MODEL_PATH, generate_body, metrics_text, server_info, stats_body
+from sglang_sim.responses import generate_body, metrics_text, model_info, server_info, stats_body
 from sglang_sim.textgen import Lexicon, input_digest, lexicon_for, plan_output, plan_with_tokenizer, request_rng
 from sglang_sim.validation import ApiError, parse_generate, type_error, value_error
 
@@ -204,7 +204,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def get_model_info(request: web.Request) -> web.Response:
     """GET /model_info and its deprecated alias /get_model_info (SGLang serves both; the router asks the first)."""
-    return web.json_response({"model_path": MODEL_PATH, "tokenizer_path": None, "is_generation": True})
+    return web.json_response(model_info(request.app[STATE].cfg))
 
 
 async def get_server_info(request: web.Request) -> web.Response:
