@@ -125,6 +125,9 @@ def record_all(url: str, out: Path, starting: dict[str, Any], model: Path, conte
     rec.call("wrong_type", "POST", "/generate", {"input_ids": "not ids", "sampling_params": greedy})
     rec.call("no_content_type", "POST", "/generate", headers={},
              raw=json.dumps({"input_ids": prompt, "sampling_params": greedy}).encode())
+    rec.call("form_content_type", "POST", "/generate", headers={"Content-Type": "application/x-www-form-urlencoded"},
+             raw=json.dumps({"input_ids": prompt, "sampling_params": greedy}).encode(),
+             note="what urllib sends when no Content-Type is given")
     rec.call("invalid_json", "POST", "/generate", raw=b'{"input_ids": [1, 2', headers=JSON)
     rec.stream("stream", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0},
                           "stream": True})
