@@ -113,6 +113,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if fault is not None and fault.immediate:
         return await faults.immediate_reply(request, fault)
     try:
+        if request.content_type != "application/json":  # FastAPI then validates the raw bytes, and refuses them
+            raise type_error("Input should be a dictionary or an instance of GenerateReqInput")
         spec = parse_generate(await _read_json(request), st.cfg)
     except ApiError as e:
         return _error(e)
