@@ -1,10 +1,11 @@
 """Token ids the served model cannot take are refused before any request carries them.
 
-SGLang does not validate ``input_ids`` against the model: an id at or above the model's vocabulary size reaches
-the embedding, which raises ``IndexError: index out of range in self``, and the scheduler's death takes the whole
-server down (SIGQUIT, kill_process_tree; the port refuses connections afterwards; seen with sglang 0.5.23 on CPU,
-/work/shared/reference/sglang-cpu.md). So one tokenizer that does not match the served model would take every
-server of a run down, one after the other, as the chunks are retried. Hence:
+SGLang does not validate ``input_ids`` against the model: an id past its embedding (``vocab_size`` padded to a
+multiple of 64 rows) raises ``IndexError: index out of range in self``, and the scheduler's death takes the whole
+server down (SIGQUIT, kill_process_tree; the port refuses connections afterwards; recorded from sglang 0.5.23 on
+CPU: tests/fixtures/sglang_real/out_of_vocab.json). Ids in the padding are served, meaninglessly. So one tokenizer
+that does not match the served model would take every server of a run down, one after the other, as the chunks
+are retried. Every id at or above ``vocab_size`` is refused:
 
 - ``produce`` (producer/vocab.py) checks every rendered prompt id against the model's vocabulary before Redis is
   touched (the tokenizer directory's config.json ``vocab_size``, `config_vocab`), and again at attach against

@@ -99,8 +99,8 @@ class SimConfig:
     # The model's vocabulary size: reported in /server_info as `vocab_size` (SGLang 0.5.23 reports none; budgetq's
     # producer checks prompts against it when a server says, budget/vocab.py). None = unknown, nothing reported.
     vocab_size: int | None = None
-    # Die as SGLang does on an input id >= vocab_size (or < 0): its embedding raises IndexError and the scheduler's
-    # death takes the whole server down, every connection dropped, the port closed (docs/simulator.md). Off.
+    # Die as SGLang does on an input id past its embedding (vocab_size padded to a multiple of 64; or < 0): IndexError,
+    # and the scheduler's death takes the whole server down, every connection dropped, the port closed. Off.
     oov_crash: bool = False
 
     def __post_init__(self) -> None:
@@ -228,8 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, metavar="N",
                    help="the model's vocabulary size, reported in /server_info as vocab_size (default: none)")
     p.add_argument("--oov-crash", action="store_true",
-                   help="die as SGLang does on an input id >= --vocab-size: IndexError in the embedding, every "
-                        "connection dropped, the port closed, the process exits 1")
+                   help="die as SGLang does on an input id past its embedding (--vocab-size padded to a multiple of 64): "
+                        "IndexError, every connection dropped, the port closed, the process exits 1")
     add_fault_options(p)
     return p
 

@@ -324,6 +324,17 @@ def test_an_id_past_the_vocabulary_kills_both_the_same_way() -> None:
     run(check, vocab_size=vocab, oov_crash=True)
 
 
+@pytest.mark.skipif(not have("id_at_vocab_size"), reason="not recorded")
+def test_an_id_in_the_embeddings_padding_is_served_by_both() -> None:
+    real = load("id_at_vocab_size")
+    assert real["request"]["body"]["input_ids"][-1] == int(SERVER["vocab_size"])
+
+    async def check(sim: SimServer) -> None:
+        status, ctype, body = await replay(sim, real)
+        assert_same("id_at_vocab_size", status, ctype, body, real)
+    run(check, vocab_size=int(SERVER["vocab_size"]), oov_crash=True)
+
+
 @pytest.mark.skipif(not have("stream"), reason="not recorded")
 def test_streaming_is_the_engines_and_the_simulator_refuses_it_plainly() -> None:
     """budgetq never streams: the simulator refuses `stream: true` (KNOWN) rather than half-model it. What the
