@@ -1,6 +1,7 @@
 """`make sglang-cpu-smoke`: budgetq end to end against the real SGLang engine, on this machine's CPU.
 
-Opt-in, never CI (cold: ~15 min and ~7 GB of cache; warm: a few minutes). Every figure budgetq has elsewhere was
+Opt-in, never CI (cold: ~15 min on an idle machine, ~70 min measured on a busy shared one; ~7 GB of cache;
+warm: 11 min measured on the busy machine). Every figure budgetq has elsewhere was
 measured against sglang_sim/; here PyPI's unmodified sglang 0.5.23 answers, serving a tiny random Qwen3 made
 locally (/work/shared/reference/sglang-cpu.md has what worked and why). In order, each step timed:
 
