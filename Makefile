@@ -1,4 +1,4 @@
-.PHONY: setup install demo test typecheck chaos compose-smoke clean distclean
+.PHONY: setup install demo test typecheck chaos compose-smoke sglang-cpu-smoke clean distclean
 
 # Everything runs in a virtualenv inside this checkout (VENV, made by scripts/bootstrap.sh), so `make demo` and
 # `make test` never re-point another environment's packages at this clone; its bin/ goes first on PATH, so the
@@ -55,3 +55,17 @@ clean:
 
 distclean: clean
 	rm -rf .venv
+
+# The real SGLang engine (PyPI's sglang 0.5.23) on this machine's CPU with a tiny random Qwen3, budgetq end to end
+# against it (real rq workers, kill -9, --generations 2, exports), the contract recorded to FIXTURES
+# (FIXTURES=tests/fixtures/sglang_real re-records the repository's, which tests/test_sim_contract_real.py replays).
+# Opt-in, not CI: cold ~15 min on an idle machine (a ~10 min C++ build of SGLang's CPU kernels), ~70 min measured
+# on a busy shared one (everything under nice 19), ~7 GB under SGLANG_CPU_CACHE; warm ~11 min measured there. KERNEL_SRC: SGLang's python/sglang/kernels/aot tree (bench/sglang_cpu_env.py
+# says how to bring it in with fetch). See docs/simulator.md "Against the real engine".
+SGLANG_CPU_CACHE ?= /work/cache/sglang-cpu
+KERNEL_SRC ?= $(SGLANG_CPU_CACHE)/src/python/sglang/kernels/aot
+FIXTURES ?= $(SGLANG_CPU_CACHE)/fixtures
+
+sglang-cpu-smoke:
+	$(PYTHON) -m bench.sglang_cpu_smoke --cache $(SGLANG_CPU_CACHE) --kernel-src $(KERNEL_SRC) \
+		--record-fixtures $(FIXTURES) $(SMOKE_ARGS)

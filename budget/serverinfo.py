@@ -52,6 +52,8 @@ SERVER_INFO_KEYS: Final = (
     "pp_size", "ep_size", "random_seed", "speculative_algorithm", "reasoning_parser", "tool_call_parser",
     # SGLang honours sampling_seed only with --enable-deterministic-inference (sampling_batch_info.py)
     "enable_deterministic_inference",
+    # the model's vocabulary, when a server says (budget/vocab.py: an id past it kills SGLang; 0.5.23 says nothing)
+    "vocab_size",
 )
 #: Each entry's own fields besides SERVER_INFO_KEYS: ``via`` (the router it was found behind) and ``router``
 #: (true: this URL is a router whose servers could not be asked) only when they apply.

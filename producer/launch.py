@@ -29,10 +29,12 @@ log = logging.getLogger("budgetq.produce")
 def launch(settings: RunSettings, *, warn: Callable[[str], None]) -> str:
     """Prepare the inputs, then plan them (``--dry-run``) or run them; return the text to print."""
     from producer.prepare import load_inputs
+    from producer.vocab import check_offline as check_vocab_offline
     started = time.monotonic()
     inputs = load_inputs(settings, echo=log.info, warn=warn)
     log.debug("read, validated and rendered %d dataset(s) in %.1f s", len(inputs.prepared),
               time.monotonic() - started)
+    check_vocab_offline(inputs, settings.tokenizer)  # producer/vocab.py: exit 2 on an id the model cannot take
     budgets = settings.budgets_for(p.name for p in inputs.prepared)
     if settings.dry_run:
         return dry_run(settings, inputs, budgets)
@@ -78,6 +80,7 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     from producer.preflight import (check_out_dirs, check_redis, check_seed, check_server_parsers, connect,
                                     recheck_context)
     from producer.session.report import summary_table
+    from producer.vocab import check_servers as check_vocab_servers
     from producer.session.loop import Producer
     s = settings
     names = set(budgets)
@@ -98,6 +101,7 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
                          chunk_size=s.chunk_size, queue_depth=s.queue_depth, new_run=s.new_run,
                          job=JobSettings(job_timeout=s.job_timeout), show_progress=s.show_progress,
                          conversation=inputs.conversation(context), tokenizer=s.tokenizer, variants=inputs.variants)
+    check_vocab_servers(client, inputs, s.tokenizer, options.conversation)  # producer/vocab.py; sets vocab_size
     producer = Producer(client, inputs.prepared, options, echo=log.info)
     try:
         producer.attach()

@@ -96,6 +96,12 @@ class SimConfig:
     # finish_reason, completion_tokens, port) to this file, so a test can see what each request was sent from the
     # server's side (docs/simulator.md, "Request log"). None = no log.
     request_log: str | None = None
+    # The model's vocabulary size: reported in /server_info as `vocab_size` (SGLang 0.5.23 reports none; budgetq's
+    # producer checks prompts against it when a server says, budget/vocab.py). None = unknown, nothing reported.
+    vocab_size: int | None = None
+    # Die as SGLang does on an input id past its embedding (vocab_size padded to a multiple of 64; or < 0): IndexError,
+    # and the scheduler's death takes the whole server down, every connection dropped, the port closed. Off.
+    oov_crash: bool = False
 
     def __post_init__(self) -> None:
         problems = validate(self)
@@ -154,6 +160,10 @@ def validate(cfg: SimConfig) -> list[str]:
         problems.append("request_log must be a file path")
     if any(not prefix for prefix in cfg.hang_rid_prefixes):
         problems.append("hang_rid_prefixes must not be empty strings")
+    if cfg.vocab_size is not None and cfg.vocab_size <= 0:
+        problems.append("vocab_size must be > 0")
+    if cfg.oov_crash and cfg.vocab_size is None:
+        problems.append("oov_crash needs vocab_size (the ids at or above it are the ones that kill the server)")
     if any(start < 0 or duration <= 0 for start, duration in cfg.outages):
         problems.append("outages need START >= 0 and DURATION > 0")
     return problems
@@ -215,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-log", default=d.request_log, metavar="PATH",
                    help="append one JSON line per answered /generate (rid, input_ids, output_ids, text, finish_reason, "
                         "completion_tokens, port), flushed per line; several servers may share one file")
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size, metavar="N",
+                   help="the model's vocabulary size, reported in /server_info as vocab_size (default: none)")
+    p.add_argument("--oov-crash", action="store_true",
+                   help="die as SGLang does on an input id past its embedding (--vocab-size padded to a multiple of 64): "
+                        "IndexError, every connection dropped, the port closed, the process exits 1")
     add_fault_options(p)
     return p
 

@@ -7,6 +7,7 @@ small function that tests can read next to reference/sglang-generate.md.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Mapping
 
 from sglang_sim.config import SimConfig
@@ -15,9 +16,10 @@ from sglang_sim.textgen import Lexicon, OutputPlan, render
 
 VERSION = "0.5.23-sim"
 MODEL_PATH = "sglang-sim"
+WEIGHT_VERSION = "default"  # SGLang's --weight-version default
 # finish_reason messages as SGLang words them.
 ABORT_QUEUED_MESSAGE = "Abort before prefill"
-ABORT_RUNNING_MESSAGE = "Aborted by AbortReq."
+ABORT_RUNNING_MESSAGE = "Aborted"  # recorded from 0.5.23 (tests/fixtures/sglang_real/generate_abort.json)
 
 
 def generate_body(
@@ -47,6 +49,11 @@ def generate_body(
     else:
         finish = {"type": "length", "length": max_new_tokens}
         text, output_ids = render(lexicon, plan, max_new_tokens, None, skip_special_tokens)
+    # meta_info's keys in SGLang 0.5.23's order (tokenizer_manager._handle_batch_output), as recorded from the real
+    # engine (tests/fixtures/sglang_real). Only id, finish_reason and the counts mean anything here: one weight
+    # version ("default", its span the whole output), no retraction, no data parallelism, no reasoning parser.
+    completion = len(output_ids)
+    cached = outcome.cached_tokens if outcome.started else 0
     return {
         "text": text,
         "output_ids": output_ids,
@@ -54,11 +61,36 @@ def generate_body(
             "id": rid,
             "finish_reason": finish,
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(output_ids),
-            "cached_tokens": outcome.cached_tokens if outcome.started else 0,
+            "weight_version": WEIGHT_VERSION,
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "completion_tokens": completion,
+            "cached_tokens": cached,
+            "cached_tokens_details": {"device": cached, "host": 0} if cached else None,  # null when none, as 0.5.23
+            "weight_versions": [{"version": WEIGHT_VERSION, "start": 0, "end": completion}],
+            "dp_rank": None,
             "e2e_latency": e2e_latency,
+            "response_sent_to_client_ts": time.time(),
         },
     }
+
+
+def model_info(cfg: SimConfig) -> dict[str, Any]:
+    """/model_info (= /get_model_info): SGLang 0.5.23's keys (http_server.model_info); the model is the
+    simulator's own, so model_type and architectures name it."""
+    return {
+        "model_path": MODEL_PATH, "served_model_name": MODEL_PATH, "tokenizer_path": cfg.tokenizer, "is_generation": True,
+        "preferred_sampling_params": None, "weight_version": WEIGHT_VERSION, "load_format": "auto",
+        "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+        "has_image_understanding": False, "has_audio_understanding": False, "model_type": MODEL_PATH,
+        "architectures": ["SGLangSim"],
+        "embedding": EMBEDDING,
+    }
+
+
+#: /model_info's ``embedding`` block as 0.5.23 answers it for a generation model (recorded): nothing enabled.
+EMBEDDING: dict[str, Any] = {"family": "none", "task": "none", "execution": "none", "attention": "none", "pooling": "model_defined", "normalize": False, "postprocessor": "none", "tokenizer_special_tokens": "model_default", "supports_dimensions": False, "supports_token_embeddings": False, "supports_multimodal": False, "requires_embedding_flag": False, "auto_enable_embedding": False, "bcg_eligibility": "disabled", "safe_disable_kv_cache": False, "safe_disable_radix_cache": False, "safe_disable_chunked_prefill": False, "enabled": False, "matryoshka_dimensions": [], "bcg": {"prefill_backend": "disabled", "enabled": False, "capture_token_budget": 4096, "capture_batch_sizes": [4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256, 288, 320, 352, 384, 416, 448, 480, 512, 576, 640, 704, 768, 832, 896, 960, 1024, 1280, 1536, 1792, 2048, 2304, 2560, 2816, 3072, 3328, 3584, 3840, 4096]}, "cache": {"kv_cache_disabled": False, "radix_cache_disabled": False, "chunked_prefill_disabled": False}}
+
 
 
 def server_info(cfg: SimConfig, stats: EngineStats) -> dict[str, Any]:
@@ -68,8 +100,15 @@ def server_info(cfg: SimConfig, stats: EngineStats) -> dict[str, Any]:
     return {
         **args,
         "model_path": MODEL_PATH,
-        "tokenizer_path": None,
+        "served_model_name": MODEL_PATH,
+        "tokenizer_path": cfg.tokenizer,
         "max_running_requests": cfg.max_running,
+        # What budgetq (budget/serverinfo.py) and SGLang's router read, with 0.5.23's types. No KV-cache limit is
+        # modelled: max_total_num_tokens never binds (producer/servercontext.py reads it as a per-request cap).
+        "max_total_num_tokens": cfg.context_length * cfg.max_running,
+        "max_req_input_len": cfg.context_length - 6,
+        "tp_size": 1, "dp_size": 1, "random_seed": cfg.seed, "reasoning_parser": None, "tool_call_parser": None,
+        "enable_deterministic_inference": False, "page_size": 1, "chunked_prefill_size": 8192, "device": "cuda",
         "internal_states": [{"last_gen_throughput": stats.last_gen_throughput}],
         "version": VERSION,
     }

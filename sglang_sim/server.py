@@ -31,7 +31,7 @@ from sglang_sim.fault_http import ABORT_INJECTED_MESSAGE, FaultState, mangled_re
 from sglang_sim.faults import FaultSettings, OutageMode
 from sglang_sim.prefix_cache import PrefixCache
 from sglang_sim.request_log import RequestLog
-from sglang_sim.responses import MODEL_PATH, generate_body, metrics_text, server_info, stats_body
+from sglang_sim.responses import generate_body, metrics_text, model_info, server_info, stats_body
 from sglang_sim.textgen import Lexicon, input_digest, lexicon_for, plan_output, plan_with_tokenizer, request_rng
 from sglang_sim.validation import ApiError, parse_generate, type_error, value_error
 
@@ -58,6 +58,23 @@ class SimState:
     unauthorized: int = 0  # requests refused with 401 (--api-key): a worker's wrong key, counted for tests
     tokenizer: Any = None  # sglang_sim.families.SimTokenizer with --tokenizer: real output_ids
     request_log: RequestLog | None = None  # --request-log: one line per answered /generate
+    crashed: asyncio.Event = field(default_factory=asyncio.Event)  # --oov-crash fired: the server is dead
+
+    def crash(self, token: int, request: web.Request) -> None:
+        """--oov-crash: what SGLang 0.5.23 does on an id past the vocabulary (the scheduler's IndexError, then
+        SIGQUIT and kill_process_tree): every connection dropped without an answer, the socket closed; a process
+        (sglang_sim/__main__.py) exits 1."""
+        import sys
+        print(f"sglang-sim: input id {token} >= vocab_size {self.cfg.vocab_size}: IndexError: index out of range in "
+              "self (embedding); SIGQUIT received, kill_process_tree (as SGLang)", file=sys.stderr, flush=True)
+        self.crashed.set()
+        for f in list(self.inflight.values()):
+            if f.request.transport is not None:
+                f.request.transport.close()
+        self.engine.abort_many([f.job for f in self.inflight.values()])
+        fault_http.reset(request)
+        if self.faults.listener is not None:
+            asyncio.ensure_future(self.faults.listener(False))
 
     def cut_inflight(self, mode: OutageMode) -> None:
         """An outage began: end every in-flight request now (each handler answers per `mode`)."""
@@ -85,6 +102,8 @@ async def _read_json(request: web.Request) -> object:
 async def generate(request: web.Request) -> web.StreamResponse:
     """POST /generate: validate, plan the output, wait for the engine, answer per the contract."""
     st = request.app[STATE]
+    if st.crashed.is_set():  # a keep-alive connection that outlived the crash
+        return fault_http.reset(request)
     t0 = time.monotonic()
     faults = st.faults
     arrival = faults.arrive()
@@ -94,9 +113,18 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if fault is not None and fault.immediate:
         return await faults.immediate_reply(request, fault)
     try:
+        if request.content_type != "application/json":  # FastAPI then validates the raw bytes, and refuses them
+            raise type_error("Input should be a dictionary or an instance of GenerateReqInput")
         spec = parse_generate(await _read_json(request), st.cfg)
     except ApiError as e:
         return _error(e)
+    if st.cfg.oov_crash and st.cfg.vocab_size is not None and spec.prompt and isinstance(spec.prompt[0], int):
+        # SGLang pads its embedding to a multiple of 64 rows: ids in the padding are served (meaninglessly), past it
+        # the embedding fails (recorded: tests/fixtures/sglang_real/id_at_vocab_size.json, out_of_vocab.json).
+        ids, rows = spec.prompt, -(-st.cfg.vocab_size // 64) * 64
+        if min(ids) < 0 or max(ids) >= rows:  # type: ignore[type-var]
+            st.crash(next(t for t in ids if t < 0 or t >= rows), request)  # type: ignore[operator]
+            return web.Response(status=500)  # never sent: the connection is closed
     rid = spec.rid if spec.rid is not None else uuid.uuid4().hex
     if st.cfg.hang_rid_prefixes and rid.startswith(st.cfg.hang_rid_prefixes):
         return await faults.hang(request)  # a poison sample: no answer, whichever attempt
@@ -170,6 +198,8 @@ async def health(request: web.Request) -> web.Response:
     """GET /health and /health_generate: 503 while warming up (SGLang's ServerStatus.Starting, until its warm-up
     request has run) and during an outage, else 200."""
     st = request.app[STATE]
+    if st.crashed.is_set():
+        return fault_http.reset(request)
     if time.monotonic() < st.ready_at:
         return web.Response(status=503)
     faults = st.faults
@@ -178,7 +208,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def get_model_info(request: web.Request) -> web.Response:
     """GET /model_info and its deprecated alias /get_model_info (SGLang serves both; the router asks the first)."""
-    return web.json_response({"model_path": MODEL_PATH, "tokenizer_path": None, "is_generation": True})
+    return web.json_response(model_info(request.app[STATE].cfg))
 
 
 async def get_server_info(request: web.Request) -> web.Response:

@@ -126,8 +126,9 @@ def _check_sampling(sp: Mapping[str, Any]) -> dict[str, Any]:
             raise type_error(f"sampling_params.{k}: Input has the wrong type, got {v!r}")
 
     def num(key: str, default: float) -> float:
+        # As given, not float(): SGLang's messages print what was sent ("got -1.", not "got -1.0.").
         v = sp.get(key)
-        return default if v is None else float(v)
+        return default if v is None else v  # type: ignore[no-any-return]
 
     temperature, top_p, min_p = num("temperature", 1.0), num("top_p", 1.0), num("min_p", 0.0)
     freq, pres, rep = num("frequency_penalty", 0.0), num("presence_penalty", 0.0), num("repetition_penalty", 1.0)

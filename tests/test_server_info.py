@@ -30,7 +30,10 @@ from worker.config import WorkerConfig
 from worker.serverinfo import ServerInfoReporter
 
 API_KEY = "sk-server-info-test-key"
-SIM_INFO = {"version": VERSION, "model_path": MODEL_PATH, "context_length": 32768}
+# What the simulator's /get_server_info gives of SERVER_INFO_KEYS (the keys 0.5.23 has, tests/test_sim_contract_real.py)
+SIM_INFO = {"version": VERSION, "model_path": MODEL_PATH, "served_model_name": MODEL_PATH, "context_length": 32768,
+            "max_total_num_tokens": 32768 * 256, "max_req_input_len": 32768 - 6, "tp_size": 1, "dp_size": 1,
+            "random_seed": 0, "enable_deterministic_inference": False}
 HOST = socket.gethostname()
 
 
@@ -185,7 +188,7 @@ def export(args: list[str], env: dict[str, str] | None = None) -> subprocess.Com
 def test_workers_record_their_servers_and_the_manifests_carry_them(redis_url: str, r: "redis.Redis",
                                                                    tokenizer_dir: Path, tmp_path: Path,
                                                                    sim_factory: Any, workers: Any) -> None:
-    sim = sim_factory("--time-scale", "20", "--mean-tokens", "100", "--seed", "31", "--api-key", API_KEY)
+    sim = sim_factory("--time-scale", "20", "--mean-tokens", "100", "--seed", "0", "--api-key", API_KEY)
     pool = workers(sim.url, BUDGETQ_CONCURRENCY="8", SGLANG_API_KEY=API_KEY)
     pool.start("w0")
     field = f"{HOST} {sim.url}"
