@@ -42,9 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import scratch
-from demo.synthetic import write_prompts
+from bench.multiturn import DATASET as CONV_DATASET
+from bench.multiturn import PARSER, write_conversations
 from demo.stack import Stack, produce_cmd
-from bench.multiturn import DATASET as CONV_DATASET, PARSER, write_conversations
+from demo.synthetic import write_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

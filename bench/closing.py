@@ -31,8 +31,8 @@ from typing import Any
 
 from bench.harness import CpuMeter, RedisMonitor, admits_start, fmt_cpu, save_results, scratch, sim_args, sim_stats_url
 from budget.keys import DatasetKeys
-from demo.synthetic import write_prompts
 from demo.stack import Stack, produce_cmd
+from demo.synthetic import write_prompts
 
 
 class ArrivalWatch(threading.Thread):
@@ -73,7 +73,7 @@ def close_runs(args: argparse.Namespace, work: Path, tok: Path, data: Path) -> l
         r = stack.client()
         run = 0
         for mode in args.modes.split(","):
-            for rep in range(args.repeats):
+            for _rep in range(args.repeats):
                 name = f"close{run}"
                 run += 1
                 key = DatasetKeys(name).inflight

@@ -26,11 +26,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (CpuMeter, SimProbe, fmt_cpu, percentile, save_results, scratch, sim_args, sim_stats_url,
-    window_rate)
+from bench.harness import (
+    CpuMeter,
+    SimProbe,
+    fmt_cpu,
+    percentile,
+    save_results,
+    scratch,
+    sim_args,
+    sim_stats_url,
+    window_rate,
+)
 from budget.keys import DatasetKeys
-from demo.synthetic import write_prompts
 from demo.stack import Stack, produce_cmd, start_sim
+from demo.synthetic import write_prompts
 
 
 def render_bodies(tok: Path, data: Path) -> list[list[int]]:
@@ -60,7 +69,7 @@ def per_second_occupancy(samples: list[tuple[float, list[dict[str, Any] | None]]
                          saturation: int) -> list[float]:
     pts = [(t, s[0]) for t, s in samples if s[0] is not None and t_a - 0.01 <= t <= t_b + 0.5]
     out = []
-    for (_, a), (_, b) in zip(pts, pts[1:]):
+    for (_, a), (_, b) in zip(pts, pts[1:], strict=False):
         dt = b["uptime"] - a["uptime"]
         if dt > 0:
             out.append((b["running_integral"] - a["running_integral"]) / dt / saturation)

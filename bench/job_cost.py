@@ -24,11 +24,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (CpuMeter, RedisMonitor, admits_start, cpu_seconds, fmt_cpu, save_results, scratch,
-    sim_stats_url)
+from bench.harness import (
+    CpuMeter,
+    RedisMonitor,
+    admits_start,
+    cpu_seconds,
+    fmt_cpu,
+    save_results,
+    scratch,
+    sim_stats_url,
+)
 from budget.keys import DatasetKeys
-from demo.synthetic import write_prompts
 from demo.stack import Stack, produce_cmd
+from demo.synthetic import write_prompts
 
 SIM = ["--zero-latency", "--length-dist", "fixed", "--mean-tokens", "32", "--seed", "1"]
 
@@ -136,7 +144,7 @@ def chunk_sweep(stack: Stack, work: Path, tok: Path, data: Path, sizes: list[int
                         "--max-context", "65536", "--chunk-size", str(size), "--out", str(work / "out"),
                         "--redis-url", stack.redis_url, "--detach", "--quiet"], check=True, capture_output=True)
         enqueue_s = time.time() - t0
-        committed = lambda: int(r.hget(DatasetKeys(name).meta, "committed") or 0)  # noqa: E731
+        committed = lambda name=name: int(r.hget(DatasetKeys(name).meta, "committed") or 0)  # noqa: E731
         deadline = time.monotonic() + 30
         while committed() == 0 and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.efficiency import render_bodies
-from bench.harness import CpuMeter, RESULTS, fmt_cpu, save_results, scratch, sim_args, sim_stats_url
-from demo.synthetic import write_prompts
+from bench.harness import RESULTS, CpuMeter, fmt_cpu, save_results, scratch, sim_args, sim_stats_url
 from demo.appending import read_jsonl
 from demo.stack import Stack, produce_cmd, start_sim
+from demo.synthetic import write_prompts
 
 SAT = 256
 SERIES_STEP = 0.5  # seconds between saved points of the running-count series

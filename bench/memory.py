@@ -17,8 +17,8 @@ from typing import Any
 
 from bench.harness import cpu_seconds, rss_kb, save_results, scratch
 from budget.keys import DatasetKeys
-from demo.synthetic import write_prompts
 from demo.stack import Stack, produce_cmd
+from demo.synthetic import write_prompts
 
 
 def main() -> None:

@@ -160,6 +160,7 @@ def replay_log(path: Path, conversations: int, page: int, tok: Path) -> dict[str
     history check from the server's side: how many later turns' prompts (decoded) hold the answer the server gave
     to the turn before, and how many hold any of the dataset's answers (must be 0)."""
     from tokenizers import Tokenizer
+
     from budget import keys
     from budget.payload import request_id
     from sglang_sim.prefix_cache import PrefixCache
@@ -178,7 +179,7 @@ def replay_log(path: Path, conversations: int, page: int, tok: Path) -> dict[str
         sid = f"c{c:05d}"
         answers = [answer_of.get(request_id(DATASET, sid if t == 0 else keys.turn_field(sid, t), 0)[:28])
                    for t in range(3)]
-        for a, b in zip(answers, answers[1:]):
+        for a, b in zip(answers, answers[1:], strict=False):
             if a is not None and b is not None:
                 later += 1
                 same += a["port"] == b["port"]

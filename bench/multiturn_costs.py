@@ -7,8 +7,15 @@ loading a tokenizer, rendering the 3rd turn of a 3-turn conversation, the JSON b
 committed turns hold in a private redis-server (MEMORY USAGE of the commit_turn keys).
 Times are noisy on a loaded machine: only their order of magnitude is used. Byte counts are exact.
 """
-import json, os, subprocess, sys, time, tempfile, zlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
 from pathlib import Path
+
 from demo.tokenizer import build_tokenizer
 
 tmp = Path(tempfile.mkdtemp())
@@ -25,7 +32,8 @@ for mod in ("tokenizers, jinja2", "transformers"):
     print(f"import {mod}: seconds, maxrss MiB", out.stdout.strip())
 
 t = time.perf_counter()
-from render.chat import load_tokenizer, Renderer
+from render.chat import Renderer, load_tokenizer
+
 tok = load_tokenizer(d)
 r = Renderer(tok)
 print("load_tokenizer+Renderer s", round(time.perf_counter() - t, 3))
@@ -59,9 +67,11 @@ print("bytes: messages", len(json.dumps(msgs)), "one turn record", len(json.dump
 # What committed-but-unwritten turns hold in Redis: 200 conversations x 2 turns through Ledger.commit_turn, on a
 # private redis-server (demo/stack.py RedisServer: started here, stopped here).
 import redis
-from demo.stack import RedisServer
+
 from budget import keys
 from budget.ledger import Ledger
+from demo.stack import RedisServer
+
 srv = RedisServer(Path(tempfile.mkdtemp())); srv.start()
 try:
     r = redis.Redis.from_url(srv.url); L = Ledger(r); L.set_budget("m", None)

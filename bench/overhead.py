@@ -33,8 +33,8 @@ import redis
 
 from bench.harness import CpuMeter, fmt_cpu, save_results, scratch, thread_cpu
 from budget.keys import DatasetKeys
-from demo.synthetic import write_prompts
 from demo.stack import Stack, produce_cmd
+from demo.synthetic import write_prompts
 
 SIM = ["--zero-latency", "--length-dist", "fixed", "--mean-tokens", "32", "--seed", "1"]
 
@@ -207,13 +207,13 @@ def redis_round_trips(redis_url: str, n: int = 2048, batch: int = 64) -> dict[st
                   "finish_reason": "stop", "sampling_params": {"max_new_tokens": 64}}
         t0, c0 = time.perf_counter(), time.process_time()
         if mode == "one_by_one":
-            for cid, items in zip(cids, chunks):
+            for cid, items in zip(cids, chunks, strict=True):
                 for it in items:
                     ledger.admit(name, it.id, cid)
                 for it in items:
                     ledger.commit(name, it.id, 32, {**record, "id": it.id}, chunk=cid)
         else:  # as the worker sends them: a chunk's admissions in one call, then its commits merged into one
-            for cid, items in zip(cids, chunks):
+            for cid, items in zip(cids, chunks, strict=True):
                 run_many(client, [ledger.admit_call(name, [it.id for it in items], cid)])
                 run_many(client, [ledger.commit_call(name, it.id, 32, {**record, "id": it.id}, chunk=cid,
                                                      finish_reason="stop") for it in items])
@@ -241,9 +241,8 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args()
     with scratch("overhead") as work:
-        from demo.tokenizer import build_tokenizer
-
         from bench.efficiency import render_bodies
+        from demo.tokenizer import build_tokenizer
         tok = build_tokenizer(work / "tok", thinking="none")
         data = write_prompts(work / "prompts.jsonl", args.prompts)
         bodies = work / "bodies.json"

@@ -70,7 +70,7 @@ def measure(urls: list[str], args: argparse.Namespace, pids: dict[str, int], use
     b = [sim_stats_url(u) for u in urls]
     u_b, t_b = used(), time.time()
     shares = cpu.stop()
-    per = [window_rate(x, y, args.per_request_tps * s * args.time_scale, 256) for x, y, s in zip(a, b, SPEEDS)]
+    per = [window_rate(x, y, args.per_request_tps * s * args.time_scale, 256) for x, y, s in zip(a, b, SPEEDS, strict=True)]
     ceiling = sum(256 * args.per_request_tps * s * args.time_scale for s in SPEEDS)
     generated = sum(p["generated_tok_s"] for p in per)
     return {"per_server": per, "generated_tok_s": generated, "ceiling_tok_s": ceiling,

@@ -219,8 +219,9 @@ def start_server(env: Env, procs: Procs, model: Path, port: int) -> tuple[subpro
 def start_sim(procs: Procs, work: Path, port: int) -> tuple[Path, subprocess.Popen[bytes], dict[str, Any]]:
     """--sim: sglang-sim with the demo tokenizer and a config.json naming its vocabulary."""
     sys.path.insert(0, str(ROOT))
-    from demo.tokenizer import build_tokenizer
     from producer.render import load_tokenizer
+
+    from demo.tokenizer import build_tokenizer
     model = build_tokenizer(work / "model", thinking="open", model_max_length=CONTEXT)
     vocab = len(load_tokenizer(str(model)))
     (model / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": vocab,
@@ -571,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"still running after stop: {left}")
         wall = time.monotonic() - t0
         disk = env.disk_bytes()
-        log(f"timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in env.timings.items()))
+        log("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in env.timings.items()))
         log(f"wall time {wall:.1f} s; disk used {disk / 2**30:.2f} GiB under {a.cache}; work folder {work}")
         if not a.keep_work and ok:
             shutil.rmtree(work, ignore_errors=True)

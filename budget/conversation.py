@@ -25,7 +25,6 @@ from budget.history import Step, history_message, tool_names
 from budget.record import BUDGET, LENGTH, TOOL_MISMATCH
 
 
-
 @dataclass
 class Walk:
     """A conversation after its regenerated turns: what was sent besides them (``sent``, the record's

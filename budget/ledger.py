@@ -15,9 +15,22 @@ import redis
 from redis.commands.core import Script
 
 from budget import keys, scripts
-from budget.outcomes import (Admission, CommitOutcome, DatasetState, EndOutcome, LengthSample, TurnAdmission,
-                             TurnOutcome, parse_admissions, parse_commit, parse_end, parse_length_sample,
-                             parse_turn_admission, parse_turn_commit, text)
+from budget.outcomes import (
+    Admission,
+    CommitOutcome,
+    DatasetState,
+    EndOutcome,
+    LengthSample,
+    TurnAdmission,
+    TurnOutcome,
+    parse_admissions,
+    parse_commit,
+    parse_end,
+    parse_length_sample,
+    parse_turn_admission,
+    parse_turn_commit,
+    text,
+)
 from budget.pipeline import Call, run
 
 #: How long a running chunk's lease lasts without a refresh. Workers refresh every LEASE_MS / 4, so a lease
@@ -336,7 +349,7 @@ class Ledger:
         if not samples:
             return {}
         counts = self.r.hmget(self._keys(name).convs, list(samples))
-        return {sid: int(n) for sid, n in zip(samples, counts) if n is not None and int(n) > 0}
+        return {sid: int(n) for sid, n in zip(samples, counts, strict=True) if n is not None and int(n) > 0}
 
     def open_conversations(self, name: str) -> int:
         """How many conversations are started and not ended (``convs``' size)."""

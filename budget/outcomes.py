@@ -14,7 +14,9 @@ from typing import Any
 
 # LengthSample.per_turn[j] holds turn bucket j's lengths (turns 0, 1, 2; 3: the fourth and later). Re-exported for
 # the worker, which names no key: budget/keys.py owns the lists they come from.
-from budget.keys import SEP, TURN_BUCKETS as TURN_BUCKETS, turn_bucket as turn_bucket
+from budget.keys import SEP
+from budget.keys import TURN_BUCKETS as TURN_BUCKETS
+from budget.keys import turn_bucket as turn_bucket
 
 
 class Admit(enum.IntEnum):

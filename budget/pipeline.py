@@ -74,7 +74,7 @@ def run_many(client: "redis.Redis", calls: Sequence[Call[Any]]) -> list[Any]:
                 p.evalsha(call.script.sha, len(call.keys), *call.keys, *args)
             raw = p.execute(raise_on_error=False)
         missing = []
-        for send, reply in zip(todo, raw):
+        for send, reply in zip(todo, raw, strict=True):
             call, _, members = send
             if isinstance(reply, NoScriptError) and attempt == 1:
                 missing.append(send)

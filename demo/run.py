@@ -31,8 +31,20 @@ import click
 import demo
 from budget.keys import QUEUE_NAME
 from budget.record import as_v2
-from demo.stack import (HOST, NotReady, RedisServer, Service, find_redis_server, produce_cmd, spawn, spawn_sim,
-                        wait_for_sim, wait_for_workers, worker_argv, worker_env)
+from demo.stack import (
+    HOST,
+    NotReady,
+    RedisServer,
+    Service,
+    find_redis_server,
+    produce_cmd,
+    spawn,
+    spawn_sim,
+    wait_for_sim,
+    wait_for_workers,
+    worker_argv,
+    worker_env,
+)
 from demo.tokenizer import build_tokenizer
 from producer.session.attach import pid_alive
 

@@ -254,6 +254,7 @@ def run_cmd(**options: Any) -> None:
 @opt("--json", "as_json", is_flag=True, envvar="BUDGETQ_STATUS_JSON", help="Print JSON for scripts.")
 def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: float, as_json: bool) -> None:
     import redis
+
     from producer.ops.status import all_status, down_servers, status_table
     client = connect(redis_url)
     try:
@@ -400,8 +401,8 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
 def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | None, truncated: str, reasoning: str,
                trainer: str | None, per_turn: bool | None, inexact: str, token_ids: bool, tokenizer: str | None,
                redis_url: str | None, server_url: str | None, verbose: bool, log_format: str) -> None:
-    from producer.export.writer import ExportJob, ExportOptions, export_datasets
     from producer.export.manifest import fetch_servers
+    from producer.export.writer import ExportJob, ExportOptions, export_datasets
     _setup_logging(log_format, verbose)
     options = ExportOptions(format=fmt, truncated=truncated, reasoning=reasoning, token_ids=token_ids,
                             per_turn=per_turn, trainer=trainer, inexact=inexact)

@@ -73,15 +73,21 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     """Check, attach and run (or enqueue and detach); write the manifests of a run that ended; return the
     summary table."""
     from budget.runstate import RunState
-    from producer.session.attach import check_out_dir
-    from producer.session.state import RunOptions
-    from producer.session.enqueue import JobSettings
     from producer.export.manifest import write_run_manifests
-    from producer.preflight import (check_out_dirs, check_redis, check_seed, check_server_parsers, connect,
-                                    recheck_context)
-    from producer.session.report import summary_table
-    from producer.vocab import check_servers as check_vocab_servers
+    from producer.preflight import (
+        check_out_dirs,
+        check_redis,
+        check_seed,
+        check_server_parsers,
+        connect,
+        recheck_context,
+    )
+    from producer.session.attach import check_out_dir
+    from producer.session.enqueue import JobSettings
     from producer.session.loop import Producer
+    from producer.session.report import summary_table
+    from producer.session.state import RunOptions
+    from producer.vocab import check_servers as check_vocab_servers
     s = settings
     names = set(budgets)
     params = inputs.settings.chunk_params

@@ -22,10 +22,9 @@ from typing import Any, Final, Sequence
 
 import aiohttp
 
-from render.modeldir import Context
-from producer.results import RESULTS, iter_results
 from producer.prepare import Prepared
-
+from producer.results import RESULTS, iter_results
+from render.modeldir import Context
 
 #: Requests the deployment runs at once when --in-flight is not given: one worker's window (BUDGETQ_CONCURRENCY).
 DEFAULT_IN_FLIGHT: Final = 64

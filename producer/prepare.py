@@ -14,14 +14,15 @@ from budget.history import plan
 from budget.payload import ConversationPayload
 from producer.errors import UsageError
 from producer.generations import rounds, split_key
-from render.modeldir import Context, ModelDirError, config_context
+from producer.inputs.reader import Problem, ReadResult, Sample
 from producer.order import permute
 from producer.progress import progress_bar
-from producer.inputs.reader import Problem, ReadResult, Sample
-from producer.settings import RunSettings, check_max_tokens
-from render.chat import Rendered, RenderError, Renderer
 from producer.runjson import ALL, DatasetSettings, resolve
+from producer.settings import RunSettings, check_max_tokens
 from producer.templatemix import Variants
+from render.chat import Rendered, Renderer, RenderError
+from render.modeldir import Context, ModelDirError, config_context
+
 
 @dataclass(frozen=True)
 class Prompt:

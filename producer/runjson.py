@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Final, Mapping
 
 from budget.payload import VERSION, ThinkPayload
-from producer.generations import SETTING as GENERATIONS, Generations, chunk_params
+from producer.generations import SETTING as GENERATIONS
+from producer.generations import Generations, chunk_params
 from producer.order import Order
 from producer.settings import RunSettings
-from producer.templatemix import SETTING as MIX_SETTING, TemplateMix
+from producer.templatemix import SETTING as MIX_SETTING
+from producer.templatemix import TemplateMix
 from render.chat import Renderer
 
 #: ``--turns``: regenerate every assistant turn of a conversation (``all``, budget/history.py ``plan``), or only

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from render.modeldir import Context, sane_context
 from producer.prepare import Prepared
+from render.modeldir import Context, sane_context
 
 #: What a /get_server_info entry says limits one request, in the order they are preferred for messages.
 LIMIT_KEYS = ("context_length", "max_total_num_tokens")

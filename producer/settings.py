@@ -15,8 +15,8 @@ from budget.urls import server_urls
 from producer.amount import Budget, parse_budget_option
 from producer.errors import UsageError
 from producer.generations import parse_temperatures
-from producer.order import DEFAULT_SEED, RANDOM, Order
 from producer.inputs.records import FieldMapping
+from producer.order import DEFAULT_SEED, RANDOM, Order
 from producer.templatemix import MixError, TemplateMix
 
 if TYPE_CHECKING:

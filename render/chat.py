@@ -334,7 +334,7 @@ class Renderer:
                 "version": _FINGERPRINT_VERSION,
                 "chat_template": getattr(tok, "chat_template", None),
                 "vocabulary": _vocabulary_digest(tok),
-                "special_tokens": list(zip(tok.all_special_tokens, tok.all_special_ids)),
+                "special_tokens": list(zip(tok.all_special_tokens, tok.all_special_ids, strict=True)),
                 "special_tokens_map": tok.special_tokens_map,
                 "think": None if self._think is None else [self._think.start, self._think.end],
                 "chat_template_kwargs": self._kwargs_json,

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from producer.session.state import RunOptions
     from producer.prepare import Inputs
+    from producer.session.state import RunOptions
 
 DS = "chats"
 SYSTEM = {"role": "system", "content": "Be brief."}

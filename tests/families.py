@@ -29,8 +29,16 @@ from typing import Final
 
 from tokenizers import AddedToken
 
-from demo.tokenizer import (BOS_TOKEN, DEFAULT_CORPUS, IM_END, PAD_TOKEN, THINK_TOKENS, TOOL_TOKENS, _train,
-                            chat_template)
+from demo.tokenizer import (
+    BOS_TOKEN,
+    DEFAULT_CORPUS,
+    IM_END,
+    PAD_TOKEN,
+    THINK_TOKENS,
+    TOOL_TOKENS,
+    _train,
+    chat_template,
+)
 
 FAMILIES: Final = ("qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi", "kimi_k2", "gpt-oss",
                    "none")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from producer.session.state import RunOptions
 from producer.prepare import Inputs, load_inputs
+from producer.session.state import RunOptions
 from producer.settings import RunSettings
 from tests.demo_data import CODE
 

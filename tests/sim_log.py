@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-
 from budget.payload import request_id, turn_request_key
 
 #: How many leading characters of a rid name its request (budget.payload.request_id: 28 hex of the hash of the

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.scenarios import make_ctx, run_scenario
 from tests.chaos.run import SCALES
+from tests.chaos.scenarios import make_ctx, run_scenario
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -170,13 +169,13 @@ def test_dashboard_command_works_with_the_real_rq_dashboard(services: dict[str, 
     """Run the compose command through produce's own CLI (the server loop stubbed out) and check what it built:
     rq-dashboard's app, basic auth from the RQ_DASHBOARD_* variables, JSON serializer, deletes disabled."""
     pytest.importorskip("rq_dashboard")
-    from click.testing import CliRunner
-
-    import producer.ops.dashboard
     import redis as redis_lib
-    from producer.cli import main
+    from click.testing import CliRunner
     from rq import Queue
     from rq.serializers import JSONSerializer
+
+    import producer.ops.dashboard
+    from producer.cli import main
 
     args = resolved_argv(services["dashboard"]["command"])
     args[args.index("--redis-url") + 1] = redis_url  # this session's own server instead of `redis`

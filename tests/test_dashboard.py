@@ -26,8 +26,8 @@ import pytest
 import redis
 
 from budget.ledger import Ledger
-from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from demo.stack import RedisServer, free_port
+from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from tests.dashboard_proc import AUTH, BAD, GOOD, Dashboard
 from tests.procs import wait_for
 from worker.trip import CLOSE_REASON
@@ -238,11 +238,11 @@ def test_every_page_works_in_a_browser_while_workers_are_busy(
                                  screenshot=shots / "dashboard-busy-queues.png" if shots else None)
         assert re.search(r"budgetq 2 0 0 2 0 0 0\b", queues_page), queues_page  # queued .. canceled
         await_page(dashboard, "/0/view/jobs/budgetq/started/8/asc/1",
-                   [dict(zip(ids, described))[job_id] for job_id in current.values()],
+                   [dict(zip(ids, described, strict=True))[job_id] for job_id in current.values()],
                    screenshot=shots / "dashboard-busy-jobs.png" if shots else None)
         await_page(dashboard, "/0/view/jobs/budgetq/queued/8/asc/1", described[2:])
         running = sorted(current.values())[0]  # the job page of a chunk being dispatched
-        await_page(dashboard, f"/0/view/job/{running}", [running, dict(zip(ids, described))[running], "started"])
+        await_page(dashboard, f"/0/view/job/{running}", [running, dict(zip(ids, described, strict=True))[running], "started"])
         workers_page = await_page(dashboard, "/0/view/workers", [*names, *current.values()],
                                   screenshot=shots / "dashboard-busy-workers.png" if shots else None)
         assert "Loading" not in workers_page

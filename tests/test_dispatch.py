@@ -20,8 +20,8 @@ import redis
 from budget import keys
 from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload
-from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from demo.stack import RedisServer
+from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from tests.dispatcher import dispatcher, until
 from tests.procs import sim_stats
 from worker.config import WorkerConfig

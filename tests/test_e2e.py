@@ -286,7 +286,7 @@ def test_sigterm_right_after_start_stops_the_worker_cleanly(r: "redis.Redis", si
     for i in range(5):
         name = f"early{i}"
         proc = pool.start(name)
-        wait_for(lambda: "budgetq worker:" in pool.log(name) or proc.poll() is not None, 60,
+        wait_for(lambda name=name, proc=proc: "budgetq worker:" in pool.log(name) or proc.poll() is not None, 60,
                  "the worker announced itself", interval=0.001)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, pool.log(name)

@@ -31,8 +31,16 @@ from rq.serializers import JSONSerializer
 
 from budget import keys
 from budget.payload import VERSION
-from producer.session.enqueue import (BATCH_CHUNKS, ZLIB_LEVEL, ChunkJob, ChunkSerializer, Item, JobSettings,
-                              enqueue_chunks, make_queue)
+from producer.session.enqueue import (
+    BATCH_CHUNKS,
+    ZLIB_LEVEL,
+    ChunkJob,
+    ChunkSerializer,
+    Item,
+    JobSettings,
+    enqueue_chunks,
+    make_queue,
+)
 from tests.demo_data import CODE
 from tests.procs import produce, produce_cmd, read_jsonl
 from tests.rq_jobs import job_payloads, rq_reader

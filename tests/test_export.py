@@ -14,11 +14,18 @@ from typing import Any, Iterator
 
 import pytest
 
+from budget.record import as_v2, make_turn, prompt_digest
+from budget.record import make_record as make_v2_record
 from demo.run import find_redis_server
 from demo.tokenizer import build_tokenizer
-from budget.record import as_v2, make_record as make_v2_record, make_turn, prompt_digest
-from producer.export.writer import (CONVERSATION_FORMATS, ExportError, ExportOptions, export_dataset, template_hash,
-                             write_manifest)
+from producer.export.writer import (
+    CONVERSATION_FORMATS,
+    ExportError,
+    ExportOptions,
+    export_dataset,
+    template_hash,
+    write_manifest,
+)
 from render.chat import Renderer, load_tokenizer
 
 THINK = ("<think>", "</think>")

@@ -225,7 +225,7 @@ def test_per_turn_rows_render_as_each_turn_was_generated(tmp_path: Path, family:
                                                    ("tools", 0), ("tools", 1), ("tools", 2)]
     assert report.written == 6 and report.conversations == 2
     seen = recs["chat"][1] + recs["tools"][1]
-    for row, turn in zip(rows, seen):
+    for row, turn in zip(rows, seen, strict=True):
         assert row["conversations"][:-1] == turn["prompt"]
         rendered = tok.apply_chat_template(row["conversations"], tokenize=False)
         prompt = tok.apply_chat_template(turn["prompt"], tokenize=False, add_generation_prompt=True)
@@ -238,7 +238,7 @@ def test_per_turn_sharegpt_and_token_ids(tmp_path: Path, family: tuple[str, Any]
     ds = write_dataset(tmp_path, tok, [rec])
     rows, report = export(ds, tmp_path, tok, format="sharegpt", per_turn=True, token_ids=True)
     assert [len(r["conversations"]) for r in rows] == [3, 5, 7]
-    for row, turn in zip(rows, seen):
+    for row, turn in zip(rows, seen, strict=True):
         assert row["input_ids"] == turn["prompt_ids"] and row["output_ids"] == turn["output_ids"]
     assert report.prompt_mismatch == 0
 
@@ -263,7 +263,7 @@ def test_tokens_is_one_checked_row_per_turn(tmp_path: Path, family: tuple[str, A
     ds = write_dataset(tmp_path, tok, [recs["chat"][0], recs["tools"][0]])
     rows, report = export(ds, tmp_path, tok, format="tokens")
     assert report.prompt_mismatch == 0 and report.written == 6
-    for row, turn in zip(rows, recs["chat"][1] + recs["tools"][1]):
+    for row, turn in zip(rows, recs["chat"][1] + recs["tools"][1], strict=True):
         assert row["input_ids"] == turn["prompt_ids"] + turn["output_ids"]
         assert row["loss_mask"] == [0] * len(turn["prompt_ids"]) + [1] * len(turn["output_ids"])
         assert "truncated" not in row

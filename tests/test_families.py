@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from producer.parsers import skip_special_tokens_default
 from render.chat import Renderer, load_tokenizer
 from tests.families import FAMILIES, build_family_tokenizer
-from producer.parsers import skip_special_tokens_default
 from worker.reasoning import parse_turn, skip_special_tokens_for
 
 PROMPT = [{"role": "user", "content": "What is the weather in Paris?"}]

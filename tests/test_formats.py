@@ -503,7 +503,7 @@ def test_system_prompt_is_added_only_where_there_is_none(tmp_path: Path) -> None
         [ours, user("p")], records[1]["messages"], records[2]["messages"], [ours, user("c")]]
     # The derived id hashes what is sent, so it changes with the system prompt; a given id does not.
     plain = read_dataset("d", path)
-    assert [a.id == b.id for a, b in zip(result.samples, plain.samples)] == [False, True, True, False]
+    assert [a.id == b.id for a, b in zip(result.samples, plain.samples, strict=True)] == [False, True, True, False]
 
 
 def test_empty_system_prompt_is_a_prompt(tmp_path: Path) -> None:

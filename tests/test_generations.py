@@ -13,15 +13,14 @@ import redis
 
 from budget.ledger import Ledger
 from budget.payload import sampling_params_of
-from producer.session.state import RunOptions
 from producer.errors import ProduceError
-from producer.generations import (Generations, derived_seed, parse_temperatures, record_key, sample_key,
-                                  split_key)
 from producer.export.manifest import Stats
-from producer.results import FAILED_FILE, RESULTS, RUN, ResultsFile, collect, write_failed
+from producer.generations import Generations, derived_seed, parse_temperatures, record_key, sample_key, split_key
 from producer.plan import plan_dataset
 from producer.prepare import Inputs, load_inputs
+from producer.results import FAILED_FILE, RESULTS, RUN, ResultsFile, collect, write_failed
 from producer.session.loop import Producer
+from producer.session.state import RunOptions
 from tests.producers import run_settings
 from tests.rq_jobs import job_payloads
 

@@ -13,7 +13,8 @@ import redis
 from budget import keys
 from producer.generations import derived_seed, sample_key
 from tests import sim_log
-from tests.chats import DS as CHATS, SIM_ARGS, write_dataset
+from tests.chats import DS as CHATS
+from tests.chats import SIM_ARGS, write_dataset
 from tests.demo_data import CODE
 from tests.procs import produce, read_jsonl
 

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import json
 import threading
-import zlib
 import time
-from typing import Any
+import zlib
 
 import redis
 from rq import Queue

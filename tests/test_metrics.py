@@ -22,10 +22,10 @@ from redis.retry import Retry
 from budget import keys
 from budget.ledger import Ledger
 from budget.outcomes import Admit
-from producer.ops import metrics as metrics
-from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
-from producer.ops.status import all_status
 from demo.stack import free_port
+from producer.ops import metrics as metrics
+from producer.ops.status import all_status
+from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 
 SAMPLE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -20,8 +20,7 @@ import pytest
 import redis
 
 from budget import keys
-from render.modeldir import (Context, ModelDirError, config_context, hub_cache_dir, hub_snapshot,
-                               resolve_tokenizer)
+from render.modeldir import Context, ModelDirError, config_context, hub_cache_dir, hub_snapshot, resolve_tokenizer
 from tests.procs import produce_cmd, read_jsonl, sim_stats, wait_for
 
 REPO = "Qwen/Qwen3-8B"

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any
 
 import pytest
 import redis

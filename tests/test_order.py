@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import random as stdlib_random
 import signal
 import subprocess
-import random as stdlib_random
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from budget import keys
-from producer.session.enqueue import ASSUMED_WORKERS, MIN_CHUNK, TAIL_SPREAD, chunk_size_for
 from producer.order import FILE, RANDOM, Order, permute, rank
+from producer.session.enqueue import ASSUMED_WORKERS, MIN_CHUNK, TAIL_SPREAD, chunk_size_for
 from tests.exactly_once import check_exact
 from tests.procs import produce, produce_cmd, read_jsonl, wait_for
 from tests.rq_jobs import job_payloads

@@ -585,7 +585,7 @@ def test_fuzz_read_dataset_accounts_for_every_line(tmp_path: Path, body: list[by
     accounted = [s.line for s in result.samples] + bad_lines + [p.line or 0 for p in result.duplicates]
     assert sorted(accounted) == list(range(1, len(physical) + 1))
     assert bad_lines == sorted(bad_lines)
-    for p, line in zip(result.invalid, bad_lines):
+    for p, line in zip(result.invalid, bad_lines, strict=True):
         assert p.reason and str(p).startswith(f"{path}:{line}: ")
         str(p).encode("utf-8")  # printable: no lone surrogates in messages
         assert (p.reason == "empty line") == (not physical[line - 1].strip())

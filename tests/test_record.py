@@ -10,11 +10,11 @@ import pytest
 
 from budget import record, serverinfo
 from budget.payload import VERSION, ChunkPayload, SamplePayload
-from producer.results import FIELD_ORDER
 from producer.parsers import skip_special_tokens_default
 from producer.preflight import seed_warning
-from worker.trip import result_record
+from producer.results import FIELD_ORDER
 from worker.sglang import GenerateError, parse_generation
+from worker.trip import result_record
 
 V1 = {"id": "s1", "dataset": "ds", "messages": [{"role": "user", "content": "hi"}], "response": "a</think>b",
       "reasoning": "a", "content": "b", "reasoning_truncated": False, "prompt_tokens": 7, "completion_tokens": 4,

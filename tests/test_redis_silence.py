@@ -21,8 +21,8 @@ import redis
 from budget import connection, keys
 from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload
-from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from demo.stack import RedisServer
+from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from tests.procs import wait_for
 from worker import dispatch
 from worker.config import WorkerConfig

@@ -185,9 +185,8 @@ def test_api_key_is_sent_but_never_stored_or_logged(redis_url: str, r: "redis.Re
     assert len(check_exact(r, out, "agent_traces")) == 10  # the key was accepted by the server
     for key in r.scan_iter(count=1000):  # nothing in Redis holds the key, in any value
         kind = r.type(key)
-        blob = repr({b"string": lambda: r.get(key), b"hash": lambda: r.hgetall(key),
-                     b"list": lambda: r.lrange(key, 0, -1), b"set": lambda: r.smembers(key),
-                     b"zset": lambda: r.zrange(key, 0, -1), b"stream": lambda: r.xrange(key)}[kind]())
+        blob = repr({b"string": r.get, b"hash": r.hgetall, b"list": lambda k: r.lrange(k, 0, -1),
+                     b"set": r.smembers, b"zset": lambda k: r.zrange(k, 0, -1), b"stream": r.xrange}[kind](key))
         assert secret not in blob, key
     assert secret not in res.stdout + res.stderr
     assert secret not in pool.log("w0", partial=True)
@@ -224,7 +223,7 @@ def test_a_sample_whose_worker_dies_three_times_is_failed(redis_url: str, r: "re
     try:
         for death in range(1, MAX_RECLAIMS + 1):
             worker = pool.start(f"w{death}")
-            wait_for(lambda: poison_running(death), 120, f"the poison sample's run {death} on w{death}")
+            wait_for(lambda death=death: poison_running(death), 120, f"the poison sample's run {death} on w{death}")
             if death > 1:  # only the poison sample left unfinished on this worker
                 wait_for(lambda: r.hlen(done) == len(selected) - 1 and sim_stats(sim.url)["running"] == 0, 120,
                          "every other sample committed")

@@ -15,9 +15,9 @@ import redis
 
 from budget import keys, tokstore
 from demo.tokenizer import build_tokenizer
-from render.chat import Renderer, load_tokenizer
 from producer.tokenizer_files import ShareError, share_tokenizer
 from render import tokfiles
+from render.chat import Renderer, load_tokenizer
 from tests.families import build_family_tokenizer
 from tests.procs import produce_cmd, read_jsonl
 from worker import tokenizer_cache

@@ -8,8 +8,8 @@ from pathlib import Path
 import redis
 
 from budget import keys
-from producer.session.loop import Producer
 from producer.ops.status import all_status
+from producer.session.loop import Producer
 from tests.producers import code_inputs
 
 DS = "code_instruct"

@@ -11,8 +11,8 @@ import pytest
 
 from producer.export.files import ExportError, Results
 from producer.generations import sample_key
-from producer.results import RESULTS, ReadEnd, ResultsFile, iter_results
 from producer.plan import existing_turns
+from producer.results import RESULTS, ReadEnd, ResultsFile, iter_results
 
 DS = "ds"
 

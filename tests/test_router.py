@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import redis
 
-from demo.smg import Router
 from budget import keys
+from demo.smg import Router
 from tests.demo_data import CODE, GLAIVE
 from tests.exactly_once import check_exact
 from tests.procs import produce, produce_cmd, read_jsonl, sim_stats, wait_for
@@ -58,7 +58,7 @@ def test_a_budgeted_run_through_the_router_is_exactly_once(redis_url: str, r: "r
         assert {e["via"] for e in manifest["servers"]} == {router.url}
         assert "server_unknown" not in manifest
         for name in ("w0", "w1"):
-            wait_for(lambda: ROUTER_WARNING in pool.log(name), 30, f"{name}'s router timeout warning")
+            wait_for(lambda name=name: ROUTER_WARNING in pool.log(name), 30, f"{name}'s router timeout warning")
             assert pool.log(name).count(ROUTER_WARNING) == 1
             assert "--request-timeout-secs 2228 or more" in pool.log(name)
 

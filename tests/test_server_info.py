@@ -21,9 +21,9 @@ import redis
 
 from budget import keys, serverinfo
 from budget.serverinfo import MAX_AGE_S
+from demo.stack import free_port
 from sglang_sim.launch import SimProcess
 from sglang_sim.responses import MODEL_PATH, VERSION
-from demo.stack import free_port
 from tests.demo_data import GLAIVE
 from tests.procs import produce, produce_cmd, wait_for
 from worker.config import WorkerConfig

@@ -629,7 +629,7 @@ def test_request_log_holds_each_answer_as_sent_and_the_helper_finds_each_turn(tm
     assert [line["rid"] for line in seen] == [request_id("ds", "s1", 0)]
     lines = load(log)
     assert len(lines) == 2  # the refused request left no line
-    for line, answer, port in zip(lines, answers, ports):
+    for line, answer, port in zip(lines, answers, ports, strict=True):
         assert line["port"] == port
         assert line["output_ids"] == answer["output_ids"] and line["text"] == answer["text"]
         assert line["finish_reason"] == answer["meta_info"]["finish_reason"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 import pytest
@@ -346,7 +346,7 @@ def test_streaming_is_the_engines_and_the_simulator_refuses_it_plainly() -> None
     chunks = events[:-1]
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["meta_info"]["finish_reason"] is not None
-    for before, after in zip(chunks, chunks[1:]):  # cumulative output
+    for before, after in zip(chunks, chunks[1:], strict=False):  # cumulative output
         assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
     assert ("stream", "status") in KNOWN
 

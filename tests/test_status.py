@@ -14,10 +14,10 @@ from click.testing import CliRunner
 from budget import keys
 from budget.ledger import Ledger
 from budget.runstate import RunState
+from demo.stack import RedisServer
 from producer.cli import main
 from producer.ops.status import all_status, eta_seconds, status_table
 from tests.procs import produce_cmd
-from demo.stack import RedisServer
 
 
 def status(args: list[str], redis_url: str) -> tuple[int, str]:

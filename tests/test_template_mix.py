@@ -66,7 +66,7 @@ def test_the_draw_is_a_function_of_key_id_generation_and_seed_with_the_weights()
         assert abs(counts[value] - n * p) < 5 * sd, counts  # binomial bound: fails about once in 10**6
     # generations of one prompt draw independently, and another seed draws another sequence
     gen1 = [mix.draw(f"id-{i}", 1)["reasoning_effort"] for i in range(n)]
-    assert sum(a == b for a, b in zip(draws, gen1)) < n * (0.4 ** 2 + 0.4 ** 2 + 0.2 ** 2) + 5 * math.sqrt(n)
+    assert sum(a == b for a, b in zip(draws, gen1, strict=True)) < n * (0.4 ** 2 + 0.4 ** 2 + 0.2 ** 2) + 5 * math.sqrt(n)
     other = TemplateMix.parse("reasoning_effort=low:4,medium:4,high:2", seed=2)
     assert [other.draw(f"id-{i}", 0)["reasoning_effort"] for i in range(n)] != draws
 

@@ -84,7 +84,7 @@ def mismatches(rows: list[dict[str, list[int]]], turns: list[tuple[list[int], li
         mask = row["loss_mask"]
         if mask != [0] * len(prompt) + [1] * (len(mask) - len(prompt)):
             problems.append(f"turn {tok.decode(output)[:60]!r}: loss on "
-                            f"{tok.decode([i for i, m in zip(row['input_ids'], mask) if m])!r}")
+                            f"{tok.decode([i for i, m in zip(row['input_ids'], mask, strict=True) if m])!r}")
     problems += [f"a row no turn made: {tok.decode(row['input_ids'])[-80:]!r}" for row in left]
     return problems
 

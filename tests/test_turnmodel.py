@@ -7,9 +7,8 @@ import random
 import pytest
 import redis
 
-from worker.estimate import LengthModel
 from budget.outcomes import turn_bucket as bucket
-from worker.estimate import CONTINUATION_PRIOR, TurnModels
+from worker.estimate import CONTINUATION_PRIOR, LengthModel, TurnModels
 
 MAX_NEW = 16384
 

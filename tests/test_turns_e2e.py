@@ -64,7 +64,7 @@ def test_kill9_mid_conversation_loses_nothing_and_never_regenerates_a_committed_
     for rec in recs:
         seen = sim_log.of_sample(exchanges, DS, rec["id"])
         assert len(seen) == len(rec["turns"]), f"{rec['id']}: turns asked beyond the record's"
-        for i, (answers, turn) in enumerate(zip(seen, rec["turns"])):
+        for i, (answers, turn) in enumerate(zip(seen, rec["turns"], strict=True)):
             # The committed answer is the turn's last one: a committed turn is never generated again. Answers
             # before it were the killed worker's, answered but never committed.
             assert answers and answers[-1].output_ids == turn["output_ids"], f"{rec['id']} turn {i}"

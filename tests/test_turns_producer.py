@@ -16,16 +16,16 @@ import redis
 from budget import keys, tokstore
 from budget.history import plan
 from budget.ledger import Ledger
-from producer.session.state import RunOptions
 from producer.errors import ProduceError
 from producer.export.manifest import Stats
-from producer.results import RESULTS, RUN
+from producer.ops.status import all_status, status_table
 from producer.plan import plan_dataset, sequential_eta
 from producer.prepare import Inputs, load_inputs
+from producer.results import RESULTS, RUN
 from producer.runjson import ALL, LAST
-from render.chat import Renderer, load_tokenizer
 from producer.session.loop import Producer
-from producer.ops.status import all_status, status_table
+from producer.session.state import RunOptions
+from render.chat import Renderer, load_tokenizer
 from tests.chats import DS, MESSAGES, SIM_ARGS, SYSTEM, options, turn, write_dataset
 from tests.producers import run_settings
 from tests.rq_jobs import job_payloads

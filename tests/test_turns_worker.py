@@ -13,19 +13,18 @@ import pytest
 import redis
 
 from budget import keys
+from budget.conversation import header, walk
 from budget.history import plan, turn_prompts
 from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload
-from budget.record import make_turn, prompt_digest
-from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from budget.record import LENGTH, TOOL_MISMATCH, make_turn, prompt_digest
 from producer.results import entry_record
-from render.chat import Renderer, load_tokenizer
+from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from producer.tokenizer_files import share_tokenizer
+from render.chat import Renderer, load_tokenizer
 from tests.dispatcher import dispatcher, until
 from tests.procs import sim_stats
 from worker import tokenizer_cache
-from budget.conversation import header, walk
-from budget.record import LENGTH, TOOL_MISMATCH
 
 DS = "conv"
 SIM_ARGS = ("--tokens-per-second-per-request", "2000", "--prefix-cache-pages", "0", "--prefill-tokens-per-second", "0",
@@ -114,7 +113,7 @@ def test_every_turn_is_generated_on_the_models_own_history(r: "redis.Redis", red
         assert len(rec["turns"]) == 3 and rec["incomplete"] is False and rec["stopped_by"] is None
         # what was sent: system and the user turns; never the dataset's answers
         assert [m["role"] for m in rec["messages"]] == ["system", "user", "user", "user"]
-        for i, (prompt, turn) in enumerate(zip(turn_prompts(rec["messages"], rec["turns"]), rec["turns"])):
+        for i, (prompt, turn) in enumerate(zip(turn_prompts(rec["messages"], rec["turns"]), rec["turns"], strict=True)):
             ids = renderer.render(prompt).input_ids
             assert turn["prompt_ids_sha256"] == prompt_digest(ids), f"{sid} turn {i}: not the prompt it was sent"
             text = tok.decode(ids)

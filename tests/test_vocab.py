@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path

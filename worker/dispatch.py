@@ -47,7 +47,7 @@ from worker.batch import Batcher, in_thread_until_answered
 from worker.config import WorkerConfig
 from worker.estimate import LengthModels, TurnModels
 from worker.running import ChunkReport, Flight, RunningChunk
-from worker.sglang import Generation, GenerateError, SGLangClient
+from worker.sglang import GenerateError, Generation, SGLangClient
 from worker.trip import CLOSE_REASON, RequestContext, result_record
 from worker.turns import run_conversation
 

@@ -50,9 +50,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Final, Mapping, Sequence
 
-from budget.outcomes import TURN_BUCKETS, turn_bucket
 from budget.ledger import default_prior_mean
-from budget.outcomes import LengthSample
+from budget.outcomes import TURN_BUCKETS, LengthSample, turn_bucket
 
 log = logging.getLogger("budgetq.worker")
 

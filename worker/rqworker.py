@@ -36,7 +36,6 @@ from rq.worker import BaseWorker, SimpleWorker
 
 from budget import logs
 from budget.ledger import REDIS_DOWN
-
 from worker import jobs, runtime
 from worker.config import WorkerConfig
 

@@ -30,7 +30,7 @@ from worker.config import WorkerConfig
 from worker.estimate import LengthModels
 from worker.reasoning import parse_turn
 from worker.running import ChunkReport, Flight, RunningChunk
-from worker.sglang import Generation, GenerateError, SGLangClient
+from worker.sglang import GenerateError, Generation, SGLangClient
 
 log = logging.getLogger("budgetq.worker")
 

@@ -25,17 +25,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from budget.conversation import Walk, header, walk
-from budget.record import BUDGET, CONTEXT, FAILED
 from budget.history import plan
 from budget.outcomes import EndVerdict, TurnAdmit, TurnVerdict
 from budget.payload import SamplePayload, sampling_params_of, turn_request_key
-from budget.record import make_turn
+from budget.record import BUDGET, CONTEXT, FAILED, make_turn
 from budget.serverinfo import public_url
 from budget.vocab import turn_refusal
 from render import RenderError
 from worker.batch import in_thread_until_answered
 from worker.running import Flight, RunningChunk
-from worker.sglang import Generation, GenerateError
+from worker.sglang import GenerateError, Generation
 from worker.trip import RequestContext, parse_response
 
 if TYPE_CHECKING:

@@ -27,7 +27,8 @@ from producer.errors import ProduceError, UsageError
 from producer.export.files import MANIFEST, ExportError, Results, atomic, failed_ids, read_run_json
 from producer.export.rows import is_truncated
 from producer.results import RESULTS
-from producer.templatemix import SETTING as MIX_SETTING, TemplateMix, labels
+from producer.templatemix import SETTING as MIX_SETTING
+from producer.templatemix import TemplateMix, labels
 
 log = logging.getLogger("budgetq.produce")
 

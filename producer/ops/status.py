@@ -9,9 +9,9 @@ from typing import Any
 import redis
 
 from budget import health
-from budget.runstate import RunState
 from budget.ledger import Ledger
 from budget.outcomes import DatasetState
+from budget.runstate import RunState
 from producer.amount import parse_amount
 from producer.errors import UsageError
 

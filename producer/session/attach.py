@@ -30,12 +30,12 @@ from budget.ledger import Ledger
 from budget.payload import OTHER_VERSION, VERSION
 from budget.runstate import RunState
 from producer.amount import budget_limit
-from producer.session.state import DatasetRun, RunOptions
 from producer.errors import ProduceError
 from producer.generations import SETTING as GENERATIONS
-from producer.results import RESULTS, RUN, ResultsFile
 from producer.prepare import Prepared
+from producer.results import RESULTS, RUN, ResultsFile
 from producer.runjson import VERSION_KEY, settings_diff
+from producer.session.state import DatasetRun, RunOptions
 
 #: The collector lock's time to live: the loop refreshes it every step, so another ``produce`` may take a dataset
 #: over this long after its collector died or stalled (at once when it died on the same host: ``pid_alive``).

@@ -182,7 +182,7 @@ def enqueue_chunks(client: "redis.Redis", queue: Queue, dataset: str, chunks: Se
     ids = store.next_chunk_ids(dataset, len(chunks))
     jobs = []
     pending: dict[str, str] = {}
-    for cid, items in zip(ids, chunks):
+    for cid, items in zip(ids, chunks, strict=True):
         samples = [_sample(it) for it in items]
         payload: dict[str, Any] = {"v": VERSION, "dataset": dataset, "chunk": cid, "sampling_params": sampling_params,
                                    "think": think, "reasoning_parser": reasoning_parser, "samples": samples}

@@ -29,16 +29,23 @@ from budget.conversation import end_as_is
 from budget.ledger import LEASE_MS, REDIS_DOWN, Ledger, default_prior_mean
 from budget.outcomes import DatasetState, EndVerdict
 from budget.runstate import RunState
-from producer.session.attach import LOCK_TTL_MS, Attacher
-from producer.session.state import DatasetRun, RunOptions
 from producer.errors import ProduceError
-from producer.session.enqueue import (BATCH_CHUNKS, COMPRESS_THREADS, Item, chunk_size_for, enqueue_chunks,
-                              listening_workers, make_queue)
 from producer.generations import record_key, split_key
-from producer.results import FAILED_FILE, collect, write_failed
 from producer.prepare import Prepared, Prompt
 from producer.progress import progress_bar
+from producer.results import FAILED_FILE, collect, write_failed
+from producer.session.attach import LOCK_TTL_MS, Attacher
+from producer.session.enqueue import (
+    BATCH_CHUNKS,
+    COMPRESS_THREADS,
+    Item,
+    chunk_size_for,
+    enqueue_chunks,
+    listening_workers,
+    make_queue,
+)
 from producer.session.report import DatasetSummary, progress_line, summaries
+from producer.session.state import DatasetRun, RunOptions
 
 log = logging.getLogger("budgetq.produce")
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from producer.session.state import DatasetRun
 from producer.generations import split_key
-from producer.results import RESULTS
 from producer.ops.status import eta_seconds, tokens_per_second
+from producer.results import RESULTS
+from producer.session.state import DatasetRun
 
 
 @dataclass
@@ -85,8 +85,8 @@ def summary_table(rows: list[DatasetSummary], detached: bool = False, max_failed
             "over ctx")
     body = [(r.name, r.status, f"{r.done:,}", f"{r.selected:,}", f"{r.tokens:,}", _fmt(r.budget),
              f"{len(r.failed):,}", f"{r.not_run:,}", f"{r.invalid:,}", f"{r.over_context:,}") for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *body)]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in (head, *body)]
     lines.insert(1, "  ".join("-" * w for w in widths))
     for r in rows:
         if detached:

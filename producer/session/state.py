@@ -13,9 +13,9 @@ from typing import Any, Mapping
 
 from budget.payload import ConversationPayload
 from producer.amount import Budget
-from producer.session.enqueue import JobSettings
-from producer.results import ResultsFile
 from producer.prepare import Prepared
+from producer.results import ResultsFile
+from producer.session.enqueue import JobSettings
 from producer.templatemix import Variants
 
 

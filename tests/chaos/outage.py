@@ -12,10 +12,11 @@ import re
 import time
 from typing import Callable
 
-from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
+from demo.stack import wait_until
+from tests.chaos.audit import DATASET, Result, audit, log_files, sample_ids
+from tests.chaos.audit import rounded as _r
 from tests.chaos.redis_faults import REDIS_DOWN_TB, _done
 from tests.chaos.run import ChaosStack, Ctx, Watch
-from demo.stack import wait_until
 
 #: What a worker logs when a Redis connection went silent or away: budget/connection.py's timeout warning,
 #: the dispatcher's wait for Redis, or rq's own dequeue retry.

@@ -10,9 +10,10 @@ from typing import Any
 import redis
 
 from demo.appending import read_jsonl
-from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
-from tests.chaos.run import ChaosStack, Ctx, KEYS, Watch
 from demo.stack import wait_until
+from tests.chaos.audit import DATASET, Result, audit, log_files, sample_ids
+from tests.chaos.audit import rounded as _r
+from tests.chaos.run import KEYS, ChaosStack, Ctx, Watch
 
 #: What a lost Redis connection looks like in rq's own log lines ("found an unhandled exception, quitting",
 #: with the traceback; worker.Worker then waits for Redis and starts its loop again).
@@ -38,7 +39,7 @@ def redis_kill(ctx: Ctx) -> Result:
         prod = ctx.produce(st, "1")
         restarts: list[float] = []
         for k in range(3):
-            wait_until(lambda: _done(st) >= s.prompts * (k + 1) // 5, 300, f"{(k + 1) * 20}% committed")
+            wait_until(lambda k=k: _done(st) >= s.prompts * (k + 1) // 5, 300, f"{(k + 1) * 20}% committed")
             st.kill_redis()
             time.sleep(s.redis_down_s)
             st.start_redis()
@@ -47,8 +48,8 @@ def redis_kill(ctx: Ctx) -> Result:
         watch.stop()
         workers_back = [watch.first_commit_after(t) for t in restarts]
         produce_back = [watch.first_write_after(t) for t in restarts]
-        w_s = [None if b is None else b - t for b, t in zip(workers_back, restarts)]
-        p_s = [None if b is None else b - t for b, t in zip(produce_back, restarts)]
+        w_s = [None if b is None else b - t for b, t in zip(workers_back, restarts, strict=True)]
+        p_s = [None if b is None else b - t for b, t in zip(produce_back, restarts, strict=True)]
         res.figures.update(kills=3, down_s=s.redis_down_s, workers_back_s=[_r(x) for x in w_s],
                            produce_back_s=[_r(x) for x in p_s],
                            recovery_s=_r(max((x for x in w_s + p_s if x is not None), default=None)))

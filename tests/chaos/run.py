@@ -18,11 +18,11 @@ from typing import Any, Sequence
 import redis
 
 from budget.keys import DatasetKeys
-from tests.chaos.blackhole import BlackHole
 from demo.appending import read_jsonl
-from tests.chaos.audit import DATASET, Result
-from demo.synthetic import write_prompts
 from demo.stack import Service, Stack, free_port, http_ok, produce_cmd, wait_until
+from demo.synthetic import write_prompts
+from tests.chaos.audit import DATASET, Result
+from tests.chaos.blackhole import BlackHole
 
 KEYS = DatasetKeys(DATASET)  # the scenarios' dataset's keys
 QUEUE = "budgetq"

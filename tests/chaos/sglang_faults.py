@@ -10,11 +10,12 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
-from demo.appending import read_jsonl
-from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
-from tests.chaos.run import Ctx, KEYS
-from demo.stack import wait_until
 from budget import record
+from demo.appending import read_jsonl
+from demo.stack import wait_until
+from tests.chaos.audit import DATASET, Result, audit, log_files, sample_ids
+from tests.chaos.audit import rounded as _r
+from tests.chaos.run import KEYS, Ctx
 
 RETRY_AFTER = 2.0
 SETTLE_S = 6.0  # after the mixed faults, before the outage: backoffs run out, the rate is steady again
@@ -95,7 +96,7 @@ def _retry_checks(res: Result, log: list[dict[str, Any]], timeout: float) -> Non
     early, after_400, waits = [], [], []
     for reqs in by_sample.values():
         reqs.sort(key=lambda e: e["t0"])
-        for a, b in zip(reqs, reqs[1:]):
+        for a, b in zip(reqs, reqs[1:], strict=False):
             if a.get("retry_after") and a.get("status") in (429, 503):
                 gap = b["t0"] - a["t1"]
                 waits.append(gap)

@@ -28,12 +28,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from demo.appending import read_jsonl
-from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r
-from tests.chaos.run import ChaosStack, Ctx, KEYS, Produce, Watch, produce_argv
-from demo.stack import wait_until
-from demo.synthetic import CONVERSATIONS_PARSER as PARSER, write_conversations
 from budget.payload import request_id, turn_request_key
+from demo.appending import read_jsonl
+from demo.stack import wait_until
+from demo.synthetic import CONVERSATIONS_PARSER as PARSER
+from demo.synthetic import write_conversations
+from tests.chaos.audit import DATASET, Result, audit, log_files
+from tests.chaos.audit import rounded as _r
+from tests.chaos.run import KEYS, ChaosStack, Ctx, Produce, Watch, produce_argv
 
 TURNS = 3
 #: Conversations per scale: about as many requests as the scale's prompts (3 turns each), ~1 min of work.

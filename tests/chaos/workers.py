@@ -14,10 +14,11 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from tests.chaos.audit import DATASET, Result, audit, log_files, rounded as _r, sample_ids
-from tests.chaos.run import ChaosStack, Ctx, KEYS, Produce, QUEUE, Watch
 from demo.stack import wait_until
 from producer.session.enqueue import BATCH_CHUNKS
+from tests.chaos.audit import DATASET, Result, audit, log_files, sample_ids
+from tests.chaos.audit import rounded as _r
+from tests.chaos.run import KEYS, QUEUE, ChaosStack, Ctx, Produce, Watch
 
 
 def worker_kill(ctx: Ctx) -> Result:
@@ -200,7 +201,7 @@ def produce_races(ctx: Ctx) -> Result:
             if trigger == "attached":
                 _wait_attached(r, p)
             else:
-                wait_until(lambda: int(r.get(KEYS.seq) or 0) != seq0 or p.proc.poll() is not None, 300,
+                wait_until(lambda seq0=seq0, p=p: int(r.get(KEYS.seq) or 0) != seq0 or p.proc.poll() is not None, 300,
                            "the chunk counter moved", interval=0.001)
             time.sleep(delay)
             p.kill()

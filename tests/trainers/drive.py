@@ -37,9 +37,8 @@ def _rows(input_ids: Any, loss_mask: Any) -> dict[str, list[int]]:
 
 
 def specforge(export: str, tok_dir: str, template: str) -> list[dict[str, list[int]]]:
-    from transformers import AutoTokenizer
-
     from specforge.data.prompt_builder import prepare_prompt_tasks
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tok_dir)
     tasks = prepare_prompt_tasks(export, tok, chat_template=template, max_length=32768, is_preformatted=False,
                                  train_only_last_turn=True, cache_dir=None, cache_key=None, num_proc=1)
@@ -80,9 +79,8 @@ def speculators(export: str, tok_dir: str) -> list[dict[str, list[int]]]:
     package = types.ModuleType("speculators")
     package.__path__ = list(spec.submodule_search_locations)
     sys.modules["speculators"] = package
-    from transformers import AutoTokenizer
-
     from speculators.data_generation import preprocessing
+    from transformers import AutoTokenizer
     preprocessing.render_conversation = _render_standin(AutoTokenizer.from_pretrained(tok_dir))
     dataset, _processor = preprocessing.load_and_preprocess_dataset(
         tok_dir, [export], seq_length=32768, build_dataset_num_proc=1, render_endpoint="http://standin",
