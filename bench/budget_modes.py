@@ -87,8 +87,8 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
     seed = args.seed if seed is None else seed
     name = "prompts" if turns == 1 else CONV_DATASET
     sim = ["--length-dist", "lognormal", "--mean-tokens", str(args.mean), "--sigma", str(args.sigma),
-           "--tokens-per-second-per-request", str(args.per_request_tps), "--saturation-batch", "256",
-           "--max-running", "256", "--time-scale", str(args.time_scale), "--seed", str(seed),
+           "--tokens-per-second-per-request", str(args.per_request_tps),
+           "--saturation-batch", str(max(256, args.in_flight)), "--max-running", str(max(256, args.in_flight)), "--time-scale", str(args.time_scale), "--seed", str(seed),
            "--prefix-cache-pages", "0"]
     multi: list[str] = []
     if turns > 1:  # real ids, so an answer re-rendered into the next prompt is as long as it was generated
