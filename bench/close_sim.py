@@ -17,8 +17,9 @@ learned, so what is left is how fresh the reservations are.
 
 ``--pricing old``: the code before issue 24's fix: progress = elapsed x Σ tokens / Σ seconds, reservations
 restated every BUDGETQ_RESERVE_INTERVAL (``--interval``), a request priced at its progress now. ``new``: the worker's
-LengthModels (a request priced at its next restatement, the interval a quarter of a request, progress net of the
-fitted overhead).
+LengthModels (a request priced where it will be when the next restatement replaces its price, the interval a
+quarter of a request, progress net of the fitted overhead). ``--timer-late`` makes each restatement fire late by an
+exponential delay of that mean, as a loaded machine's event loop does.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class _Worker:
     free: int
     flights: dict[int, list[float]] = field(default_factory=dict)  # id -> [started, reserved]
     retry_at: float = math.inf  # after a refusal: when it asks again if no request of its own ends first
+    priced_at: float = 0.0  # when its standing prices were computed (LengthModels.restated)
 
     def interval(self, pricing: str) -> float:
         return self.models.restate_interval() if pricing == "new" else self.models.reserve_interval
@@ -57,9 +59,12 @@ class _Worker:
 
 def run(seed: int, budget: int = 600_000, slots: int = 192, workers: int = 3, mean: float = 413.0,
         sigma: float = 0.8, cap: int = 2048, tps: float = 3000.0, overhead: float = 0.04, interval: float = 1.0,
-        taper: float = 2.0, margin: float = 1.0, z: float = 1.0, pricing: str = "new") -> tuple[int, float]:
-    """One run: (final - budget, seconds from 90% of the budget to the close)."""
+        taper: float = 2.0, margin: float = 1.0, z: float = 1.0, pricing: str = "new",
+        timer_late: float = 0.0) -> tuple[int, float]:
+    """One run: (final - budget, seconds from 90% of the budget to the close). ``timer_late``: each restatement
+    fires that many seconds late on average (exponential), as on a loaded machine."""
     rng = np.random.default_rng(seed)
+    late = np.random.default_rng(seed + 10_000)
     mu = math.log(mean) - sigma ** 2 / 2
     draw = lambda: int(min(cap, max(1, round(rng.lognormal(mu, sigma)))))  # noqa: E731
     model = LengthModel([draw() for _ in range(4096)], mean, cap)
@@ -104,9 +109,13 @@ def run(seed: int, budget: int = 600_000, slots: int = 192, workers: int = 3, me
         if kind == 1:
             if closed and not in_flight():
                 continue
+            if w.flights:
+                w.models.restated(now - w.priced_at)
+            w.priced_at = now
             for f in w.flights.values():
                 f[1] = w.price(model, now - f[0], pricing, z)
-            heapq.heappush(events, (now + w.interval(pricing), 1, wi, -1))
+            delay = late.exponential(timer_late) if timer_late > 0 else 0.0
+            heapq.heappush(events, (now + w.interval(pricing) + delay, 1, wi, -1))
             continue
         if kind == 2:
             if now >= w.retry_at and not closed:
@@ -143,6 +152,8 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=1.0, help="BUDGETQ_RESERVE_INTERVAL")
     ap.add_argument("--taper", type=float, default=2.0)
     ap.add_argument("--z", type=float, default=1.0)
+    ap.add_argument("--timer-late", type=float, default=0.0,
+                    help="mean seconds each restatement fires late (exponential): a loaded machine's event loop")
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--pricing", default="old,new")
     args = ap.parse_args()
@@ -151,7 +162,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for pricing in args.pricing.split(","):
         res = [run(s, args.budget, args.slots, args.workers, args.mean, args.sigma, args.cap, args.tps, args.overhead,
-                   args.interval, args.taper, 1.0, args.z, pricing) for s in range(args.seeds)]
+                   args.interval, args.taper, 1.0, args.z, pricing, args.timer_late) for s in range(args.seeds)]
         over = sorted(o for o, _ in res)
         worst = over[-1] if over[-1] > bound or over[0] >= 0 else over[0]
         print(f"| {pricing} | {sum(0 <= o <= bound for o in over)}/{len(over)} | {statistics.median(over):+,.0f} | "

@@ -21,3 +21,9 @@ def test_old_pricing_overshoots_as_the_issue_says() -> None:
     running at the close are the long ones: tens of thousands over (the real runs: +6K to +10K, slower machines)."""
     over, _ = run(0, pricing="old")
     assert over > 5 * BOUND
+
+
+def test_new_pricing_holds_with_late_timers() -> None:
+    """Restatements late by 150 ms on average (a loaded machine): prices are held for as long as they stood."""
+    over, _ = run(1, pricing="new", timer_late=0.15)
+    assert 0 <= over <= BOUND

@@ -89,3 +89,20 @@ def test_a_request_is_priced_at_its_next_restatement() -> None:
         assert models.reservation(model, elapsed) == model.reserve(then, 1.0) >= model.reserve(now, 1.0)
     # a new request: priced as one that survives to its first restatement, more than E[L] but not the cap
     assert model.reserve(0.0, 1.0) < models.reservation(model, 0.0) < 2048
+
+
+def test_a_price_is_held_for_as_long_as_prices_have_stood() -> None:
+    """Timers fire late on a loaded machine and refreshes wait at Redis: the lookahead is the longest that the
+    last restatements' prices stood, when that is longer than the interval, and only while it is in the window."""
+    models = _models()
+    models.rates, _ = _tracker(0.04, 3000.0)
+    step = models.restate_interval()
+    assert models.lag() == step
+    models.restated(step / 2)
+    assert models.lag() == step  # sooner than the interval: the interval
+    models.restated(0.3)
+    assert models.lag() == 0.3
+    assert models.ahead(0.1) == pytest.approx(models.rates.progress(0.4))
+    for _ in range(LengthModels.STOOD_WINDOW):
+        models.restated(step)
+    assert models.lag() == step  # the late one has left the window

@@ -399,7 +399,7 @@ class Dispatcher:
         """Refresh the lease every LEASE_MS/4 and, in predict mode, grow running requests' reservations every
         BUDGETQ_RESERVE_INTERVAL seconds (more often for short requests: LengthModels.restate_interval): a request
         that has run long is expected to run longer."""
-        last_lease = time.monotonic()
+        last_lease = priced = time.monotonic()
         while True:
             await asyncio.sleep(min(self.length_models.restate_interval(), LEASE_MS / 4000))
             now = time.monotonic()
@@ -423,10 +423,15 @@ class Dispatcher:
                             f.reserved = model.reserve(ahead, self.length_models.model_error) + f.future
                             progress.append(int(done))
                     reserved = sum(f.reserved for f in rc.flights.values())
-                elif now - last_lease < LEASE_MS / 4000:
-                    continue
+                else:
+                    priced = now  # none of this chunk's prices stands
+                    if now - last_lease < LEASE_MS / 4000:
+                        continue
                 ok = await self.batcher.call(self.ledger.refresh_chunk_call(
                     rc.dataset, rc.id, reserved=reserved, progress=progress, turn_progress=turn_progress))
+                if reserved is not None:  # how long the prices before these stood (LengthModels.lag)
+                    self.length_models.restated(time.monotonic() - priced)
+                    priced = now
                 last_lease = now
             except Exception as exc:  # Redis hiccup: keep trying; the lease has slack for three misses
                 log.warning("lease refresh for %s failed: %s", rc.id, exc)
