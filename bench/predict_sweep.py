@@ -56,27 +56,28 @@ def cell_args(median: int, in_flight: int, speed: str, args: argparse.Namespace)
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
+    """Per cell and mode: runs in the bound (predict [0, max(0.5% of the budget, max_new_tokens)], strict
+    [-max_new_tokens, 0]), median overshoot, the lowest and highest, median simulated 90% -> close, load."""
     lines = ["| median length (cap) | in flight | speed | budget (x in flight) | mode | runs in bound | median over | "
-             "worst over | bound | median 90% -> close (simulated) | load (1 min) |",
+             "lowest / highest | bound | median 90% -> close (simulated) | load (1 min) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    keys = sorted({(r["cell"]["median"], r["cell"]["in_flight"], r["cell"]["speed"], r["cell"]["factor"], r["mode"])
-                   for r in rows}, key=lambda k: (k[0], k[1], k[2] != "short", -k[3], k[4]))
-    for median, width, speed, factor, mode in keys:
-        rs = [r for r in rows if (r["cell"]["median"], r["cell"]["in_flight"], r["cell"]["speed"], r["cell"]["factor"],
-                                  r["mode"]) == (median, width, speed, factor, mode)]
+
+    def key(r: dict[str, Any]) -> tuple[int, int, str, float, str]:
+        c = r["cell"]
+        return c["median"], c["in_flight"], c["speed"], c["factor"], r["mode"]
+    for median, width, speed, factor, mode in sorted({key(r) for r in rows},
+                                                     key=lambda k: (k[0], k[1], k[2] != "short", -k[3], k[4])):
+        rs = [r for r in rows if key(r) == (median, width, speed, factor, mode)]
         budget, cap = rs[0]["budget"], LENGTHS[median][1]
         over = sorted(r["tokens"] - budget for r in rs)
-        if mode == "strict":
-            ok, bound, worst = sum(-cap <= o <= 0 for o in over), f"[-{cap:,}, 0]", over[0] if over[0] < -cap else over[-1]
-        else:
-            b = max(0.005 * budget, cap)
-            ok, bound, worst = sum(0 <= o <= b for o in over), f"{b:,.0f}", over[-1] if over[-1] > b or over[0] >= 0 else over[0]
+        lo, hi = (-cap, 0) if mode == "strict" else (0, max(0.005 * budget, cap))
+        ok = sum(lo <= o <= hi for o in over)
         closes = [r["sim_s_90_to_close"] for r in rs if r["sim_s_90_to_close"] is not None]
-        close = f"{statistics.median(closes):.1f} s" if closes else "-"
+        close = f"{statistics.median(closes):,.1f} s" if closes else "-"
         med = statistics.median(over)
         loads = [r["loadavg_1_5_15"][0] for r in rs]
-        lines.append(f"| {median:,} ({cap:,}) | {width} | {speed} | {budget:,} ({factor:g}x) | {mode} | {ok}/{len(rs)} | "
-                     f"{med:+,.0f} ({med / budget:+.2%}) | {worst:+,} | {bound} | {close} | "
+        lines.append(f"| {median:,} ({cap:,}) | {width} | {speed} | {budget:,} ({factor:.3g}x) | {mode} | {ok}/{len(rs)} | "
+                     f"{med:+,.0f} ({med / budget:+.2%}) | {over[0]:+,} / {over[-1]:+,} | [{lo:,}, {hi:,.0f}] | {close} | "
                      f"{min(loads):.1f}-{max(loads):.1f} |")
     return "\n".join(lines)
 
@@ -96,7 +97,11 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--history-dir", default="")
     ap.add_argument("--results", default="predict_sweep.json", help="file name under bench/results/")
+    ap.add_argument("--table", nargs="+", metavar="FILE", help="print the summary of these results files and exit")
     args = ap.parse_args()
+    if args.table:
+        print(summary([row for f in args.table for row in json.loads(Path(f).read_text())["rows"]]))
+        return
     seeds = [int(x) for x in args.seeds.split(",")]
     modes = args.modes.split(",")
     rows: list[dict[str, Any]] = []
