@@ -52,7 +52,7 @@ class _Worker:
 
     def price(self, model: LengthModel, elapsed: float, pricing: str, z: float) -> int:
         if pricing == "new":
-            return model.reserve(self.models.ahead(elapsed), z)
+            return self.models.reservation(model, elapsed)
         rate = self.models.rates.rate
         return model.reserve(0.0 if rate is None else elapsed * rate, z)
 
@@ -69,8 +69,9 @@ def run(seed: int, budget: int = 600_000, slots: int = 192, workers: int = 3, me
     draw = lambda: int(min(cap, max(1, round(rng.lognormal(mu, sigma)))))  # noqa: E731
     model = LengthModel([draw() for _ in range(4096)], mean, cap)
     sd = model.sd()
-    ws = [_Worker(LengthModels(_no_fetch, model_error=z, reserve_interval=interval), slots // workers)
-          for _ in range(workers)]
+    clock = [0.0]  # the simulated time, which the worker's LengthModels read as their clock
+    ws = [_Worker(LengthModels(_no_fetch, model_error=z, reserve_interval=interval, clock=lambda: clock[0]),
+                  slots // workers) for _ in range(workers)]
     for w in ws:
         w.models.rates = RateTracker()
     events: list[tuple[float, int, int, int]] = []  # (time, kind 0 end / 1 restate / 2 retry, worker, request)
@@ -105,6 +106,7 @@ def run(seed: int, budget: int = 600_000, slots: int = 192, workers: int = 3, me
         admit(wi, 0.0)
     while events:
         now, kind, wi, rid = heapq.heappop(events)
+        clock[0] = now
         w = ws[wi]
         if kind == 1:
             if closed and not in_flight():

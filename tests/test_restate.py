@@ -63,7 +63,7 @@ def test_the_fit_follows_the_window() -> None:
 
 def test_restate_interval_is_a_quarter_of_a_request_within_floor_and_setting() -> None:
     models = _models(reserve_interval=1.0)
-    assert models.restate_interval() == 1.0  # nothing observed: BUDGETQ_RESERVE_INTERVAL
+    models._first_priced = 0.0  # as if the first request had been priced (the dispatcher prices before admitting)
     models.rates.observe(400, 0.4)
     assert models.restate_interval() == pytest.approx(0.1)
     models.rates = RateTracker()
@@ -73,6 +73,26 @@ def test_restate_interval_is_a_quarter_of_a_request_within_floor_and_setting() -
     models.rates.observe(3800, 120.0)
     assert models.restate_interval() == 1.0  # long requests: the setting, as before
     assert _models(reserve_interval=0.02).restate_interval() == 0.02  # a shorter setting is kept
+
+
+def test_before_any_result_the_interval_grows_with_the_first_request_s_age() -> None:
+    """No request has ended: they last at least as long as the first has run, so restate every quarter of that (the
+    first results are the short ones, and the running ones must then be restated at once)."""
+    now = [100.0]
+    async def fetch(dataset: str) -> LengthSample:
+        raise AssertionError(dataset)
+    models = LengthModels(fetch, reserve_interval=1.0, clock=lambda: now[0])
+    assert models.restate_interval() == LengthModels.RESTATE_FLOOR_S  # about to price the first requests
+    model = LengthModel([], 400, 2048)
+    models.reservation(model, 0.0)
+    now[0] = 100.1
+    assert models.restate_interval() == LengthModels.RESTATE_FLOOR_S
+    now[0] = 102.0
+    assert models.restate_interval() == pytest.approx(0.5)
+    now[0] = 160.0
+    assert models.restate_interval() == 1.0  # long requests: the setting, after a few restatements more
+    models.rates.observe(300, 0.2)
+    assert models.restate_interval() == LengthModels.RESTATE_FLOOR_S  # the first result sets it
 
 
 def test_a_request_is_priced_at_its_next_restatement() -> None:

@@ -347,8 +347,11 @@ class LengthModels:
     STOOD_WINDOW: Final = 32
 
     def __init__(self, fetch: Callable[[str], Awaitable[LengthSample]], refresh_s: float = 5.0,
-                 model_error: float = 0.0, reserve_interval: float = 1.0) -> None:
+                 model_error: float = 0.0, reserve_interval: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.fetch = fetch
+        self.clock = clock  # for restate_interval's first seconds; bench/close_sim.py passes its simulated time
+        self._first_priced: float | None = None  # when this worker priced its first request
         self.model_error = model_error  # z: reservations add z standard errors of the model (LengthModel.reserve)
         self.REFRESH_S = refresh_s
         self.reserve_interval = reserve_interval  # BUDGETQ_RESERVE_INTERVAL: the longest between restatements
@@ -409,7 +412,13 @@ class LengthModels:
         never restated, so they held E[L] while the running ones averaged nearly twice that (issue 24)."""
         duration = self.rates.duration
         if duration is None:
-            return self.reserve_interval
+            # No request has ended yet, so they last at least as long as the first has run: a quarter of that. The
+            # first results come from the short requests, and the running ones must then be restated at once (a
+            # budget of 1-2x what is in flight closes within the first waves); a run of long requests pays a few
+            # restatements more, as the interval doubles its way up to BUDGETQ_RESERVE_INTERVAL.
+            if self._first_priced is None:  # the first requests are about to be priced
+                return min(self.reserve_interval, self.RESTATE_FLOOR_S)
+            duration = self.clock() - self._first_priced
         return min(self.reserve_interval, max(self.RESTATE_FLOOR_S, duration / self.RESTATE_PER_REQUEST))
 
     def restated(self, stood: float) -> None:
@@ -432,6 +441,8 @@ class LengthModels:
 
     def reservation(self, model: LengthModel, elapsed: float) -> int:
         """What a single-turn request that has run ``elapsed`` seconds reserves now, on ``model``."""
+        if self._first_priced is None:
+            self._first_priced = self.clock()
         return model.reserve(self.ahead(elapsed), self.model_error)
 
     async def expected(self, dataset: str, elapsed: float = 0.0) -> int:
