@@ -51,7 +51,8 @@ def cell_args(median: int, in_flight: int, speed: str, args: argparse.Namespace)
     seconds, scale = SPEEDS[speed]
     return argparse.Namespace(
         mean=mean, sigma=0.8, max_tokens=cap, in_flight=in_flight, workers=workers, chunk_size=256,
-        per_request_tps=mean / seconds, time_scale=scale, reserve_interval=1.0 / scale, no_expect_mean=True,
+        per_request_tps=mean / seconds, time_scale=scale, reserve_interval=1.0 / scale,
+        no_expect_mean=not args.expect_mean,
         timeout=args.timeout, turn_length_scale="", history_dir=args.history_dir, budget=0, seed=1)
 
 
@@ -94,6 +95,8 @@ def main() -> None:
                     help="issue 24's own setup instead of the sweep: median 300, 192 in flight, 600,000 tokens, "
                          "6,000 prompts, --speed-tps tok/s per request, time scale 1, 1 s interval")
     ap.add_argument("--speed-tps", default="3000,300", help="with --issue-cell: per-request decode speeds")
+    ap.add_argument("--expect-mean", action="store_true",
+                    help="give produce --expect-mean (the true mean) instead of leaving the prior to max_new_tokens / 4")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--history-dir", default="")
     ap.add_argument("--results", default="predict_sweep.json", help="file name under bench/results/")
