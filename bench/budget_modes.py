@@ -90,8 +90,8 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
     seed = args.seed if seed is None else seed
     name = "prompts" if turns == 1 else CONV_DATASET
     sim = ["--length-dist", "lognormal", "--mean-tokens", str(args.mean), "--sigma", str(args.sigma),
-           "--tokens-per-second-per-request", str(args.per_request_tps), "--saturation-batch", "256",
-           "--max-running", "256", "--time-scale", str(args.time_scale), "--seed", str(seed),
+           "--tokens-per-second-per-request", str(args.per_request_tps),
+           "--saturation-batch", str(max(256, args.in_flight)), "--max-running", str(max(256, args.in_flight)), "--time-scale", str(args.time_scale), "--seed", str(seed),
            "--prefix-cache-pages", "0"]
     multi: list[str] = []
     if turns > 1:  # real ids, so an answer re-rendered into the next prompt is as long as it was generated
@@ -101,7 +101,8 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
         multi = ["--turns", "all", "--reasoning-parser", PARSER]
     # Reservations are restated every simulated 2 s (1 s of real time at --time-scale 1 is the default).
     env = {"BUDGETQ_CONCURRENCY": str(args.in_flight // args.workers),
-           "BUDGETQ_RESERVE_INTERVAL": str(max(0.02, 2.0 / args.time_scale))}
+           "BUDGETQ_RESERVE_INTERVAL": str(args.reserve_interval if args.reserve_interval is not None
+                                           else max(0.02, 2.0 / args.time_scale))}
     if taper is not None:
         env["BUDGETQ_PREDICT_TAPER"] = taper
     if model_error is not None:
@@ -116,7 +117,7 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
         res = subprocess.run([*produce_cmd(), f"{name}={data}", *multi, "--tokenizer", str(tok), "--max-tokens",
                               str(args.max_tokens), "--budget", str(budget), "--budget-mode", mode,
                               "--chunk-size", str(args.chunk_size), "--queue-depth", "8", "--max-context", "65536",
-                              "--expect-mean", str(args.mean), "--out", str(out), "--redis-url", stack.redis_url,
+                              *([] if args.no_expect_mean else ["--expect-mean", str(args.mean)]), "--out", str(out), "--redis-url", stack.redis_url,
                               "--quiet"], capture_output=True, text=True, timeout=args.timeout)
         t_end = time.monotonic()
         watch.stop_flag.set()
@@ -132,7 +133,8 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
         total = sum(x["completion_tokens"] for x in recs)
         sim_stats = stack.sim_stats()
         t90 = watch.t90 or t_end
-        (work / f"{label}-history.json").write_text(json.dumps(watch.history))
+        (Path(args.history_dir) if args.history_dir else work).mkdir(parents=True, exist_ok=True)
+        (Path(args.history_dir or work) / f"{label}-history.json").write_text(json.dumps(watch.history))
         stopped: dict[str, int] = {}
         for x in recs:
             key = str(x.get("stopped_by"))
@@ -225,6 +227,13 @@ def main() -> None:
     ap.add_argument("--per-request-tps", type=float, default=30.0, help="simulated decode tok/s per request")
     ap.add_argument("--time-scale", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--reserve-interval", type=float, default=None,
+                    help="BUDGETQ_RESERVE_INTERVAL in real seconds (default: 2 simulated s, 2 / --time-scale); "
+                         "1 is the worker's own default, what a user who sets nothing runs")
+    ap.add_argument("--no-expect-mean", action="store_true",
+                    help="run produce without --expect-mean (the prior is then max_new_tokens / 4, at most 1024)")
+    ap.add_argument("--history-dir", default="", help="keep each run's (t, used, reserved, in flight) series here")
+    ap.add_argument("--prompts", type=int, default=0, help="dataset size (default: 1.6 x the largest budget / mean)")
     ap.add_argument("--modes", default="drain,predict,strict")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--budget-factors", default="",
@@ -249,7 +258,7 @@ def main() -> None:
     turns_list = [int(x) for x in args.turns.split(",")]
     if any(t not in (1, 3) for t in turns_list):
         ap.error(f"--turns {args.turns}: each value must be 1 or 3")
-    n_prompts = int(max(budgets) / args.mean * 1.6) + args.in_flight
+    n_prompts = args.prompts or int(max(budgets) / args.mean * 1.6) + args.in_flight
     results = []
     with scratch("modes") as work:
         tok = build_tokenizer(work / "tok")

@@ -80,7 +80,8 @@ class Dispatcher:
         self.batcher = Batcher(ledger.r)
         self.length_models = LengthModels(
             lambda dataset: self.batcher.call_until_answered("length model", ledger.length_sample_call(dataset)),
-            refresh_s=5 * config.reserve_interval, model_error=config.predict_model_error)
+            refresh_s=5 * config.reserve_interval, model_error=config.predict_model_error,
+            reserve_interval=config.reserve_interval)
         self.slots = asyncio.Semaphore(config.concurrency)
         self.ended = asyncio.Event()  # set whenever any request of this worker ends
         self.running: dict[str, RunningChunk] = {}
@@ -400,11 +401,11 @@ class Dispatcher:
 
     async def _keep_lease(self, rc: RunningChunk) -> None:
         """Refresh the lease every LEASE_MS/4 and, in predict mode, grow running requests' reservations every
-        BUDGETQ_RESERVE_INTERVAL seconds: a request that has run long is expected to run longer."""
-        interval = min(self.config.reserve_interval, LEASE_MS / 4000)
-        last_lease = time.monotonic()
+        BUDGETQ_RESERVE_INTERVAL seconds (more often for short requests: LengthModels.restate_interval): a request
+        that has run long is expected to run longer."""
+        last_lease = priced = time.monotonic()
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(min(self.length_models.restate_interval(), LEASE_MS / 4000))
             now = time.monotonic()
             reserved: int | None = None
             progress: list[int] | None = None
@@ -418,17 +419,23 @@ class Dispatcher:
                         turn_progress = [[] for _ in range(TURN_BUCKETS)]
                     for f in rc.flights.values():
                         done = self.length_models.rates.progress(now - f.started)
+                        ahead = self.length_models.ahead(now - f.started)  # priced at the next restatement
                         if f.conversation and turn_models is not None and turn_progress is not None:
-                            f.reserved = turn_models.current(f.turn, done) + f.future
+                            f.reserved = turn_models.current(f.turn, ahead) + f.future
                             turn_progress[turn_bucket(f.turn)].append(int(done))
                         else:
-                            f.reserved = model.reserve(done, self.length_models.model_error) + f.future
+                            f.reserved = model.reserve(ahead, self.length_models.model_error) + f.future
                             progress.append(int(done))
                     reserved = sum(f.reserved for f in rc.flights.values())
-                elif now - last_lease < LEASE_MS / 4000:
-                    continue
+                else:
+                    priced = now  # none of this chunk's prices stands
+                    if now - last_lease < LEASE_MS / 4000:
+                        continue
                 ok = await self.batcher.call(self.ledger.refresh_chunk_call(
                     rc.dataset, rc.id, reserved=reserved, progress=progress, turn_progress=turn_progress))
+                if reserved is not None:  # how long the prices before these stood (LengthModels.lag)
+                    self.length_models.restated(time.monotonic() - priced)
+                    priced = now
                 last_lease = now
             except redis.RedisError as exc:  # Redis hiccup: keep trying; the lease has slack for three misses
                 log.warning("lease refresh for %s failed: %s", rc.id, exc)
