@@ -23,7 +23,7 @@ from budget import keys
 from budget.ledger import Ledger
 from budget.outcomes import Admit
 from budget.pipeline import run
-from producer.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from worker.estimate import predict_admits
 
 BATCH = 8  # samples in the chunk under test: a worker's free slots admitted by one script run

@@ -1,11 +1,11 @@
-"""Issue 24's failure and its fix in bench/close_sim.py's offline, event-driven model of predict's close (the
+"""Issue 24's failure and its fix in tests/close_sim.py's offline, event-driven model of predict's close (the
 worker's own LengthModel, LengthModels and predict_admits; no Redis, no clock): 192 slots over 3 workers, median 300
 (cap 2048), 600,000 tokens, requests of ~0.14 s with 40 ms of overhead against a 1 s BUDGETQ_RESERVE_INTERVAL."""
 from __future__ import annotations
 
 import pytest
 
-from bench.close_sim import run
+from tests.close_sim import run
 
 BOUND = 3000  # max(0.5% of 600,000, max_new_tokens 2048)
 

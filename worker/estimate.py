@@ -349,7 +349,7 @@ class LengthModels:
                  model_error: float = 0.0, reserve_interval: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.fetch = fetch
-        self.clock = clock  # for restate_interval's first seconds; bench/close_sim.py passes its simulated time
+        self.clock = clock  # for restate_interval's first seconds; tests/close_sim.py passes its simulated time
         self._first_priced: float | None = None  # when this worker priced its first request
         self.model_error = model_error  # z: reservations add z standard errors of the model (LengthModel.reserve)
         self.REFRESH_S = refresh_s
@@ -427,7 +427,7 @@ class LengthModels:
     def lag(self) -> float:
         """How long a price stands before the next replaces it: the restatement interval, or the longest of the last
         STOOD_WINDOW restatements if longer. On a loaded machine the timer fires late and the refresh waits its turn
-        at Redis; offline (bench/close_sim.py), timers late by 50 ms on average put 7 of 8 runs over the bound."""
+        at Redis; offline (tests/close_sim.py), timers late by 50 ms on average put 7 of 8 runs over the bound."""
         return max(self.restate_interval(), max(self._stood, default=0.0))
 
     def ahead(self, elapsed: float) -> float:

@@ -1,10 +1,10 @@
 """Offline, event-driven simulation of predict's close with short requests (issue 24): how fresh reservations are.
 
-    python -m bench.close_sim                              # issue 24's setup, old pricing against new, 10 seeds
-    python -m bench.close_sim --tps 300 --seeds 10         # requests of ~1.4 s
-    python -m bench.close_sim --overhead 0 --pricing new   # one pricing only
+    python -m tests.close_sim                              # issue 24's setup, old pricing against new, 10 seeds
+    python -m tests.close_sim --tps 300 --seeds 10         # requests of ~1.4 s
+    python -m tests.close_sim --overhead 0 --pricing new   # one pricing only
 
-bench/taper_sim.py steps a whole simulated second at a time, so it cannot see what issue 24 is about: requests of
+tests/taper_sim.py steps a whole simulated second at a time, so it cannot see what issue 24 is about: requests of
 0.1-2 s against reservations restated every second. This one runs in continuous time, with no clock of its own (not
 CPU-sensitive): ``--workers`` workers of ``--slots / --workers`` slots each; a request of length L (lognormal,
 ``--mean``, ``--sigma``, capped at ``--cap``) takes ``--overhead`` + L / ``--tps`` seconds; each worker restates its
