@@ -19,10 +19,7 @@ import dataclasses
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Mapping
-
-if TYPE_CHECKING:
-    from sglang_sim.config import SimConfig
+from typing import Any, Literal, Mapping
 
 FaultKind = Literal["error", "reset", "hang", "malformed", "abort"]
 OutageMode = Literal["503", "refuse"]
@@ -58,8 +55,9 @@ class FaultSettings:
     outage_mode: OutageMode = "503"
 
     @classmethod
-    def from_config(cls, cfg: "SimConfig") -> "FaultSettings":
-        """The settings a server starts with; fault_seed defaults to the server's seed."""
+    def from_config(cls, cfg: Any) -> "FaultSettings":
+        """The settings a server starts with, read from a SimConfig (sglang_sim/config.py, which imports this
+        module: typed Any so the two do not import each other); fault_seed defaults to the server's seed."""
         values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)}
         if values["fault_seed"] is None:
             values["fault_seed"] = cfg.seed
