@@ -115,6 +115,16 @@ class SimConfig:
 
 def validate(cfg: SimConfig) -> list[str]:
     """Every reason `cfg` is unusable; empty when it is fine."""
+    problems = _style_problems(cfg)
+    problems += _range_problems(cfg)
+    problems += _eos_problems(cfg)
+    problems += FaultSettings.from_config(cfg).problems()
+    problems += _evidence_problems(cfg)
+    return problems
+
+
+def _style_problems(cfg: SimConfig) -> list[str]:
+    """The output's shape: length distribution, reasoning style, and what needs a tokenizer."""
     problems = []
     if cfg.length_dist not in LENGTH_DISTS:
         problems.append(f"length_dist must be one of {LENGTH_DISTS}")
@@ -126,47 +136,52 @@ def validate(cfg: SimConfig) -> list[str]:
         problems.append("turn_length_scale needs --tokenizer (the prompt is decoded to count its assistant turns)")
     if any(not x > 0 for x in cfg.turn_length_scale):
         problems.append("turn_length_scale entries must be > 0")
-    if not 0.0 <= cfg.reasoning_fraction <= 1.0:
-        problems.append("reasoning_fraction must be in [0, 1]")
-    if cfg.mean_tokens < 1:
-        problems.append("mean_tokens must be >= 1")
-    if cfg.sigma < 0:
-        problems.append("sigma must be >= 0")
-    if cfg.tokens_per_second_per_request <= 0:
-        problems.append("tokens_per_second_per_request must be > 0")
-    if cfg.saturation_batch < 1 or cfg.max_running < 1:
-        problems.append("saturation_batch and max_running must be >= 1")
-    if cfg.prefill_tokens_per_second < 0:
-        problems.append("prefill_tokens_per_second must be >= 0 (0 = free prefill)")
-    if cfg.time_scale <= 0:
-        problems.append("time_scale must be > 0")
-    if cfg.context_length < 2:
-        problems.append("context_length must be >= 2")
-    if cfg.prefix_cache_page < 1 or cfg.prefix_cache_pages < 0:
-        problems.append("prefix_cache_page must be >= 1 and prefix_cache_pages >= 0")
-    if cfg.disconnect_check_interval <= 0:
-        problems.append("disconnect_check_interval must be > 0")
-    if cfg.warmup_seconds < 0:
-        problems.append("warmup_seconds must be >= 0")
+    return problems
+
+
+def _range_problems(cfg: SimConfig) -> list[str]:
+    """The numeric settings of lengths, speed, cache and timing: (out of range?, message), in order."""
+    checks = (
+        (not 0.0 <= cfg.reasoning_fraction <= 1.0, "reasoning_fraction must be in [0, 1]"),
+        (cfg.mean_tokens < 1, "mean_tokens must be >= 1"),
+        (cfg.sigma < 0, "sigma must be >= 0"),
+        (cfg.tokens_per_second_per_request <= 0, "tokens_per_second_per_request must be > 0"),
+        (cfg.saturation_batch < 1 or cfg.max_running < 1, "saturation_batch and max_running must be >= 1"),
+        (cfg.prefill_tokens_per_second < 0, "prefill_tokens_per_second must be >= 0 (0 = free prefill)"),
+        (cfg.time_scale <= 0, "time_scale must be > 0"),
+        (cfg.context_length < 2, "context_length must be >= 2"),
+        (cfg.prefix_cache_page < 1 or cfg.prefix_cache_pages < 0,
+         "prefix_cache_page must be >= 1 and prefix_cache_pages >= 0"),
+        (cfg.disconnect_check_interval <= 0, "disconnect_check_interval must be > 0"),
+        (cfg.warmup_seconds < 0, "warmup_seconds must be >= 0"),
+    )
+    return [message for bad, message in checks if bad]
+
+
+def _eos_problems(cfg: SimConfig) -> list[str]:
+    """eos_id must not collide with the ids the simulator emits itself."""
     if cfg.eos_id < 0 or cfg.eos_id in (THINK_OPEN_ID, THINK_CLOSE_ID) or (
         WORD_ID_BASE <= cfg.eos_id < WORD_ID_BASE + LEXICON_SIZE
     ):
-        problems.append(
+        return [(
             f"eos_id must be >= 0 and outside the simulator's own ids ({WORD_ID_BASE}.."
             f"{WORD_ID_BASE + LEXICON_SIZE - 1}, {THINK_OPEN_ID}, {THINK_CLOSE_ID})"
-        )
-    problems += FaultSettings.from_config(cfg).problems()
-    if cfg.request_log is not None and not cfg.request_log:
-        problems.append("request_log must be a file path")
-    if any(not prefix for prefix in cfg.hang_rid_prefixes):
-        problems.append("hang_rid_prefixes must not be empty strings")
-    if cfg.vocab_size is not None and cfg.vocab_size <= 0:
-        problems.append("vocab_size must be > 0")
-    if cfg.oov_crash and cfg.vocab_size is None:
-        problems.append("oov_crash needs vocab_size (the ids at or above it are the ones that kill the server)")
-    if any(start < 0 or duration <= 0 for start, duration in cfg.outages):
-        problems.append("outages need START >= 0 and DURATION > 0")
-    return problems
+        )]
+    return []
+
+
+def _evidence_problems(cfg: SimConfig) -> list[str]:
+    """The request log, poison rids, vocabulary and outages (checked after the faults): (wrong?, message)."""
+    checks = (
+        (cfg.request_log is not None and not cfg.request_log, "request_log must be a file path"),
+        (any(not prefix for prefix in cfg.hang_rid_prefixes), "hang_rid_prefixes must not be empty strings"),
+        (cfg.vocab_size is not None and cfg.vocab_size <= 0, "vocab_size must be > 0"),
+        (cfg.oov_crash and cfg.vocab_size is None,
+         "oov_crash needs vocab_size (the ids at or above it are the ones that kill the server)"),
+        (any(start < 0 or duration <= 0 for start, duration in cfg.outages),
+         "outages need START >= 0 and DURATION > 0"),
+    )
+    return [message for bad, message in checks if bad]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,14 +26,14 @@ from aiohttp.typedefs import Handler, Middleware
 
 from sglang_sim import fault_http
 from sglang_sim.config import SimConfig
-from sglang_sim.engine import Engine, Job
+from sglang_sim.engine import Engine, Job, Outcome
 from sglang_sim.fault_http import ABORT_INJECTED_MESSAGE, FaultState, mangled_reply
-from sglang_sim.faults import FaultSettings, OutageMode
+from sglang_sim.faults import Fault, FaultSettings, OutageMode
 from sglang_sim.prefix_cache import PrefixCache
 from sglang_sim.request_log import RequestLog
 from sglang_sim.responses import generate_body, metrics_text, model_info, server_info, stats_body
-from sglang_sim.textgen import Lexicon, input_digest, lexicon_for, plan_output, plan_with_tokenizer, request_rng
-from sglang_sim.validation import ApiError, parse_generate, type_error, value_error
+from sglang_sim.textgen import Lexicon, OutputPlan, input_digest, lexicon_for, plan_output, plan_with_tokenizer, request_rng
+from sglang_sim.validation import ApiError, GenerateSpec, parse_generate, type_error, value_error
 
 
 @dataclass(eq=False)
@@ -112,19 +112,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     fault = faults.draw(arrival)
     if fault is not None and fault.immediate:
         return await faults.immediate_reply(request, fault)
-    try:
-        if request.content_type != "application/json":  # FastAPI then validates the raw bytes, and refuses them
-            raise type_error("Input should be a dictionary or an instance of GenerateReqInput")
-        spec = parse_generate(await _read_json(request), st.cfg)
-    except ApiError as e:
-        return _error(e)
-    if st.cfg.oov_crash and st.cfg.vocab_size is not None and spec.prompt and isinstance(spec.prompt[0], int):
-        # SGLang pads its embedding to a multiple of 64 rows: ids in the padding are served (meaninglessly), past it
-        # the embedding fails (recorded: tests/fixtures/sglang_real/id_at_vocab_size.json, out_of_vocab.json).
-        ids, rows = spec.prompt, -(-st.cfg.vocab_size // 64) * 64
-        if min(ids) < 0 or max(ids) >= rows:  # type: ignore[type-var]
-            st.crash(next(t for t in ids if t < 0 or t >= rows), request)  # type: ignore[operator]
-            return web.Response(status=500)  # never sent: the connection is closed
+    parsed = await _parse(request, st)
+    if isinstance(parsed, web.Response):
+        return parsed
+    spec = parsed
     rid = spec.rid if spec.rid is not None else uuid.uuid4().hex
     if st.cfg.hang_rid_prefixes and rid.startswith(st.cfg.hang_rid_prefixes):
         return await faults.hang(request)  # a poison sample: no answer, whichever attempt
@@ -132,18 +123,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return _error(value_error(f"Duplicate request ID detected: {rid}"))
     engine = st.engine
     seq = engine.next_seq()
-    keyed = spec.sampling_seed is not None or spec.greedy
-    rng = request_rng(st.cfg, seq, input_digest(spec.raw_prompt) if keyed else "", spec.sampling_seed, spec.greedy)
-    plan = plan_output(st.cfg, rng, spec.min_new_tokens)
-    if st.tokenizer is not None:  # real ids of the family's text (sglang_sim/families.py)
-        plan = plan_with_tokenizer(st.cfg, st.lexicon, plan, rng, st.tokenizer, spec.prompt)
-    # SGLang (schedule_batch.update_finish_state) checks EOS before the length limit, so an EOS drawn on the
-    # last allowed token is a stop.
-    stops = not spec.ignore_eos and plan.natural_len <= spec.max_new_tokens
-    target = plan.natural_len if stops else spec.max_new_tokens
-    aborts = fault is not None and fault.kind == "abort"
-    if fault is not None and aborts:
-        target = int(fault.cut * target)  # the share it generates before the scheduler drops it
+    plan, stops, target, aborts = _plan(st, spec, seq, fault)
     job = engine.submit(seq, spec.prompt, target, ends_aborted=aborts)
     flight = st.inflight[rid] = InFlight(job, request)
     try:
@@ -158,6 +138,49 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return faults.cut_reply(request, flight.cut)
     # Not an /abort_request that came first: that one keeps SGLang's message.
     injected_abort = aborts and outcome.aborted and outcome.started and outcome.generated == target
+    return await _answer(request, st, spec, rid, fault, plan, stops, outcome, injected_abort, t0)
+
+
+async def _parse(request: web.Request, st: SimState) -> GenerateSpec | web.Response:
+    """/generate's body checked as SGLang does: the spec, or the error answer (--oov-crash: the server dies)."""
+    try:
+        if request.content_type != "application/json":  # FastAPI then validates the raw bytes, and refuses them
+            raise type_error("Input should be a dictionary or an instance of GenerateReqInput")
+        spec = parse_generate(await _read_json(request), st.cfg)
+    except ApiError as e:
+        return _error(e)
+    if st.cfg.oov_crash and st.cfg.vocab_size is not None and spec.prompt and isinstance(spec.prompt[0], int):
+        # SGLang pads its embedding to a multiple of 64 rows: ids in the padding are served (meaninglessly), past it
+        # the embedding fails (recorded: tests/fixtures/sglang_real/id_at_vocab_size.json, out_of_vocab.json).
+        ids, rows = spec.prompt, -(-st.cfg.vocab_size // 64) * 64
+        if min(ids) < 0 or max(ids) >= rows:  # type: ignore[type-var]
+            st.crash(next(t for t in ids if t < 0 or t >= rows), request)  # type: ignore[operator]
+            return web.Response(status=500)  # never sent: the connection is closed
+    return spec
+
+
+def _plan(st: SimState, spec: GenerateSpec, seq: int, fault: Fault | None) -> tuple[OutputPlan, bool, int, bool]:
+    """The output of request `seq`: (plan, stops at EOS?, tokens to generate, ends aborted by a fault?)."""
+    keyed = spec.sampling_seed is not None or spec.greedy
+    rng = request_rng(st.cfg, seq, input_digest(spec.raw_prompt) if keyed else "", spec.sampling_seed, spec.greedy)
+    plan = plan_output(st.cfg, rng, spec.min_new_tokens)
+    if st.tokenizer is not None:  # real ids of the family's text (sglang_sim/families.py)
+        plan = plan_with_tokenizer(st.cfg, st.lexicon, plan, rng, st.tokenizer, spec.prompt)
+    # SGLang (schedule_batch.update_finish_state) checks EOS before the length limit, so an EOS drawn on the
+    # last allowed token is a stop.
+    stops = not spec.ignore_eos and plan.natural_len <= spec.max_new_tokens
+    target = plan.natural_len if stops else spec.max_new_tokens
+    aborts = fault is not None and fault.kind == "abort"
+    if fault is not None and aborts:
+        target = int(fault.cut * target)  # the share it generates before the scheduler drops it
+    return plan, stops, target, aborts
+
+
+async def _answer(request: web.Request, st: SimState, spec: GenerateSpec, rid: str, fault: Fault | None,
+                  plan: OutputPlan, stops: bool, outcome: Outcome, injected_abort: bool,
+                  t0: float) -> web.StreamResponse:
+    """The finished request's reply: the contract's body, or a --malformed-rate mangling of it."""
+    faults = st.faults
     body = generate_body(
         st.lexicon, st.cfg, rid, plan, stops, spec.max_new_tokens, len(spec.prompt), outcome, time.monotonic() - t0,
         abort_message=ABORT_INJECTED_MESSAGE if injected_abort else None,

@@ -106,8 +106,8 @@ def _check_types(body: Mapping[str, Any]) -> None:
             raise type_error(f"{key}: Input should be a valid boolean")
 
 
-def _check_sampling(sp: Mapping[str, Any]) -> dict[str, Any]:
-    """Types, then unknown keys, then SamplingParams.verify()'s ranges; returns the values with defaults."""
+def _check_sampling_types(sp: Mapping[str, Any]) -> None:
+    """Unknown keys first, then each known key's type."""
     unknown = [k for k in sp if k not in SGLANG_SAMPLING_KEYS]
     if unknown:  # serde's text, as api_types.decode_SamplingParams words it
         listed = ", ".join(f"`{k}`" for k in SGLANG_SAMPLING_KEYS)
@@ -125,6 +125,11 @@ def _check_sampling(sp: Mapping[str, Any]) -> dict[str, Any]:
         if not ok:
             raise type_error(f"sampling_params.{k}: Input has the wrong type, got {v!r}")
 
+
+def _check_sampling(sp: Mapping[str, Any]) -> dict[str, Any]:
+    """Types, then unknown keys, then SamplingParams.verify()'s ranges; returns the values with defaults."""
+    _check_sampling_types(sp)
+
     def num(key: str, default: float) -> float:
         # As given, not float(): SGLang's messages print what was sent ("got -1.", not "got -1.0.").
         v = sp.get(key)
@@ -137,29 +142,26 @@ def _check_sampling(sp: Mapping[str, Any]) -> dict[str, Any]:
     min_new = sp.get("min_new_tokens") or 0
     max_new = sp.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     n = sp.get("n")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise value_error(f"temperature must be a non-negative finite number, got {temperature}.")
-    if not 0.0 < top_p <= 1.0:
-        raise value_error(f"top_p must be in (0, 1], got {top_p}.")
-    if not 0.0 <= min_p <= 1.0:
-        raise value_error(f"min_p must be in [0, 1], got {min_p}.")
-    if top_k != -1 and top_k < 1:
-        raise value_error(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
-    if not -2.0 <= freq <= 2.0:
-        raise value_error(f"frequency_penalty must be in [-2, 2], got {freq}.")
-    if not -2.0 <= pres <= 2.0:
-        raise value_error(f"presence_penalty must be in [-2, 2], got {pres}.")
-    if not 0.0 < rep <= 2.0:
-        raise value_error(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {rep}.")
-    if min_new < 0:
-        raise value_error(f"min_new_tokens must be in [0, max_new_tokens], got {min_new}.")
-    if max_new is not None:
-        if max_new < 0:
-            raise value_error(f"max_new_tokens must be at least 0, got {max_new}.")
-        if min_new > max_new:
-            raise value_error(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.")
-    if n is not None and n != 1:
-        raise value_error(f"n must be 1 in sglang-sim (n > 1 is not simulated), got {n}.")
+    # SamplingParams.verify()'s order: the first range that fails is the one reported. Predicates, not values,
+    # so that a check after a None test (max_new_tokens) is only evaluated when the one before it passed.
+    ranges = (
+        (lambda: not math.isfinite(temperature) or temperature < 0,
+         f"temperature must be a non-negative finite number, got {temperature}."),
+        (lambda: not 0.0 < top_p <= 1.0, f"top_p must be in (0, 1], got {top_p}."),
+        (lambda: not 0.0 <= min_p <= 1.0, f"min_p must be in [0, 1], got {min_p}."),
+        (lambda: top_k != -1 and top_k < 1, f"top_k must be -1 (disable) or at least 1, got {top_k}."),
+        (lambda: not -2.0 <= freq <= 2.0, f"frequency_penalty must be in [-2, 2], got {freq}."),
+        (lambda: not -2.0 <= pres <= 2.0, f"presence_penalty must be in [-2, 2], got {pres}."),
+        (lambda: not 0.0 < rep <= 2.0, f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {rep}."),
+        (lambda: min_new < 0, f"min_new_tokens must be in [0, max_new_tokens], got {min_new}."),
+        (lambda: max_new is not None and max_new < 0, f"max_new_tokens must be at least 0, got {max_new}."),
+        (lambda: max_new is not None and min_new > max_new,
+         f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}."),
+        (lambda: n is not None and n != 1, f"n must be 1 in sglang-sim (n > 1 is not simulated), got {n}."),
+    )
+    for bad, message in ranges:
+        if bad():
+            raise value_error(message)
     return {
         "max_new_tokens": max_new,
         "min_new_tokens": min_new,

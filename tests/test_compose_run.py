@@ -613,6 +613,43 @@ def stack_holder() -> Iterator[list[Stack]]:
         stack.kill_all()
 
 
+def check_dashboard(compose: Mapping[str, Any], dotenv: Mapping[str, str], stack: Stack, r: redis.Redis,
+                    datasets: list[str], total_records: int) -> Proc:
+    """rq-dashboard as the sim profile starts it: basic auth from the .env values, every endpoint refused without
+    it, and with it the empty queue, each finished chunk (every sample of `datasets`) and the workers; its Proc."""
+    dash_env = environment(compose["services"]["dashboard"])
+    auth = (dash_env["RQ_DASHBOARD_USERNAME"], dash_env["RQ_DASHBOARD_PASSWORD"])
+    assert auth == (dotenv["RQ_DASHBOARD_USERNAME"], dotenv["RQ_DASHBOARD_PASSWORD"])
+    base = f"http://{LOOPBACK}:{stack.ports['dashboard'][9181]}"
+    dash = stack.procs["dashboard"][0]
+    deadline = time.monotonic() + 20
+    while http(base + "/")[0] != 401:
+        assert dash.popen.poll() is None and time.monotonic() < deadline, f"rq-dashboard not up:\n{dash.tail()}"
+        time.sleep(0.05)  # polling a port that is coming up: there is no event to await
+    finished_path = "/0/data/jobs/budgetq/finished/1000/asc/1.json"
+    for endpoint in ("/0/data/queues.json", finished_path, "/0/data/workers.json"):
+        assert http(base + endpoint)[0] == 401, endpoint
+        assert http(base + endpoint, (auth[0], auth[1] + "x"))[0] == 401, endpoint
+    status, body = http(base + "/0/data/queues.json", auth)
+    assert status == 200, body[:300]
+    queues = {q["name"]: q for q in json.loads(body)["queues"]}
+    assert queues["budgetq"]["count"] == 0 and queues["budgetq"]["failed_job_registry_count"] == 0
+    status, body = http(base + finished_path, auth)
+    assert status == 200, body[:300]
+    jobs = json.loads(body)["jobs"]
+    assert sorted(j["id"] for j in jobs) == sorted(str(x) for x in r.zrange("rq:finished:budgetq", 0, -1))
+    samples = 0
+    for job in jobs:
+        desc = re.match(r"(?P<ds>[\w-]+): (?P<n>\d+) samples", job["description"])
+        assert desc and desc["ds"] in datasets, job["description"]
+        samples += int(desc["n"])
+    assert samples == total_records, "the finished chunks shown hold every sample"
+    status, body = http(base + "/0/data/workers.json", auth)
+    assert status == 200, body[:300]
+    assert len(json.loads(body)["workers"]) == stack.replicas["worker"]
+    return dash
+
+
 # ------------------------------------------------------------------------------------ the test
 
 @pytest.mark.e2e
@@ -726,36 +763,7 @@ def test_sim_profile_runs_the_documented_sample_job(tmp_path: Path, tokenizer_di
     assert len(set(datasets)) == len(datasets) == len(data_args)
 
     # -- rq-dashboard: its compose command, basic auth from the .env values
-    dash_env = environment(compose["services"]["dashboard"])
-    auth = (dash_env["RQ_DASHBOARD_USERNAME"], dash_env["RQ_DASHBOARD_PASSWORD"])
-    assert auth == (dotenv["RQ_DASHBOARD_USERNAME"], dotenv["RQ_DASHBOARD_PASSWORD"])
-    base = f"http://{LOOPBACK}:{stack.ports['dashboard'][9181]}"
-    dash = stack.procs["dashboard"][0]
-    deadline = time.monotonic() + 20
-    while http(base + "/")[0] != 401:
-        assert dash.popen.poll() is None and time.monotonic() < deadline, f"rq-dashboard not up:\n{dash.tail()}"
-        time.sleep(0.05)  # polling a port that is coming up: there is no event to await
-    finished_path = "/0/data/jobs/budgetq/finished/1000/asc/1.json"
-    for endpoint in ("/0/data/queues.json", finished_path, "/0/data/workers.json"):
-        assert http(base + endpoint)[0] == 401, endpoint
-        assert http(base + endpoint, (auth[0], auth[1] + "x"))[0] == 401, endpoint
-    status, body = http(base + "/0/data/queues.json", auth)
-    assert status == 200, body[:300]
-    queues = {q["name"]: q for q in json.loads(body)["queues"]}
-    assert queues["budgetq"]["count"] == 0 and queues["budgetq"]["failed_job_registry_count"] == 0
-    status, body = http(base + finished_path, auth)
-    assert status == 200, body[:300]
-    jobs = json.loads(body)["jobs"]
-    assert sorted(j["id"] for j in jobs) == sorted(str(x) for x in r.zrange("rq:finished:budgetq", 0, -1))
-    samples = 0
-    for job in jobs:
-        desc = re.match(r"(?P<ds>[\w-]+): (?P<n>\d+) samples", job["description"])
-        assert desc and desc["ds"] in datasets, job["description"]
-        samples += int(desc["n"])
-    assert samples == total_records, "the finished chunks shown hold every sample"
-    status, body = http(base + "/0/data/workers.json", auth)
-    assert status == 200, body[:300]
-    assert len(json.loads(body)["workers"]) == stack.replicas["worker"]
+    dash = check_dashboard(compose, dotenv, stack, r, datasets, total_records)
 
     # -- docker compose down: dependents first; workers get one SIGTERM, finish, deregister
     worker_service = compose["services"]["worker"]

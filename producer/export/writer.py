@@ -365,18 +365,7 @@ def _rows(rec: Mapping[str, Any], points: list[int], checked: list[tuple[list[in
     turns = rec["turns"]
     if options.format == "tokens":
         assert ids is not None
-        out = []
-        for i, pair in enumerate(checked):
-            if pair is None:
-                continue
-            prompt, output = pair
-            row: dict[str, Any] = {"id": rec["id"], **generation(rec), "turn": i, "input_ids": prompt + output,
-                                   "loss_mask": [0] * len(prompt) + [1] * len(output)}
-            if is_truncated(rec):
-                row["truncated"] = True
-            row.update(template_hash=ids.template_hash, tokenizer_revision=ids.revision)
-            out.append(row)
-        return out
+        return _token_rows(rec, checked, ids)
     if options.rows_per_turn:
         rows = turn_rows(rec, options.format, options.reasoning, think, points)
         indexed = list(enumerate(rows))
@@ -408,6 +397,23 @@ def _rows(rec: Mapping[str, Any], points: list[int], checked: list[tuple[list[in
             exported_reasoning = None if options.reasoning == "drop" else turn.get("reasoning")
             if not turn["content"] and not exported_reasoning and not turn.get("tool_calls"):
                 report.empty_turns += 1
+    return out
+
+
+def _token_rows(rec: Mapping[str, Any], checked: list[tuple[list[int], list[int]] | None],
+                ids: _TokenIds) -> list[dict[str, Any]]:
+    """--format tokens: one row of input_ids and loss_mask per turn whose ids passed the check."""
+    out = []
+    for i, pair in enumerate(checked):
+        if pair is None:
+            continue
+        prompt, output = pair
+        row: dict[str, Any] = {"id": rec["id"], **generation(rec), "turn": i, "input_ids": prompt + output,
+                               "loss_mask": [0] * len(prompt) + [1] * len(output)}
+        if is_truncated(rec):
+            row["truncated"] = True
+        row.update(template_hash=ids.template_hash, tokenizer_revision=ids.revision)
+        out.append(row)
     return out
 
 
