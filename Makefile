@@ -21,7 +21,7 @@ install: setup
 demo: setup
 	$(PYTHON) -m demo.run
 
-# What CI runs (.ci/run): mypy, then the whole suite. BUDGETQ_TEST_DEPS=1 also installs what only tests need
+# What CI runs (.ci/run): ruff, mypy, then the whole suite. BUDGETQ_TEST_DEPS=1 also installs what only tests need
 # (chromium, for tests/test_dashboard.py's browser test), so `make demo` stays light. The suite runs in two
 # invocations: everything but the `serial` tests on TEST_WORKERS pytest-xdist processes (mostly waiting on real
 # processes, so more than the cores), handed out one test at a time, e2e tests first (tests/conftest.py); then the
@@ -30,6 +30,7 @@ TEST_WORKERS ?= 4
 
 test:
 	BUDGETQ_TEST_DEPS=1 PYTHON=$(PYTHON) bash scripts/bootstrap.sh
+	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy
 	$(PYTHON) -m pytest -q -m "not serial" -n $(TEST_WORKERS) --dist load --maxschedchunk 1; parallel=$$?; \
 	$(PYTHON) -m pytest -q -m serial; serial=$$?; \

@@ -44,7 +44,7 @@ fi
 # editable install made before a top-level package was added (render/) does not map it, and a worker or `produce`
 # started outside the checkout could not import it.
 here="$(pwd -P)"
-if ! "$PY" -c "import sys, budget, pytest, hypothesis, pytest_timeout, xdist, msgspec, sglang_router; sys.exit(not budget.__file__.startswith('$here/'))" \
+if ! "$PY" -c "import sys, budget, pytest, hypothesis, pytest_timeout, xdist, msgspec, sglang_router, ruff; sys.exit(not budget.__file__.startswith('$here/'))" \
      >/dev/null 2>&1 || ! command -v "${BIN}produce" >/dev/null 2>&1 || ! command -v "${BIN}rq" >/dev/null 2>&1 \
    || ! (cd / && "$PY" -c "import sys, render; sys.exit(not render.__file__.startswith('$here/'))" >/dev/null 2>&1); then
   echo "bootstrap: pip install -e '.[test]'" >&2

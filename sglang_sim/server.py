@@ -32,7 +32,15 @@ from sglang_sim.faults import Fault, FaultSettings, OutageMode
 from sglang_sim.prefix_cache import PrefixCache
 from sglang_sim.request_log import RequestLog
 from sglang_sim.responses import generate_body, metrics_text, model_info, server_info, stats_body
-from sglang_sim.textgen import Lexicon, OutputPlan, input_digest, lexicon_for, plan_output, plan_with_tokenizer, request_rng
+from sglang_sim.textgen import (
+    Lexicon,
+    OutputPlan,
+    input_digest,
+    lexicon_for,
+    plan_output,
+    plan_with_tokenizer,
+    request_rng,
+)
 from sglang_sim.validation import ApiError, GenerateSpec, parse_generate, type_error, value_error
 
 

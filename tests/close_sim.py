@@ -57,7 +57,7 @@ class _Worker:
         return model.reserve(0.0 if rate is None else elapsed * rate, z)
 
 
-def run(seed: int, budget: int = 600_000, slots: int = 192, workers: int = 3, mean: float = 413.0,
+def run(seed: int, budget: int = 600_000, slots: int = 192, workers: int = 3, mean: float = 413.0,  # noqa: C901
         sigma: float = 0.8, cap: int = 2048, tps: float = 3000.0, overhead: float = 0.04, interval: float = 1.0,
         taper: float = 2.0, margin: float = 1.0, z: float = 1.0, pricing: str = "new",
         timer_late: float = 0.0) -> tuple[int, float]:

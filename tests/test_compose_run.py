@@ -53,7 +53,6 @@ import pytest
 import redis
 
 from demo.stack import free_port
-from tests.procs import read_jsonl  # only newline-terminated lines: the stack may still be writing
 from tests.compose_file import (
     COMPOSE,
     DEPLOYMENT_DOC,
@@ -65,6 +64,7 @@ from tests.compose_file import (
     environment,
     interpolate,
 )
+from tests.procs import read_jsonl  # only newline-terminated lines: the stack may still be writing
 
 yaml = pytest.importorskip("yaml")
 
@@ -672,7 +672,7 @@ def test_sim_profile_runs_the_documented_sample_job(tmp_path: Path, tokenizer_di
     # -- docker compose --profile sim up -d
     t0 = time.monotonic()
     stack.up()
-    for name, procs in stack.procs.items():
+    for procs in stack.procs.values():
         for p in procs:
             assert p.popen.poll() is None, f"{p.name} exited at once:\n{p.tail()}"
     r = redis.Redis(host=LOOPBACK, port=stack.ports["redis"][6379], decode_responses=True)
@@ -772,7 +772,7 @@ def test_sim_profile_runs_the_documented_sample_job(tmp_path: Path, tokenizer_di
     # Flask's server has no SIGTERM handler: it ends by the signal, which compose counts as stopped.
     assert [code for code, _ in stack.stop("dashboard")] in ([0], [-signal.SIGTERM]), dash.tail()
     stops = stack.stop("worker", grace_cap=MAX_STOP_WAIT_S)
-    for proc, (code, seconds) in zip(stack.procs["worker"], stops):
+    for proc, (code, seconds) in zip(stack.procs["worker"], stops, strict=True):
         assert code == 0 and seconds < grace, f"{proc.name}: exit {code} after {seconds:.1f}s:\n{proc.tail()}"
         assert "Traceback" not in proc.log.read_text(errors="replace"), proc.tail()
     assert r.scard("rq:workers") == 0, "a worker stopped without deregistering"

@@ -33,15 +33,40 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final, Iterator, Mapping, Sequence
 
 from budget import history, record, serverinfo
-from producer.export.files import (DEFAULT_THINK, MANIFEST, ExportError, Results, atomic, check_dest, failed_ids,
-                                  markers, read_run_json)
-from producer.export.rows import (SHAREGPT_FROM, answers, conversation_row, generation, is_exact, is_truncated,
-                                 trained_conversations, turn_rows)
-from producer.export.manifest import (Stats, budget_state, choose_servers, describe_servers, read_manifest, template_hash,
-                               write_manifest, write_manifest_of)
+from producer.export.files import (
+    DEFAULT_THINK,
+    MANIFEST,
+    ExportError,
+    Results,
+    atomic,
+    check_dest,
+    failed_ids,
+    markers,
+    read_run_json,
+)
+from producer.export.manifest import (
+    Stats,
+    budget_state,
+    choose_servers,
+    describe_servers,
+    read_manifest,
+    template_hash,
+    write_manifest,
+    write_manifest_of,
+)
+from producer.export.rows import (
+    SHAREGPT_FROM,
+    answers,
+    conversation_row,
+    generation,
+    is_exact,
+    is_truncated,
+    trained_conversations,
+    turn_rows,
+)
 from producer.generations import record_key
 from producer.results import RESULTS
-from render.chat import RenderError, Renderer, load_tokenizer
+from render.chat import Renderer, RenderError, load_tokenizer
 
 if TYPE_CHECKING:
     import redis
