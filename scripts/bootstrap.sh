@@ -78,10 +78,12 @@ if [ "${BUDGETQ_TEST_DEPS:-0}" = "1" ]; then
     echo "bootstrap: pip install --no-deps specforge==$SPECFORGE_VERSION speculators==$SPECULATORS_VERSION (data code only, for the tests)" >&2
     "$PY" -m pip install -q --no-deps "specforge==$SPECFORGE_VERSION" "speculators==$SPECULATORS_VERSION"
   fi
-  if [ ! -f "$TRAINER_TORCH_DIR/.complete" ]; then
-    echo "bootstrap: pip install --no-deps --target $TRAINER_TORCH_DIR torch==$TRAINER_TORCH_VERSION (for the trainers' data code only)" >&2
+  # torch's own pure-Python dependencies that the venv does not already have (sympy, mpmath, networkx) go
+  # beside it: --no-deps keeps its CUDA packages out, and without them `import torch` fails in the trainers.
+  if [ ! -f "$TRAINER_TORCH_DIR/.complete-with-deps" ]; then
+    echo "bootstrap: pip install --no-deps --target $TRAINER_TORCH_DIR torch==$TRAINER_TORCH_VERSION sympy mpmath networkx (for the trainers' data code only)" >&2
     rm -rf "$TRAINER_TORCH_DIR"
-    "$PY" -m pip install -q --no-deps --target "$TRAINER_TORCH_DIR" "torch==$TRAINER_TORCH_VERSION"
-    touch "$TRAINER_TORCH_DIR/.complete"
+    "$PY" -m pip install -q --no-deps --target "$TRAINER_TORCH_DIR" "torch==$TRAINER_TORCH_VERSION" sympy mpmath networkx
+    touch "$TRAINER_TORCH_DIR/.complete-with-deps"
   fi
 fi

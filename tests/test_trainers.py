@@ -38,9 +38,11 @@ HERE = Path(__file__).resolve().parent
 TORCH_DIR = Path(os.environ.get("BUDGETQ_TRAINER_TORCH") or Path(os.environ.get("XDG_CACHE_HOME") or
                  Path.home() / ".cache") / "budgetq" / "trainer-torch-2.13.0+cpu")
 
+_INSTALLED = (importlib.util.find_spec("specforge") is not None and importlib.util.find_spec("speculators") is not None
+              and (TORCH_DIR / ".complete-with-deps").is_file())
+#: Skipped by hand without them; in CI (CI=true, where `make test` installs them) their absence is a failure.
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
-    importlib.util.find_spec("specforge") is None or importlib.util.find_spec("speculators") is None
-    or not (TORCH_DIR / ".complete").is_file(),
+    not _INSTALLED and os.environ.get("CI") != "true",
     reason="the trainers' data code and its torch are installed by scripts/bootstrap.sh with BUDGETQ_TEST_DEPS=1")]
 
 GLAIVE = HERE.parent / "demo" / "data" / "glaive_fc.jsonl"  # function definitions, tool results, several users

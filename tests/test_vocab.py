@@ -95,7 +95,7 @@ def _tool_conversations(path: Path, n: int) -> Path:
 
 
 def _max_turn0_id(tokenizer_dir: Path, path: Path) -> int:
-    from producer.render import load_tokenizer
+    from render.chat import load_tokenizer
     tok = load_tokenizer(str(tokenizer_dir))
     top = 0
     for line in path.read_text().splitlines():
