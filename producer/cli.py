@@ -391,8 +391,8 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
 @opt("--tokenizer", default=None,
      help="The run's tokenizer directory: needed by --token-ids and --format tokens; with a conversation format, "
           "every row is checked as its trainer renders it (--inexact).")
-@opt("--redis-url", envvar="BUDGETQ_EXPORT_REDIS_URL", show_envvar=True, default=None, callback=_redis_url,
-     help="Optional: record the dataset's budget, mode and usage from this Redis in the manifest, and the SGLang "
+@opt("--redis-url", envvar="REDIS_URL", show_envvar=True, default=None, callback=_redis_url,
+     help="Optional (REDIS_URL, as every command reads): record the dataset's budget, mode and usage from this Redis in the manifest, and the SGLang "
           "servers' version and model the workers recorded there if the manifest has none yet.")
 @opt("--server-url", metavar="URL[,URL...]", default=None,
      help="Ask these SGLang servers' /get_server_info (with SGLANG_API_KEY if set) and record their version, "
