@@ -10,7 +10,9 @@ import pytest
 import redis
 from click.testing import CliRunner, Result
 
+from budget import keys
 from budget.ledger import Ledger
+from budget.runstate import RunState
 from producer.cli import main
 from render.chat import load_tokenizer
 from tests.test_export import standard_records, write_dataset
@@ -44,3 +46,40 @@ def test_export_reads_redis_url_like_every_command(ds: Path, r: redis.Redis, red
     res = export(ds)  # neither --redis-url nor REDIS_URL: no Redis is read
     assert res.exit_code == 0, res.output
     assert "extra" not in manifest(ds / "manifest.json")
+
+
+def start_running(r: redis.Redis, name: str) -> None:
+    """Redis as a run leaves it mid-way: the dataset open, one chunk queued, 200 samples selected."""
+    assert Ledger(r).set_budget(name, 100_000) == "open"
+    state = RunState(r)
+    with r.pipeline(transaction=True) as pipe:
+        state.hold(pipe, name, state.next_chunk_ids(name, 1), {"s1": "c1"})
+        pipe.execute()
+    state.set_progress(name, selected=200, todo=150)
+
+
+def test_exporting_a_running_dataset_warns_and_leaves_the_runs_manifest(ds: Path, tmp_path: Path, r: redis.Redis,
+                                                                        redis_url: str) -> None:
+    run_manifest = ds / "manifest.json"
+    run_manifest.write_text('{"dataset": "ds", "written": "at the run\'s end"}\n', encoding="utf-8")
+    start_running(r, ds.name)
+    dest = tmp_path / "train" / "b1.jsonl"
+    res = export(ds, "--dest", str(dest), "--redis-url", redis_url)
+    assert res.exit_code == 0, res.output
+    [warning] = [line for line in res.output.splitlines() if "still running" in line]
+    assert f"{ds.name} is still running (0/200 samples done)" in warning
+    assert run_manifest.read_text(encoding="utf-8") == '{"dataset": "ds", "written": "at the run\'s end"}\n'
+    beside = tmp_path / "train" / "b1.manifest.json"
+    written = manifest(beside)
+    assert written["running"] is True and written["extra"]["status"] == "open"
+    assert written["counts"]["samples"] == len(standard_records_v2(ds))
+    assert res.stdout.rstrip().endswith(f"manifest {beside}")
+    Ledger(r).close(ds.name)  # the run ended: the export refreshes the run's manifest again, with no warning
+    r.delete(keys.DatasetKeys(ds.name).chunks)
+    res = export(ds, "--dest", str(dest), "--redis-url", redis_url)
+    assert res.exit_code == 0 and "still running" not in res.output, res.output
+    assert "running" not in manifest(run_manifest) and manifest(run_manifest)["counts"]["samples"] > 0
+
+
+def standard_records_v2(ds: Path) -> list[str]:
+    return (ds / "raw_responses.jsonl").read_text(encoding="utf-8").splitlines()

@@ -37,8 +37,9 @@ from producer.export.files import (DEFAULT_THINK, MANIFEST, ExportError, Results
                                   markers, read_run_json)
 from producer.export.rows import (SHAREGPT_FROM, answers, conversation_row, generation, is_exact, is_truncated,
                                  trained_conversations, turn_rows)
-from producer.export.manifest import (Stats, budget_state, choose_servers, describe_servers, read_manifest, template_hash,
-                               write_manifest, write_manifest_of)
+from producer.export.manifest import (Stats, budget_state, choose_servers, describe_servers, read_manifest,
+                                     running_manifest_path, still_running, template_hash, write_manifest,
+                                     write_manifest_of)
 from producer.generations import record_key
 from producer.results import RESULTS
 from render.chat import RenderError, Renderer, load_tokenizer
@@ -192,8 +193,18 @@ def export_datasets(job: ExportJob, *, client: "redis.Redis | None" = None,
         dataset_dir = job.out_dir / name
         extra = budget_state(client, name) if client is not None else None
         servers = choose_servers(dataset_dir, fetched=fetched, recorded=recorded)
-        report = export_dataset(dataset_dir, job.destination(name), job.options, tokenizer=job.tokenizer,
-                                servers=servers, extra=extra)
+        dest = job.destination(name)
+        running = still_running(client, name) if client is not None else None
+        manifest = None
+        if running is not None:  # its files still grow: the run's manifest.json is the run's end's to write
+            manifest = running_manifest_path(dest)
+            done, selected = running
+            log.warning("%s is still running (%d/%s samples done): this export holds what is on disk now, and "
+                        "its manifest goes to %s (the run's %s is left as it is)", name, done,
+                        "?" if selected is None else selected, manifest, dataset_dir / MANIFEST,
+                        extra={"dataset": name, "done": done, "selected": selected})
+        report = export_dataset(dataset_dir, dest, job.options, tokenizer=job.tokenizer,
+                                servers=servers, extra=extra, manifest=manifest)
         yield name, report
         # Said once the caller has printed the dataset's line, as notes on it.
         if servers is not None:
@@ -222,8 +233,9 @@ def export_datasets(job: ExportJob, *, client: "redis.Redis | None" = None,
 
 def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tokenizer: Any | None = None,
                    servers: Sequence[Mapping[str, Any]] | None = None,
-                   extra: Mapping[str, Any] | None = None) -> ExportReport:
-    """Export ``dataset_dir``'s responses to the JSONL file ``dest`` and refresh the dataset's manifest.
+                   extra: Mapping[str, Any] | None = None, manifest: Path | None = None) -> ExportReport:
+    """Export ``dataset_dir``'s responses to the JSONL file ``dest`` and refresh the dataset's manifest (or, with
+    ``manifest``, write it there instead, marked ``"running": true``: a run still going on).
 
     `tokenizer` (a transformers tokenizer, the one the run used) is required with ``options.token_ids`` and the
     ``tokens`` format.
@@ -241,7 +253,7 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
     ids = _TokenIds(tokenizer, settings) if options.needs_tokenizer or tokenizer is not None else None
     think = markers(settings)
     report = ExportReport(written=0, dropped_truncated=0, skipped_failed=len(failed), path=dest,
-                          manifest=dataset_dir / MANIFEST)
+                          manifest=dataset_dir / MANIFEST if manifest is None else manifest)
     if ids is not None:
         report.template_hash, report.tokenizer_revision = ids.template_hash, ids.revision
     stats = Stats()
@@ -284,7 +296,7 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
                               "needs them; regenerate the dataset (produce --new-run) or export it without "
                               "token ids")
     report.torn_tail = results.torn_tail
-    write_manifest_of(dataset_dir, settings, stats, len(failed), servers, extra)
+    write_manifest_of(dataset_dir, settings, stats, len(failed), servers, extra, path=manifest)
     return report
 
 
