@@ -413,8 +413,13 @@ def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | Non
     for name, report in export_datasets(job, client=client, fetched=fetched):
         kept = "dropped" if inexact == "drop" else "kept"
         inexact_note = f", {report.inexact} inexact {kept}" if report.inexact else ""
-        click.echo(f"{name}: {report.written} {what} -> {report.path} ({report.dropped_truncated} truncated "
-                   f"dropped, {report.skipped_failed} failed skipped{inexact_note}); manifest {report.manifest}")
+        # Incomplete conversations (ended early: budget, tool_mismatch...) are not called truncated.
+        incomplete = sum(report.dropped_incomplete.values())
+        why = ", ".join(f"{reason} {n}" for reason, n in sorted(report.dropped_incomplete.items()))
+        incomplete_note = f", {incomplete} incomplete dropped ({why})" if incomplete else ""
+        click.echo(f"{name}: {report.written} {what} -> {report.path} ({report.dropped_truncated - incomplete} "
+                   f"truncated dropped{incomplete_note}, {report.skipped_failed} failed skipped{inexact_note}); "
+                   f"manifest {report.manifest}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -83,3 +83,15 @@ def test_exporting_a_running_dataset_warns_and_leaves_the_runs_manifest(ds: Path
 
 def standard_records_v2(ds: Path) -> list[str]:
     return (ds / "raw_responses.jsonl").read_text(encoding="utf-8").splitlines()
+
+
+def test_summary_calls_conversations_that_ended_early_incomplete_not_truncated(tmp_path: Path, tok: Any) -> None:
+    recs = standard_records(tok, 2)  # two of them truncated: g-cut-thinking, h-cut-answer
+    recs[0].update(incomplete=True, stopped_by="tool_mismatch")
+    recs[1].update(incomplete=True, stopped_by="budget")
+    recs[2].update(incomplete=True, stopped_by="tool_mismatch")
+    ds = write_dataset(tmp_path, tok, recs)
+    res = export(ds)
+    assert res.exit_code == 0, res.output
+    assert ("(2 truncated dropped, 3 incomplete dropped (budget 1, tool_mismatch 2), 0 failed skipped)"
+            in res.stdout), res.stdout

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final, Iterator, Mapping, Sequence
@@ -140,6 +141,8 @@ class ExportReport:
     inexact: int = 0  # rows that would not train on exactly the generated ids (left out with inexact="drop")
     inexact_ids: list[str] = field(default_factory=list)  # the first of their conversations, for the message
     unchecked: int = 0  # rows written unchecked: no tokenizer given, or a version 1 record (no server ids)
+    #: of dropped_truncated, the incomplete ones (ended early, no turn cut), by ``stopped_by`` (budget, tool_mismatch...)
+    dropped_incomplete: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True)
@@ -269,6 +272,9 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
             if options.truncated == "drop" and is_truncated(rec):
                 _points(rec, number, source)  # a malformed record is an error whether it would be written or not
                 report.dropped_truncated += 1
+                reason = _ended_early(rec)
+                if reason is not None:
+                    report.dropped_incomplete[reason] += 1
                 return
             batch.append((number, rec))
             if len(batch) >= _BATCH:
@@ -298,6 +304,17 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
     report.torn_tail = results.torn_tail
     write_manifest_of(dataset_dir, settings, stats, len(failed), servers, extra, path=manifest)
     return report
+
+
+def _ended_early(rec: Mapping[str, Any]) -> str | None:
+    """Why an incomplete conversation ended before its last user turn (its ``stopped_by``: budget, failed,
+    context, tool_mismatch), or None for one dropped because a turn was cut (length, an unclosed thinking block)."""
+    if not rec["incomplete"] or is_truncated({**rec, "incomplete": False}):
+        return None
+    stopped_by = rec.get("stopped_by")
+    if stopped_by in (record.LENGTH, record.REASONING_UNCLOSED):
+        return None
+    return str(stopped_by or "incomplete")
 
 
 def _write_batch(fh: IO[str], batch: list[tuple[int, dict[str, Any]]], options: ExportOptions,
