@@ -32,6 +32,7 @@ from producer.export.writer import (
     write_manifest,
 )
 from render.chat import Renderer, load_tokenizer
+from tests.procs import produce
 
 THINK = ("<think>", "</think>")
 ROLE_OF = {"system": "system", "human": "user", "gpt": "assistant", "tool": "tool"}
@@ -719,3 +720,41 @@ def test_summary_calls_conversations_that_ended_early_incomplete_not_truncated(t
     assert res.exit_code == 0, res.output
     assert ("(2 truncated dropped, 3 incomplete dropped (budget 1, tool_mismatch 2), 0 failed skipped)"
             in res.stdout), res.stdout
+
+
+def with_stored_tokenizer(ds: Path, path: str) -> None:
+    run_json = ds / "run.json"
+    run_json.write_text(json.dumps({**json.loads(run_json.read_text()), "tokenizer_path": path}), encoding="utf-8")
+
+
+def test_tokens_use_the_tokenizer_the_run_stored(ds: Path, tmp_path: Path, tokenizer_dir: Path) -> None:
+    res = export_cli(ds, "--format", "tokens")  # run.json names none (a run made before it did): asked for
+    assert res.exit_code == 2 and "--tokenizer" in res.output, res.output
+    with_stored_tokenizer(ds, str(tokenizer_dir.resolve()))
+    res = export_cli(ds, "--format", "tokens")
+    assert res.exit_code == 0, res.output
+    assert len((ds / "tokens.jsonl").read_text().splitlines()) == 7  # the untruncated turns
+    gone = tmp_path / "moved-away"
+    with_stored_tokenizer(ds, str(gone))
+    res = export_cli(ds, "--format", "tokens")
+    assert res.exit_code == 2 and f"the run's tokenizer {gone} (run.json tokenizer_path) no longer exists" in \
+        res.output, res.output
+    res = export_cli(ds, "--format", "tokens", "--tokenizer", str(tokenizer_dir))  # an explicit one wins
+    assert res.exit_code == 0, res.output
+
+
+def test_attach_stores_the_tokenizer_path_and_a_rerun_may_name_it_otherwise(
+        tmp_path: Path, tokenizer_dir: Path, redis_url: str, r: redis.Redis) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"question {i}"}) + "\n" for i in range(4)))
+    out = tmp_path / "out"
+    base = [str(data), "--max-tokens", "16", "--out", str(out), "--detach"]
+    res = produce([*base, "--tokenizer", str(tokenizer_dir)], redis_url)
+    assert res.returncode == 0, res.stderr
+    stored = json.loads((out / "prompts" / "run.json").read_text())
+    assert stored["tokenizer_path"] == str(tokenizer_dir.resolve())
+    link = tmp_path / "tok-link"
+    link.symlink_to(tokenizer_dir)
+    r.flushall()  # the files are the truth: run.json is what the rerun is compared with
+    res = produce([*base, "--tokenizer", str(link)], redis_url)
+    assert res.returncode == 0, res.stderr  # the same tokenizer by another path is the same run

@@ -43,6 +43,7 @@ from producer.export.manifest import (Stats, budget_state, choose_servers, descr
                                      write_manifest_of)
 from producer.generations import record_key
 from producer.results import RESULTS
+from producer.runjson import TOKENIZER_PATH
 from render.chat import RenderError, Renderer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -159,10 +160,16 @@ class ExportJob:
     @classmethod
     def build(cls, names: Sequence[str], out_dir: Path, options: ExportOptions, *, dest: Path | None,
               tokenizer_dir: str | None) -> "ExportJob":
-        """Raises ExportError (exit 2) when token ids have no --tokenizer, or --dest is a file for several."""
+        """Raises ExportError (exit 2) when token ids have no tokenizer, or --dest is a file for several.
+
+        Token ids without --tokenizer use the run's, named in each dataset's run.json (``tokenizer_path``, written
+        since issue 29); an explicit --tokenizer wins."""
         tokenizer = None
         if options.needs_tokenizer and not tokenizer_dir:
-            raise ExportError(f"{'--token-ids' if options.token_ids else '--format tokens'} needs --tokenizer")
+            tokenizer_dir = _stored_tokenizer(Path(out_dir), names)
+        if options.needs_tokenizer and not tokenizer_dir:
+            raise ExportError(f"{'--token-ids' if options.token_ids else '--format tokens'} needs --tokenizer "
+                              "(no run.json of these datasets names the run's tokenizer, or they name different ones)")
         if tokenizer_dir:  # also checks conversation rows as their trainer renders them
             try:
                 tokenizer = load_tokenizer(tokenizer_dir)
@@ -180,6 +187,29 @@ class ExportJob:
         if len(self.names) == 1 and self.dest.suffix:
             return self.dest
         return self.dest / f"{name}.jsonl"
+
+
+def _stored_tokenizer(out_dir: Path, names: Sequence[str]) -> str | None:
+    """The tokenizer the runs of ``names`` stored in run.json (`TOKENIZER_PATH`), when they all name the same one;
+    None when one names none (a run made before it was stored) or they differ. Raises ExportError naming a stored
+    directory that no longer exists."""
+    found: set[str] = set()
+    for name in names:
+        try:
+            path = read_run_json(out_dir / name).get(TOKENIZER_PATH)
+        except ExportError:
+            return None  # said by the export of that dataset, in its own words
+        if not isinstance(path, str) or not path:
+            return None
+        found.add(path)
+    if len(found) != 1:
+        return None
+    (path,) = found
+    if Path(path).is_absolute() and not Path(path).is_dir():
+        raise ExportError(f"the run's tokenizer {path} (run.json {TOKENIZER_PATH}) no longer exists: give "
+                          "--tokenizer DIR, the run's tokenizer where it is now")
+    log.info("using the run's tokenizer %s (run.json %s)", path, TOKENIZER_PATH, extra={"tokenizer": path})
+    return path
 
 
 def export_datasets(job: ExportJob, *, client: "redis.Redis | None" = None,
