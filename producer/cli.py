@@ -391,8 +391,8 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
 @opt("--tokenizer", default=None,
      help="The run's tokenizer directory: needed by --token-ids and --format tokens; with a conversation format, "
           "every row is checked as its trainer renders it (--inexact).")
-@opt("--redis-url", envvar="BUDGETQ_EXPORT_REDIS_URL", show_envvar=True, default=None, callback=_redis_url,
-     help="Optional: record the dataset's budget, mode and usage from this Redis in the manifest, and the SGLang "
+@opt("--redis-url", envvar="REDIS_URL", show_envvar=True, default=None, callback=_redis_url,
+     help="Optional (REDIS_URL, as every command reads): record the dataset's budget, mode and usage from this Redis in the manifest, and the SGLang "
           "servers' version and model the workers recorded there if the manifest has none yet.")
 @opt("--server-url", metavar="URL[,URL...]", default=None,
      help="Ask these SGLang servers' /get_server_info (with SGLANG_API_KEY if set) and record their version, "
@@ -413,8 +413,13 @@ def export_cmd(names: tuple[str, ...], out_dir: Path, fmt: str, dest: Path | Non
     for name, report in export_datasets(job, client=client, fetched=fetched):
         kept = "dropped" if inexact == "drop" else "kept"
         inexact_note = f", {report.inexact} inexact {kept}" if report.inexact else ""
-        click.echo(f"{name}: {report.written} {what} -> {report.path} ({report.dropped_truncated} truncated "
-                   f"dropped, {report.skipped_failed} failed skipped{inexact_note}); manifest {report.manifest}")
+        # Incomplete conversations (ended early: budget, tool_mismatch...) are not called truncated.
+        incomplete = sum(report.dropped_incomplete.values())
+        why = ", ".join(f"{reason} {n}" for reason, n in sorted(report.dropped_incomplete.items()))
+        incomplete_note = f", {incomplete} incomplete dropped ({why})" if incomplete else ""
+        click.echo(f"{name}: {report.written} {what} -> {report.path} ({report.dropped_truncated - incomplete} "
+                   f"truncated dropped{incomplete_note}, {report.skipped_failed} failed skipped{inexact_note}); "
+                   f"manifest {report.manifest}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -9,6 +9,7 @@ format (``version``, budget/payload.py VERSION): a run of another format is refu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final, Mapping
 
 from budget.payload import VERSION, ThinkPayload
@@ -27,6 +28,24 @@ LAST: Final = "last"
 TURNS: Final = (ALL, LAST)  # producer/cli.py spells them out, to keep `produce --help` light (tests check it)
 #: The run.json key of the run format.
 VERSION_KEY: Final = "version"
+#: The run.json key of the run's ``--tokenizer`` (a directory made absolute, or a Hugging Face id as given), for
+#: ``produce export`` to find it. Not a setting: a rerun may name the same tokenizer by another path (the
+#: ``tokenizer`` fingerprint is what must not change), so it is left out of the comparison (`without_location`).
+TOKENIZER_PATH: Final = "tokenizer_path"
+
+
+def run_json(stored: Mapping[str, Any], tokenizer: str | None) -> dict[str, Any]:
+    """What run.json holds: the stored settings, and where the run's tokenizer is (`TOKENIZER_PATH`)."""
+    out = dict(stored)
+    if tokenizer:
+        path = Path(tokenizer).expanduser()
+        out[TOKENIZER_PATH] = str(path.resolve()) if path.is_dir() else tokenizer
+    return out
+
+
+def without_location(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A run.json's stored settings, without what is not a setting (`TOKENIZER_PATH`)."""
+    return {k: v for k, v in settings.items() if k != TOKENIZER_PATH}
 
 
 def stored_settings(renderer: Renderer, sampling_params: dict[str, Any], chat_template_kwargs: dict[str, Any],

@@ -131,6 +131,15 @@ def test_pages_render_and_deletes_stay_disabled(dashboard: Dashboard, two_datase
     assert r.exists(f"rq:job:{job}") and r.llen("rq:queue:budgetq") == 3
 
 
+def test_the_jobs_tab_opens_on_budgetqs_queue(dashboard: Dashboard, two_datasets: dict[str, list[str]]) -> None:
+    """The navbar's Jobs link names no queue: it opens on budgetq's, not on RQ's "default" with "No jobs"."""
+    status, body = dashboard.request("GET", "/0/view/jobs", GOOD)
+    assert status == 200, body[:300]
+    page = body.decode()
+    assert 'id="select-queue" title="Queue name" value="budgetq"' in page
+    assert "all the queued jobs on queue <strong>budgetq</strong>" in page and 'value="default"' not in page
+
+
 # ------------------------------------------------------------------ a real browser while workers are busy
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -346,6 +346,44 @@ def test_links_to_a_heading_of_a_doc_resolve() -> None:
     assert not broken, "links to headings that do not exist:\n  " + "\n  ".join(broken)
 
 
+def doc_lines(doc_path: Path) -> Iterator[tuple[int, str]]:
+    """The numbered lines of a doc outside fenced code."""
+    fenced = False
+    for number, line in enumerate(doc_path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            yield number, line
+
+
+def test_relative_links_to_files_resolve() -> None:
+    """A link ``[..](path)`` (not a URL, not only an anchor) in the docs or the README names a file or folder of
+    the repository, relative to the doc (issue 29)."""
+    broken, checked = [], 0
+    for doc_path in DOCS:
+        for number, line in doc_lines(doc_path):
+            for target in re.findall(r"\]\(([^)\s]+)\)", line):
+                if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                    continue
+                checked += 1
+                if not (doc_path.parent / target.partition("#")[0]).exists():
+                    broken.append(f"{doc_path.relative_to(ROOT)}:{number}: {target}")
+    assert checked > 50, "found too few links to files: is the pattern still right?"
+    assert not broken, "links to files that are not in the repository:\n  " + "\n  ".join(broken)
+
+
+def test_docs_named_in_the_docs_exist() -> None:
+    """A Markdown file a doc names as a path (``reference/x.md``, linked or not) is in the repository, relative to
+    the doc or to its root: docs/simulator.md once named a reference outside it (issue 29)."""
+    missing = []
+    for doc_path in DOCS:
+        for number, line in doc_lines(doc_path):
+            for name in re.findall(r"(?<![\w/.:-])((?:\.{0,2}[\w-]*/)+[\w.-]+\.md)\b", line):
+                if not ((doc_path.parent / name).is_file() or (ROOT / name).is_file()):
+                    missing.append(f"{doc_path.relative_to(ROOT)}:{number}: {name}")
+    assert not missing, "Markdown files named but not in the repository:\n  " + "\n  ".join(missing)
+
+
 def documented_keys() -> set[str]:
     """The keys in the first column of budget/keys.py's key table (its docstring), the one key table of budgetq."""
     from budget import keys

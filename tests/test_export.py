@@ -13,9 +13,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import redis
+from click.testing import CliRunner, Result
 
+from budget import keys
+from budget.ledger import Ledger
 from budget.record import as_v2, make_turn, prompt_digest
 from budget.record import make_record as make_v2_record
+from budget.runstate import RunState
 from demo.run import find_redis_server
 from demo.tokenizer import build_tokenizer
 from producer.export.writer import (
@@ -27,6 +32,7 @@ from producer.export.writer import (
     write_manifest,
 )
 from render.chat import Renderer, load_tokenizer
+from tests.procs import produce
 
 THINK = ("<think>", "</think>")
 ROLE_OF = {"system": "system", "human": "user", "gpt": "assistant", "tool": "tool"}
@@ -635,3 +641,120 @@ def test_tokens_refuses_output_ids_beyond_the_vocabulary(dataset_v2: Path, tmp_p
                                           rf"outside the tokenizer's {len(tok)}-id vocabulary"):
         export_dataset(dataset_v2, dest, ExportOptions("tokens", truncated="keep"), tokenizer=tok)
     assert not dest.exists()
+
+
+# -- produce export's command line (issue 29): where it reads Redis from, what it says of a dataset still running,
+# how it names conversations left out, and which tokenizer it uses ---------------------------------------------
+
+
+@pytest.fixture
+def ds(tmp_path: Path, tok: Any) -> Path:
+    return write_dataset(tmp_path, tok, standard_records(tok, 2))
+
+
+def export_cli(ds: Path, *args: str, env: dict[str, str | None] | None = None) -> Result:
+    from producer.cli import main
+    return CliRunner().invoke(main, ["export", ds.name, "--out", str(ds.parent), *args],
+                              env={"REDIS_URL": None, **(env or {})}, catch_exceptions=False)
+
+
+def manifest_of(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_export_reads_redis_url_like_every_command(ds: Path, r: redis.Redis, redis_url: str) -> None:
+    Ledger(r).set_budget(ds.name, 1234)
+    res = export_cli(ds, env={"REDIS_URL": redis_url})
+    assert res.exit_code == 0, res.output
+    assert manifest_of(ds / "manifest.json")["extra"]["budget"] == 1234
+    (ds / "manifest.json").unlink()
+    res = export_cli(ds)  # neither --redis-url nor REDIS_URL: no Redis is read
+    assert res.exit_code == 0, res.output
+    assert "extra" not in manifest_of(ds / "manifest.json")
+
+
+def start_running(r: redis.Redis, name: str) -> None:
+    """Redis as a run leaves it mid-way: the dataset open, one chunk queued, 200 samples selected."""
+    assert Ledger(r).set_budget(name, 100_000) == "open"
+    state = RunState(r)
+    with r.pipeline(transaction=True) as pipe:
+        state.hold(pipe, name, state.next_chunk_ids(name, 1), {"s1": "c1"})
+        pipe.execute()
+    state.set_progress(name, selected=200, todo=150)
+
+
+def test_exporting_a_running_dataset_warns_and_leaves_the_runs_manifest(ds: Path, tmp_path: Path, r: redis.Redis,
+                                                                        redis_url: str) -> None:
+    run_manifest = ds / "manifest.json"
+    run_manifest.write_text('{"dataset": "ds", "written": "at the run\'s end"}\n', encoding="utf-8")
+    start_running(r, ds.name)
+    dest = tmp_path / "train" / "b1.jsonl"
+    res = export_cli(ds, "--dest", str(dest), "--redis-url", redis_url)
+    assert res.exit_code == 0, res.output
+    [warning] = [line for line in res.output.splitlines() if "still running" in line]
+    assert f"{ds.name} is still running (0/200 samples done)" in warning
+    assert run_manifest.read_text(encoding="utf-8") == '{"dataset": "ds", "written": "at the run\'s end"}\n'
+    beside = tmp_path / "train" / "b1.manifest.json"
+    written = manifest_of(beside)
+    assert written["running"] is True and written["extra"]["status"] == "open"
+    assert written["counts"]["samples"] == len(standard_records_v2(ds))
+    assert res.stdout.rstrip().endswith(f"manifest {beside}")
+    Ledger(r).close(ds.name)  # the run ended: the export refreshes the run's manifest again, with no warning
+    r.delete(keys.DatasetKeys(ds.name).chunks)
+    res = export_cli(ds, "--dest", str(dest), "--redis-url", redis_url)
+    assert res.exit_code == 0 and "still running" not in res.output, res.output
+    assert "running" not in manifest_of(run_manifest) and manifest_of(run_manifest)["counts"]["samples"] > 0
+
+
+def standard_records_v2(ds: Path) -> list[str]:
+    return (ds / "raw_responses.jsonl").read_text(encoding="utf-8").splitlines()
+
+
+def test_summary_calls_conversations_that_ended_early_incomplete_not_truncated(tmp_path: Path, tok: Any) -> None:
+    recs = standard_records(tok, 2)  # two of them truncated: g-cut-thinking, h-cut-answer
+    recs[0].update(incomplete=True, stopped_by="tool_mismatch")
+    recs[1].update(incomplete=True, stopped_by="budget")
+    recs[2].update(incomplete=True, stopped_by="tool_mismatch")
+    ds = write_dataset(tmp_path, tok, recs)
+    res = export_cli(ds)
+    assert res.exit_code == 0, res.output
+    assert ("(2 truncated dropped, 3 incomplete dropped (budget 1, tool_mismatch 2), 0 failed skipped)"
+            in res.stdout), res.stdout
+
+
+def with_stored_tokenizer(ds: Path, path: str) -> None:
+    run_json = ds / "run.json"
+    run_json.write_text(json.dumps({**json.loads(run_json.read_text()), "tokenizer_path": path}), encoding="utf-8")
+
+
+def test_tokens_use_the_tokenizer_the_run_stored(ds: Path, tmp_path: Path, tokenizer_dir: Path) -> None:
+    res = export_cli(ds, "--format", "tokens")  # run.json names none (a run made before it did): asked for
+    assert res.exit_code == 2 and "--tokenizer" in res.output, res.output
+    with_stored_tokenizer(ds, str(tokenizer_dir.resolve()))
+    res = export_cli(ds, "--format", "tokens")
+    assert res.exit_code == 0, res.output
+    assert len((ds / "tokens.jsonl").read_text().splitlines()) == 7  # the untruncated turns
+    gone = tmp_path / "moved-away"
+    with_stored_tokenizer(ds, str(gone))
+    res = export_cli(ds, "--format", "tokens")
+    assert res.exit_code == 2 and f"the run's tokenizer {gone} (run.json tokenizer_path) no longer exists" in \
+        res.output, res.output
+    res = export_cli(ds, "--format", "tokens", "--tokenizer", str(tokenizer_dir))  # an explicit one wins
+    assert res.exit_code == 0, res.output
+
+
+def test_attach_stores_the_tokenizer_path_and_a_rerun_may_name_it_otherwise(
+        tmp_path: Path, tokenizer_dir: Path, redis_url: str, r: redis.Redis) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"question {i}"}) + "\n" for i in range(4)))
+    out = tmp_path / "out"
+    base = [str(data), "--max-tokens", "16", "--out", str(out), "--detach"]
+    res = produce([*base, "--tokenizer", str(tokenizer_dir)], redis_url)
+    assert res.returncode == 0, res.stderr
+    stored = json.loads((out / "prompts" / "run.json").read_text())
+    assert stored["tokenizer_path"] == str(tokenizer_dir.resolve())
+    link = tmp_path / "tok-link"
+    link.symlink_to(tokenizer_dir)
+    r.flushall()  # the files are the truth: run.json is what the rerun is compared with
+    res = produce([*base, "--tokenizer", str(link)], redis_url)
+    assert res.returncode == 0, res.stderr  # the same tokenizer by another path is the same run

@@ -164,6 +164,17 @@ def test_json_array_syntax_errors_are_fatal(tmp_path: Path, text: str, message: 
     assert str(info.value) == f"{path}{message}"
 
 
+def test_json_messages_ending_in_at_do_not_double_it(tmp_path: Path) -> None:
+    # json's "Invalid control character at" and "Unterminated string starting at" once read "at at column".
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a\tb"}\n{"prompt": "ab')
+    assert reasons(read_dataset("d", path)) == [(1, "not valid JSON (Invalid control character at column 14)"),
+                                                (2, "not valid JSON (Unterminated string starting at column 12)")]
+    array = tmp_path / "d.json"
+    array.write_bytes(b'[{"prompt": "a\tb"}]')
+    assert fatal(array) == f"{array}:1: not valid JSON (Invalid control character at column 15)"
+
+
 def test_json_array_bad_utf8_is_fatal(tmp_path: Path) -> None:
     path = tmp_path / "d.json"
     path.write_bytes(b'[{"prompt": "a"},\n {"prompt": "caf\xe9"}]')

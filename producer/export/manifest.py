@@ -105,6 +105,23 @@ def budget_state(client: "redis.Redis", name: str) -> dict[str, Any]:
     return {"budget": state.budget, "budget_mode": state.mode, "used": state.used, "status": state.status}
 
 
+def still_running(client: "redis.Redis", name: str) -> tuple[int, int | None] | None:
+    """(samples done, samples selected or None when no ``produce`` said) when Redis says dataset ``name`` is
+    still open with work queued, leased or in flight (its files still grow), else None."""
+    from budget.ledger import Ledger
+    state = Ledger(client).state(name)
+    if state.status != "open" or not (state.live_chunks or state.in_flight or state.unwritten):
+        return None
+    selected = state.fields.get("selected", "")
+    return state.done, int(selected) if selected.isdigit() else None
+
+
+def running_manifest_path(dest: Path) -> Path:
+    """Where the export of a dataset still running writes its manifest: beside the export (``train/b1.jsonl``:
+    ``train/b1.manifest.json``), leaving the run's own ``manifest.json`` to the run's end."""
+    return dest.with_name(f"{dest.stem if dest.suffix else dest.name}.manifest.json")
+
+
 def describe_servers(servers: Sequence[Mapping[str, Any]] | None) -> str:
     """`` (SGLang: version V, model_path M; N servers)`` for a log line, or "" when there are none."""
     if not servers:
@@ -228,9 +245,14 @@ def read_manifest(dataset_dir: Path) -> dict[str, Any]:
 
 
 def write_manifest_of(dataset_dir: Path, settings: Mapping[str, Any], stats: Stats, failed: int,
-                      servers: Sequence[Mapping[str, Any]] | None, extra: Mapping[str, Any] | None) -> Path:
-    path = dataset_dir / MANIFEST
-    previous = _previous_manifest(path)
+                      servers: Sequence[Mapping[str, Any]] | None, extra: Mapping[str, Any] | None, *,
+                      path: Path | None = None) -> Path:
+    """Write the manifest to ``path`` (default ``<dataset_dir>/manifest.json``). Another ``path`` is the manifest
+    of an export made while the run still runs: it says ``"running": true``, and what it keeps of the previous
+    manifest (servers, extra) comes from the run's ``manifest.json``, which is left as it is."""
+    own = dataset_dir / MANIFEST
+    path = own if path is None else path
+    previous = _previous_manifest(own)
     mix = TemplateMix.from_setting(settings.get(MIX_SETTING))
     mixed = set(mix.keys) if mix is not None else set()
     manifest: dict[str, Any] = {
@@ -278,6 +300,8 @@ def write_manifest_of(dataset_dir: Path, settings: Mapping[str, Any], stats: Sta
     kept_extra = dict(extra) if extra is not None else previous.get("extra")
     if kept_extra is not None:
         manifest["extra"] = kept_extra
+    if path != own:
+        manifest["running"] = True
     text = json.dumps(manifest, indent=2, ensure_ascii=False) + "\n"
     with atomic(path) as fh:
         fh.write(text)

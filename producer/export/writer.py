@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final, Iterator, Mapping, Sequence
@@ -50,6 +51,8 @@ from producer.export.manifest import (
     choose_servers,
     describe_servers,
     read_manifest,
+    running_manifest_path,
+    still_running,
     template_hash,
     write_manifest,
     write_manifest_of,
@@ -66,6 +69,7 @@ from producer.export.rows import (
 )
 from producer.generations import record_key
 from producer.results import RESULTS
+from producer.runjson import TOKENIZER_PATH
 from render.chat import Renderer, RenderError, load_tokenizer
 
 if TYPE_CHECKING:
@@ -164,6 +168,8 @@ class ExportReport:
     inexact: int = 0  # rows that would not train on exactly the generated ids (left out with inexact="drop")
     inexact_ids: list[str] = field(default_factory=list)  # the first of their conversations, for the message
     unchecked: int = 0  # rows written unchecked: no tokenizer given, or a version 1 record (no server ids)
+    #: of dropped_truncated, the incomplete ones (ended early, no turn cut), by ``stopped_by`` (budget, tool_mismatch...)
+    dropped_incomplete: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True)
@@ -180,10 +186,16 @@ class ExportJob:
     @classmethod
     def build(cls, names: Sequence[str], out_dir: Path, options: ExportOptions, *, dest: Path | None,
               tokenizer_dir: str | None) -> "ExportJob":
-        """Raises ExportError (exit 2) when token ids have no --tokenizer, or --dest is a file for several."""
+        """Raises ExportError (exit 2) when token ids have no tokenizer, or --dest is a file for several.
+
+        Token ids without --tokenizer use the run's, named in each dataset's run.json (``tokenizer_path``, written
+        since issue 29); an explicit --tokenizer wins."""
         tokenizer = None
         if options.needs_tokenizer and not tokenizer_dir:
-            raise ExportError(f"{'--token-ids' if options.token_ids else '--format tokens'} needs --tokenizer")
+            tokenizer_dir = _stored_tokenizer(Path(out_dir), names)
+        if options.needs_tokenizer and not tokenizer_dir:
+            raise ExportError(f"{'--token-ids' if options.token_ids else '--format tokens'} needs --tokenizer "
+                              "(no run.json of these datasets names the run's tokenizer, or they name different ones)")
         if tokenizer_dir:  # also checks conversation rows as their trainer renders them
             try:
                 tokenizer = load_tokenizer(tokenizer_dir)
@@ -203,6 +215,29 @@ class ExportJob:
         return self.dest / f"{name}.jsonl"
 
 
+def _stored_tokenizer(out_dir: Path, names: Sequence[str]) -> str | None:
+    """The tokenizer the runs of ``names`` stored in run.json (`TOKENIZER_PATH`), when they all name the same one;
+    None when one names none (a run made before it was stored) or they differ. Raises ExportError naming a stored
+    directory that no longer exists."""
+    found: set[str] = set()
+    for name in names:
+        try:
+            path = read_run_json(out_dir / name).get(TOKENIZER_PATH)
+        except ExportError:
+            return None  # said by the export of that dataset, in its own words
+        if not isinstance(path, str) or not path:
+            return None
+        found.add(path)
+    if len(found) != 1:
+        return None
+    (path,) = found
+    if Path(path).is_absolute() and not Path(path).is_dir():
+        raise ExportError(f"the run's tokenizer {path} (run.json {TOKENIZER_PATH}) no longer exists: give "
+                          "--tokenizer DIR, the run's tokenizer where it is now")
+    log.info("using the run's tokenizer %s (run.json %s)", path, TOKENIZER_PATH, extra={"tokenizer": path})
+    return path
+
+
 def export_datasets(job: ExportJob, *, client: "redis.Redis | None" = None,
                     fetched: list[dict[str, Any]] | None = None) -> Iterator[tuple[str, ExportReport]]:
     """Export each dataset of ``job`` (`export_dataset`), yielding its name and report as it is done.
@@ -217,8 +252,18 @@ def export_datasets(job: ExportJob, *, client: "redis.Redis | None" = None,
         dataset_dir = job.out_dir / name
         extra = budget_state(client, name) if client is not None else None
         servers = choose_servers(dataset_dir, fetched=fetched, recorded=recorded)
-        report = export_dataset(dataset_dir, job.destination(name), job.options, tokenizer=job.tokenizer,
-                                servers=servers, extra=extra)
+        dest = job.destination(name)
+        running = still_running(client, name) if client is not None else None
+        manifest = None
+        if running is not None:  # its files still grow: the run's manifest.json is the run's end's to write
+            manifest = running_manifest_path(dest)
+            done, selected = running
+            log.warning("%s is still running (%d/%s samples done): this export holds what is on disk now, and "
+                        "its manifest goes to %s (the run's %s is left as it is)", name, done,
+                        "?" if selected is None else selected, manifest, dataset_dir / MANIFEST,
+                        extra={"dataset": name, "done": done, "selected": selected})
+        report = export_dataset(dataset_dir, dest, job.options, tokenizer=job.tokenizer,
+                                servers=servers, extra=extra, manifest=manifest)
         yield name, report
         # Said once the caller has printed the dataset's line, as notes on it.
         if servers is not None:
@@ -247,8 +292,9 @@ def export_datasets(job: ExportJob, *, client: "redis.Redis | None" = None,
 
 def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tokenizer: Any | None = None,
                    servers: Sequence[Mapping[str, Any]] | None = None,
-                   extra: Mapping[str, Any] | None = None) -> ExportReport:
-    """Export ``dataset_dir``'s responses to the JSONL file ``dest`` and refresh the dataset's manifest.
+                   extra: Mapping[str, Any] | None = None, manifest: Path | None = None) -> ExportReport:
+    """Export ``dataset_dir``'s responses to the JSONL file ``dest`` and refresh the dataset's manifest (or, with
+    ``manifest``, write it there instead, marked ``"running": true``: a run still going on).
 
     `tokenizer` (a transformers tokenizer, the one the run used) is required with ``options.token_ids`` and the
     ``tokens`` format.
@@ -266,7 +312,7 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
     ids = _TokenIds(tokenizer, settings) if options.needs_tokenizer or tokenizer is not None else None
     think = markers(settings)
     report = ExportReport(written=0, dropped_truncated=0, skipped_failed=len(failed), path=dest,
-                          manifest=dataset_dir / MANIFEST)
+                          manifest=dataset_dir / MANIFEST if manifest is None else manifest)
     if ids is not None:
         report.template_hash, report.tokenizer_revision = ids.template_hash, ids.revision
     stats = Stats()
@@ -282,6 +328,9 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
             if options.truncated == "drop" and is_truncated(rec):
                 _points(rec, number, source)  # a malformed record is an error whether it would be written or not
                 report.dropped_truncated += 1
+                reason = _ended_early(rec)
+                if reason is not None:
+                    report.dropped_incomplete[reason] += 1
                 return
             batch.append((number, rec))
             if len(batch) >= _BATCH:
@@ -309,8 +358,19 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
                               "needs them; regenerate the dataset (produce --new-run) or export it without "
                               "token ids")
     report.torn_tail = results.torn_tail
-    write_manifest_of(dataset_dir, settings, stats, len(failed), servers, extra)
+    write_manifest_of(dataset_dir, settings, stats, len(failed), servers, extra, path=manifest)
     return report
+
+
+def _ended_early(rec: Mapping[str, Any]) -> str | None:
+    """Why an incomplete conversation ended before its last user turn (its ``stopped_by``: budget, failed,
+    context, tool_mismatch), or None for one dropped because a turn was cut (length, an unclosed thinking block)."""
+    if not rec["incomplete"] or is_truncated({**rec, "incomplete": False}):
+        return None
+    stopped_by = rec.get("stopped_by")
+    if stopped_by in (record.LENGTH, record.REASONING_UNCLOSED):
+        return None
+    return str(stopped_by or "incomplete")
 
 
 def _write_batch(fh: IO[str], batch: list[tuple[int, dict[str, Any]]], options: ExportOptions,

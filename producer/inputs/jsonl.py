@@ -80,7 +80,7 @@ def _parse_line(raw: bytes, mapping: FieldMapping
     try:
         obj = _DECODER.decode(text)
     except json.JSONDecodeError as e:
-        raise RecordError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+        raise RecordError(_syntax_reason(e)) from None
     except RecursionError:
         raise RecordError("not valid JSON (nested too deeply)") from None
     except ValueError as e:  # an integer of thousands of digits
@@ -136,7 +136,7 @@ def _read_array(text: str, where: str, sink: Collector, mapping: FieldMapping) -
         try:
             obj, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            raise _fatal(where, e.lineno, f"not valid JSON ({e.msg} at column {e.colno})") from None
+            raise _fatal(where, e.lineno, _syntax_reason(e)) from None
         except RecursionError:
             raise _fatal(where, lineno, "not valid JSON (nested too deeply)") from None
         if flaws:
@@ -174,7 +174,14 @@ def _expect_end(text: str, pos: int, where: str) -> None:
 
 def _syntax_error(text: str, pos: int, where: str, msg: str) -> NoReturn:
     e = json.JSONDecodeError(msg, text, pos)
-    raise _fatal(where, e.lineno, f"not valid JSON ({e.msg} at column {e.colno})")
+    raise _fatal(where, e.lineno, _syntax_reason(e))
+
+
+def _syntax_reason(e: json.JSONDecodeError) -> str:
+    # Some of json's messages end in "at" ("Invalid control character at", "Unterminated string starting at"):
+    # the column follows that "at" rather than doubling it.
+    msg = e.msg.removesuffix(" at")
+    return f"not valid JSON ({msg} at column {e.colno})"
 
 
 def _fatal(where: str, line: int, reason: str) -> InputError:

@@ -10,7 +10,8 @@ views pass on, but three code paths of 0.9.0 build RQ objects without it and so 
 
 So this module keeps rq-dashboard's blueprint, templates, routes and basic auth as they are, and only replaces
 those four names in ``rq_dashboard.web``'s namespace (module globals that its views look up at each request)
-with subclasses whose ``serializer`` defaults to JSON. An explicit serializer still wins. rq-dashboard is pinned
+with subclasses whose ``serializer`` defaults to JSON (and whose queue name defaults to budgetq's, for the Jobs
+tab, which names none). An explicit serializer or name still wins. rq-dashboard is pinned
 to 0.9.0 beside rq 3 (docs/operations.md); `install_json_serializer` checks that the names it replaces are still
 there, so a newer rq-dashboard that renames them fails at start, not on a page.
 
@@ -25,6 +26,7 @@ import ipaddress
 import logging
 from typing import TYPE_CHECKING, Any
 
+from budget.keys import QUEUE_NAME
 from producer.errors import ProduceError, UsageError
 
 if TYPE_CHECKING:
@@ -86,7 +88,11 @@ def install_json_serializer() -> None:
             return super().fetch(id, connection=connection, serializer=serializer or JSONSerializer)
 
     class JSONQueue(Queue):
-        """Queues listed with JSON and JSONJob (the Queues page)."""
+        """Queues listed with JSON and JSONJob (the Queues page). A queue built without a name is budgetq's, not
+        RQ's "default": the Jobs tab (``/view/jobs``, which names none) then opens on the chunks, not on "No jobs"."""
+
+        def __init__(self, name: str = QUEUE_NAME, *args: Any, **kwargs: Any) -> None:
+            super().__init__(name, *args, **kwargs)
 
         @classmethod
         def all(cls, connection: Any = None, job_class: Any = None, serializer: Any = None,

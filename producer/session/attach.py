@@ -34,7 +34,7 @@ from producer.errors import ProduceError
 from producer.generations import SETTING as GENERATIONS
 from producer.prepare import Prepared
 from producer.results import RESULTS, RUN, ResultsFile
-from producer.runjson import VERSION_KEY, settings_diff
+from producer.runjson import VERSION_KEY, run_json, settings_diff, without_location
 from producer.session.state import DatasetRun, RunOptions
 
 #: The collector lock's time to live: the loop refreshes it every step, so another ``produce`` may take a dataset
@@ -171,7 +171,8 @@ class Attacher:
         self.store.register(p.name, json.dumps(p.settings.stored, sort_keys=True), created_at=time.time(),
                             out_dir=str(self.opt.out_dir.resolve()))
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / RUN).write_text(json.dumps(p.settings.stored, indent=2, sort_keys=True) + "\n")
+        (out_dir / RUN).write_text(json.dumps(run_json(p.settings.stored, self.opt.tokenizer), indent=2,
+                                              sort_keys=True) + "\n")
 
         budget = self._set_budget(p)
         out = ResultsFile(out_dir / RESULTS)
@@ -304,7 +305,7 @@ class Attacher:
             return dict(json.loads(raw))
         run_file = out_dir / RUN
         if run_file.exists():
-            return dict(json.loads(run_file.read_text()))
+            return without_location(json.loads(run_file.read_text()))
         return None
 
     def _start_over(self, name: str, out_dir: Path) -> None:

@@ -37,7 +37,8 @@ class RunOptions:
     progress_s: float = 5.0
     show_progress: bool = False  # a bar on stderr while --detach enqueues (produce: a terminal and not --quiet)
     #: ``--turns all``: what a chunk holding a multi-turn sample tells its worker (budget/payload.py), and the
-    #: --tokenizer whose files are stored in Redis for the workers to render later turns with (attach, once).
+    #: --tokenizer whose files are stored in Redis for the workers to render later turns with (attach, once); also
+    #: written in run.json (``tokenizer_path``) for ``produce export``.
     conversation: ConversationPayload | None = None
     tokenizer: str | None = None
     #: --template-kwargs-mix: the renderer of each drawn combination (producer/templatemix.py Variants); None: no mix.
