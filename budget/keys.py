@@ -280,7 +280,6 @@ def turn_bucket(turn: int) -> int:
 #: | progress field | ``{chunk}SEP{turn bucket}``            | REFRESH_CHUNK                | its last SEP     |
 #: |                | (the progress hash)                    |                              | (outcomes.py)    |
 SEP = "\x1f"
-TURN_SEP = SEP
 
 
 def turn_field(sample: str, turn: int) -> str:
@@ -288,7 +287,7 @@ def turn_field(sample: str, turn: int) -> str:
     script builds the same string (budget/scripts.py COMMIT_TURN)."""
     if isinstance(turn, bool) or not isinstance(turn, int) or turn < 0:
         raise ValueError(f"a turn index is an int >= 0, not {turn!r}")
-    return f"{turn}{TURN_SEP}{sample}"
+    return f"{turn}{SEP}{sample}"
 
 
 def rq_job_key(job_id: str) -> str:

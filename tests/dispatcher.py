@@ -25,10 +25,8 @@ async def dispatcher(redis_url: str, sim_url: str, concurrency: int, **config: A
         yield d
     finally:
         await asyncio.wait_for(d.drain(), 120)
-        # The job-meta writes are sent without being awaited (Dispatcher._write_meta): let them go out first.
-        await until(lambda: not d.batcher._calls and not d.batcher._busy, "the last job-meta writes")
         await session.close()
-        d.batcher.close()
+        await d.batcher.aclose()  # the job-meta writes, sent without being awaited, go out first
 
 
 async def until(pred: Callable[[], bool | Awaitable[bool]], what: str, timeout: float = 60.0) -> None:

@@ -8,12 +8,26 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import redis
+
+from budget import keys
 from demo.appending import complete_lines, read_jsonl
 from demo.stack import produce_cmd, spawn, terminate, wait_until, worker_argv, worker_env
 
-__all__ = ["Workers", "complete_lines", "produce", "produce_cmd", "read_jsonl", "sim_stats", "wait_for"]
+__all__ = ["Workers", "complete_lines", "produce", "produce_cmd", "read_jsonl", "run_keys", "sim_stats", "wait_for"]
 #: Poll state owned by another process (a file, a Redis key): there is no event to await across processes.
 wait_for = wait_until
+
+
+#: What running workers write on their own (registrations, registry cleaning, their servers' info and health):
+#: it changes under a test whenever a worker heartbeats or looks at its server.
+WORKER_OWNED = ("rq:worker", "rq:clean_registries", keys.SERVER_INFO, keys.SERVER_HEALTH)
+
+
+def run_keys(r: "redis.Redis") -> set[bytes]:
+    """Every key but those live workers write by themselves: what a refused ``produce`` must leave as it was,
+    counted without racing a worker's heartbeat or health report."""
+    return {k for k in r.scan_iter() if not k.decode().startswith(WORKER_OWNED)}
 
 
 def produce(args: list[str], redis_url: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:

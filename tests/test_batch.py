@@ -10,7 +10,7 @@ from budget import keys
 from budget.ledger import Ledger
 from budget.outcomes import Admit, CommitOutcome
 from budget.pipeline import run_many
-from worker.batch import Batcher
+from worker.batch import Batcher, BatcherClosed
 
 
 def test_run_many_gives_each_call_its_own_reply(r: "redis.Redis") -> None:
@@ -58,7 +58,7 @@ def test_batcher_sends_calls_of_one_loop_iteration_together(r: "redis.Redis") ->
         batcher = Batcher(r)
         outcomes = await asyncio.gather(*(batcher.call(ledger.commit_call("ds", f"s{i}", 10, {}))
                                           for i in range(50)))
-        batcher.close()
+        await batcher.aclose()
         return list(outcomes), batcher
 
     outcomes, batcher = asyncio.run(main())
@@ -74,7 +74,7 @@ def test_batcher_caps_a_batch(r: "redis.Redis") -> None:
     async def main() -> Batcher:
         batcher = Batcher(r, max_batch=8)
         await asyncio.gather(*(batcher.call(ledger.commit_call("ds", f"s{i}", 1, {})) for i in range(20)))
-        batcher.close()
+        await batcher.aclose()
         return batcher
 
     batcher = asyncio.run(main())
@@ -93,7 +93,7 @@ def test_batcher_hands_a_connection_error_to_every_caller(redis_url: str) -> Non
             return list(await asyncio.gather(
                 *(batcher.call(ledger.admit_call("ds", [f"s{i}"], "c")) for i in range(3)), return_exceptions=True))
         finally:
-            batcher.close()
+            await batcher.aclose()
     
     results = asyncio.run(main())
     assert len(results) == 3 and all(isinstance(e, redis.ConnectionError) for e in results)
@@ -112,7 +112,7 @@ def test_batcher_sends_calls_made_while_a_batch_is_in_flight_next(r: "redis.Redi
         assert batcher.batches == 1
         second = [batcher.call(ledger.commit_call("ds", f"b{i}", 1, {})) for i in range(10)]
         outcomes = await asyncio.gather(*first, *second)
-        batcher.close()
+        await batcher.aclose()
         return batcher, list(outcomes)
 
     batcher, outcomes = asyncio.run(main())
@@ -179,3 +179,27 @@ def test_run_many_of_a_single_or_few_calls(r: "redis.Redis", n: int) -> None:
     ledger.set_budget("ds", None)
     assert len(run_many(r, [ledger.commit_call("ds", f"s{i}", 1, {}) for i in range(n)])) == n
     assert run_many(r, []) == []
+
+
+def test_closing_sends_what_is_queued_and_later_calls_fail_clearly(r: "redis.Redis") -> None:
+    """A worker shutting down may still have a fire-and-forget call queued behind a batch in flight (a job's
+    progress meta). Closing sends it and waits; a call after the close fails with BatcherClosed. Before, the
+    thread was stopped under the in-flight batch, and its reply's callback raised "cannot schedule new futures
+    after shutdown" in the worker's log, leaving the queued call's future unresolved."""
+    ledger = Ledger(r)
+    ledger.set_budget("ds", None)
+
+    async def main() -> tuple[list[asyncio.Future[CommitOutcome]], asyncio.Future[CommitOutcome]]:
+        batcher = Batcher(r)
+        first = batcher.call(ledger.commit_call("ds", "a", 1, {}))
+        await asyncio.sleep(0)  # the first batch leaves: the ledger thread has it
+        assert batcher.batches == 1
+        queued = batcher.call(ledger.commit_call("ds", "b", 1, {}))  # not awaited, as Dispatcher._write_meta does
+        await batcher.aclose()
+        late = batcher.call(ledger.commit_call("ds", "c", 1, {}))
+        return [first, queued], late
+
+    sent, late = asyncio.run(main())
+    assert all(f.done() and f.result().committed for f in sent)
+    assert isinstance(late.exception(), BatcherClosed)
+    assert int(r.get(keys.DatasetKeys("ds").used) or 0) == 2

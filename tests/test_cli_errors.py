@@ -257,15 +257,15 @@ def test_max_tokens_at_or_above_the_servers_context_is_refused_before_anything_i
         tmp_path: Path, redis_url: str, r: "redis.Redis", tokenizer_dir: Path, sim_factory: Any,
         workers: Any) -> None:
     """The context a worker recorded for its SGLang server (smaller than the tokenizer's) is checked too."""
-    from tests.procs import wait_for
+    from tests.procs import run_keys, wait_for
     sim = sim_factory("--time-scale", "50", "--context-length", "300")
     workers(sim.url).start("w0")
     wait_for(lambda: r.hlen(keys.SERVER_INFO) > 0, 60, "the worker recorded its server")
     path = write(tmp_path, "ds.jsonl", GOOD)
-    dbsize = r.dbsize()
+    before = run_keys(r)
     out = tmp_path / "out"
     res = run([str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "300", "--out", str(out)], redis_url)
     assert res.exit_code == 2, res.output
     errors = [line for line in res.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "context of 300 tokens (SGLang server" in errors[0], res.output
-    assert r.dbsize() == dbsize and not out.exists()
+    assert run_keys(r) == before and not out.exists()

@@ -16,7 +16,7 @@ from tests import sim_log
 from tests.chats import DS as CHATS
 from tests.chats import SIM_ARGS, write_dataset
 from tests.demo_data import CODE
-from tests.procs import produce, read_jsonl
+from tests.procs import produce, read_jsonl, run_keys
 
 CODE_DS = "code_instruct"
 
@@ -90,10 +90,10 @@ def test_raising_generations_extends_the_run_and_lowering_is_refused(redis_url: 
     assert recs[:20] == first  # nothing made is made again
     assert Counter(x["generation"] for x in recs) == {0: 10, 1: 10, 2: 10}
     assert {x["id"] for x in recs if x["generation"] == 2} == {x["id"] for x in first}
-    before = r.dbsize()
+    before = run_keys(r)
     res = produce([*args, "--generations", "2"], redis_url)
     assert res.returncode == 2 and "generations: stored 3, now 2" in res.stderr
-    assert r.dbsize() == before
+    assert run_keys(r) == before
 
 
 @pytest.mark.e2e

@@ -89,7 +89,7 @@ def test_sample_keys_with_any_printable_character_do_not_collide(r: "redis.Redis
     assert r.hlen(k.turns) == 14 and r.hlen(k.convs) == 7
     for raw in r.hkeys(k.turns):
         field = text(raw)
-        t, _, sample = field.partition(keys.TURN_SEP)
+        t, _, sample = field.partition(keys.SEP)
         assert keys.turn_field(sample, int(t)) == field
 
 

@@ -39,6 +39,10 @@ from budget.pipeline import Call, T, run_many
 
 log = logging.getLogger("budgetq.worker")
 
+class BatcherClosed(RuntimeError):
+    """A ledger call made after the worker's shutdown closed the batcher."""
+
+
 Pending = list[tuple[Call[Any], "asyncio.Future[Any]"]]
 
 #: While Redis is down, a waiting call says so in the log once every this many seconds of waiting.
@@ -74,7 +78,11 @@ async def in_thread_until_answered(what: str, fn: Callable[..., T], *args: Any, 
 
 
 class Batcher:
-    """Lives on one event loop; ``call`` must be called from that loop. ``close`` stops its thread.
+    """Lives on one event loop; ``call`` and ``aclose`` must be called from that loop.
+
+    ``aclose`` sends what is queued, waits for the reply, then stops the thread; a call made after it fails
+    with ``BatcherClosed`` instead of reaching a thread that is gone (a fire-and-forget call, such as a job's
+    progress meta, can still be queued when the worker shuts down).
 
     ``client`` is the Redis client the calls' scripts are registered on (the ledger's)."""
 
@@ -84,6 +92,8 @@ class Batcher:
         self._calls: Pending = []
         self._scheduled = False
         self._busy = False  # a batch is on its way to Redis
+        self._sent: asyncio.Future[list[Any]] | None = None  # that batch
+        self._closed = False
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="budgetq-ledger")
         self.batches = 0  # batches sent so far, and calls they carried: for tests and benchmarks
         self.calls = 0
@@ -91,6 +101,9 @@ class Batcher:
     def call(self, call: Call[T]) -> "asyncio.Future[T]":
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
+        if self._closed:
+            fut.set_exception(BatcherClosed("the worker is shutting down: its ledger thread has stopped"))
+            return fut
         self._calls.append((call, fut))
         if not self._scheduled and not self._busy:
             self._scheduled = True
@@ -106,8 +119,14 @@ class Batcher:
         except REDIS_DOWN as exc:
             return await until_answered(what, lambda: self.call(call), failed=exc)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    async def aclose(self) -> None:
+        """Send every queued call and wait for the replies, then stop the thread."""
+        while self._calls or self._busy:
+            if self._sent is not None:
+                await asyncio.wait([self._sent])
+            await asyncio.sleep(0)  # the settle callback runs, or the scheduled flush sends what is left
+        self._closed = True
+        self._pool.shutdown(wait=True)  # idle by now: returns at once
 
     def _flush(self) -> None:
         self._scheduled = False
@@ -121,10 +140,11 @@ class Batcher:
         self.batches += 1
         self.calls += len(batch)
         sent = asyncio.get_running_loop().run_in_executor(self._pool, run_many, self.client, [c for c, _ in batch])
+        self._sent = sent
         sent.add_done_callback(lambda done: self._settle(batch, done))
 
     def _settle(self, batch: Pending, done: "asyncio.Future[list[Any]]") -> None:
-        self._busy = False
+        self._busy, self._sent = False, None
         if self._calls:
             self._flush()  # what queued up meanwhile goes out before the callers wake
         exc = done.exception()

@@ -101,7 +101,7 @@ class Runtime:
             self.health.thread.join(2)  # it deletes this worker's entry in bq:server_health as it ends
             self._call(self.dispatcher.drain())
             self._call(self.session.close())
-            self.dispatcher.batcher.close()
+            self._call(self.dispatcher.batcher.aclose())
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
