@@ -22,7 +22,7 @@ demo: setup
 	$(PYTHON) -m demo.run
 
 # What CI runs (.ci/run): ruff, mypy, then the whole suite. BUDGETQ_TEST_DEPS=1 also installs what only tests need
-# (chromium, for tests/test_dashboard.py's browser test), so `make demo` stays light. The suite runs in two
+# (chromium, for tests/redis/test_dashboard.py's browser test), so `make demo` stays light. The suite runs in two
 # invocations: everything but the `serial` tests on TEST_WORKERS pytest-xdist processes (mostly waiting on real
 # processes, so more than the cores), handed out one test at a time, e2e tests first (tests/conftest.py); then the
 # `serial` tests, which measure time, alone. Both always run; the target fails if either does.
@@ -40,7 +40,7 @@ typecheck:
 	$(PYTHON) -m mypy
 
 # Fault injection, full form (20,000 prompts, 4 workers; heavy: ~30 min): tests/chaos/, whose "ci" form
-# tests/test_chaos.py runs in `make test`. See docs/reliability.md.
+# tests/chaos/test_chaos.py runs in `make test`. See docs/reliability.md.
 chaos:
 	$(PYTHON) -m tests.chaos --full
 
@@ -59,7 +59,7 @@ distclean: clean
 
 # The real SGLang engine (PyPI's sglang 0.5.23) on this machine's CPU with a tiny random Qwen3, budgetq end to end
 # against it (real rq workers, kill -9, --generations 2, exports), the contract recorded to FIXTURES
-# (FIXTURES=tests/fixtures/sglang_real re-records the repository's, which tests/test_sim_contract_real.py replays).
+# (FIXTURES=tests/fixtures/sglang_real re-records the repository's, which tests/unit/test_sim_contract_real.py replays).
 # Opt-in, not CI: cold ~15 min on an idle machine (a ~10 min C++ build of SGLang's CPU kernels), ~70 min measured
 # on a busy shared one (everything under nice 19), ~7 GB under SGLANG_CPU_CACHE; warm ~11 min measured there. KERNEL_SRC: SGLang's python/sglang/kernels/aot tree (bench/sglang_cpu_env.py
 # says how to bring it in with fetch). See docs/simulator.md "Against the real engine".

@@ -1,6 +1,6 @@
 """`make compose-smoke`: docker-compose.yml's sim profile started for real, with containers, then torn down.
 
-tests/test_compose.py reads the compose file and tests/test_compose_run.py runs its services as host processes,
+tests/unit/test_compose.py reads the compose file and tests/e2e/test_compose_run.py runs its services as host processes,
 because CI has no container engine. Neither builds the image, starts a container, resolves a service name on the
 compose network or publishes a port. This does, on a machine that has no Docker Compose v2 and no image registry
 (the case here): rootful podman + podman-compose, set up the way /work/shared/reference/containers.md found to

@@ -3,7 +3,7 @@
 One JSON file per exchange in DIR (the repository's: tests/fixtures/sglang_real/), each
 ``{"name", "request": {"method", "path", "headers", "body"}, "status", "content_type", "body"}`` (``body`` parsed
 when it is JSON, else text; a stream adds ``events``, the parsed ``data:`` lines), plus ``server.json`` (what
-served them: version, model, context, vocabulary). tests/test_sim_contract_real.py replays each request to the
+served them: version, model, context, vocabulary). tests/unit/test_sim_contract_real.py replays each request to the
 simulator and holds its answer to the recorded one, field by field.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ locally (/work/shared/reference/sglang-cpu.md has what worked and why). In order
 3. the server: `python -m sglang.launch_server --device cpu --attention-backend torch_native` on 127.0.0.1,
    /health and /health_generate watched from the first second, until 200;
 4. with --record-fixtures DIR: the contract as the engine speaks it, recorded to DIR (tests/fixtures/sglang_real/:
-   tests/test_sim_contract_real.py holds the simulator to it);
+   tests/unit/test_sim_contract_real.py holds the simulator to it);
 5. budgetq: a private redis-server, a recording proxy in front of the server (so the check below is from the
    server's side), 2 real `rq worker`s; `produce` on a budgeted single-turn dataset and a multi-turn one with
    tool calls, --generations 2; one worker killed with kill -9 mid-run and replaced;

@@ -88,7 +88,7 @@ The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default, so 
 
 Who may send commands on these keys: budget/ alone (ledger.py and its scripts, runstate.py, serverinfo.py,
 tokstore.py, health.py).
-producer/, render/, worker/ and demo/ call those and never name a key; tests/test_key_ownership.py enforces it. RQ's keys
+producer/, render/, worker/ and demo/ call those and never name a key; tests/redis/test_key_ownership.py enforces it. RQ's keys
 are RQ's: read or written through RQ's API, or by our scripts where a decision needs them (below).
 
 RQ's own keys that our scripts touch (queue list, job hashes, canceled registry) are derived here from RQ's

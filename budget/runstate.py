@@ -4,7 +4,7 @@ results stream.
 
 Why here and not in producer/: budget/ owns every ``bq:`` key (docs/architecture.md, "Who touches the keys").
 Nothing outside budget/ names a key or sends a command on one, so the key layout and every command on it can be
-read in this package alone, and tests/test_key_ownership.py can check it. What needs to be atomic because it
+read in this package alone, and tests/redis/test_key_ownership.py can check it. What needs to be atomic because it
 reads and writes depending on what it read is a script (budget/scripts.py, via budget/ledger.py); what is here
 is plain bookkeeping: one writer (the dataset's collector, under its lock) or a write that is right whatever
 happens around it.

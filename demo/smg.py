@@ -1,6 +1,6 @@
 """SGLang's real router (SGLang Model Gateway, ``pip install sglang-router``, 0.3.2: ``smg launch``) on loopback.
 
-Part of the dev stack (demo/stack.py); tests/test_router.py and bench/servers.py put it in front of simulators.
+Part of the dev stack (demo/stack.py); tests/e2e/test_router.py and bench/servers.py put it in front of simulators.
 What it needs here, learnt by running it:
 
 - it binds 0.0.0.0 unless told otherwise, and so does its Prometheus exporter (default port 29000, so a second

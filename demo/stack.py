@@ -6,7 +6,7 @@ Everything binds 127.0.0.1 and is a child of the caller, started the way a user 
 and commands), with its output in LOGS/NAME.log. A caller stops what it started and only that: no function here
 touches a Redis it did not start. This module lives in demo/ because the demo ships in the package and needs it;
 it names budgetq's packages only on command lines (``worker.Worker``, ``producer.cli``), never imports their
-internals, so the tests and benchmarks that use it run the real system. tests/test_layers.py keeps it in its
+internals, so the tests and benchmarks that use it run the real system. tests/unit/test_layers.py keeps it in its
 layer: nothing of budget/, producer/, render/, worker/ or sglang_sim/ imports demo/, demo/ imports neither
 bench/ nor tests/, and no test imports bench/.
 

@@ -62,7 +62,7 @@ if [ "${BUDGETQ_TEST_DEPS:-0}" = "1" ] && \
   "$PY" -m pip install -q --no-deps "sglang==$SGLANG_SCHEMA_VERSION"
 fi
 
-# The trainers' data code for the consumer test (tests/test_trainers.py): SpecForge's and speculators' own
+# The trainers' data code for the consumer test (tests/e2e/test_trainers.py): SpecForge's and speculators' own
 # preprocessing reads budgetq's exports. Their wheels without their dependencies (CUDA kernels, vLLM clients,
 # trackers...), as the SGLang wheel above; the test extra brings the light modules their data code imports
 # (httpx, openai). Their data code needs torch: the CPU wheel (192 MB, 761 MB installed, about a minute), --no-deps

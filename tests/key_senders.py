@@ -1,5 +1,5 @@
 """Who sends each Redis command on a ``bq:`` key: redis-py's send paths wrapped to note the first source file on
-the stack outside redis-py (tests/test_key_ownership.py). Commands still go to the real redis-server.
+the stack outside redis-py (tests/redis/test_key_ownership.py). Commands still go to the real redis-server.
 
 In a test process `install` wraps them in place. In a subprocess (an ``rq worker``), `sitecustomize_dir` writes
 a ``sitecustomize.py`` that installs it at interpreter start with a file sink: put that directory first on the

@@ -129,7 +129,7 @@ def turn_rows(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, think: tupl
 # A row is exact when, for every turn it trains, the trainer's rendering of the row (or of the part it trains that
 # turn on) starts with that turn's prompt ids, the ones the worker sent (checked by their digest), followed by the
 # server's ``output_ids``: the trainer then supervises the model's own tokens, from the prompt's end. How each
-# trainer renders a row (read from their source; tests/test_trainers.py runs both):
+# trainer renders a row (read from their source; tests/e2e/test_trainers.py runs both):
 #
 # - SpecForge renders a row whole and supervises its assistant spans; with ``train_only_last_turn`` (which
 #   ``--for specforge`` rows need: one row per turn) only the last. A whole row (``--whole``) trains every turn on

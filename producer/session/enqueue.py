@@ -107,7 +107,7 @@ class ChunkJob(Job):
 
     ``Job.to_dict`` calls ``zlib.compress(self.data)`` with no level and offers no hook, so the data is swapped
     for an empty string while RQ builds the rest of the hash (every other field stays RQ's), then put in
-    compressed here. tests/test_enqueue.py checks the result against RQ's own ``to_dict``."""
+    compressed here. tests/redis/test_enqueue.py checks the result against RQ's own ``to_dict``."""
 
     compressed: "Future[bytes] | None" = None
 

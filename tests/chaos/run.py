@@ -41,7 +41,7 @@ class Scale:
     sim: tuple[str, ...]
     request_s: float
     kill_every: float  # worker-kill: seconds between kills
-    outage_s: float  # sglang-faults: the full outage (0: none; tests/test_reliability.py has a short one)
+    outage_s: float  # sglang-faults: the full outage (0: none; tests/e2e/test_reliability.py has a short one)
     fault_s: float  # sglang-faults: seconds of mixed faults
     faults_prompts: int  # sglang-faults: enough prompts to outlast every phase
     redis_down_s: float  # redis-kill: seconds Redis stays dead each time

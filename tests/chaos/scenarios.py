@@ -9,7 +9,7 @@ loopback (demo/stack.py), injects its fault, lets the run finish, and checks: no
 Redis' counter equal to the sum of ``completion_tokens`` on disk, no unexpected traceback in the logs, failed
 samples only where the fault makes them expected. It reports the requests the simulator did beyond the
 samples written (wasted GPU work) and the recovery time. Results go to bench/results/chaos-<form>.json;
-docs/reliability.md explains each scenario and its figures. tests/test_chaos.py runs the "ci" forms;
+docs/reliability.md explains each scenario and its figures. tests/chaos/test_chaos.py runs the "ci" forms;
 ``make chaos`` the full ones.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``python tests/trainers/drive.py specforge|speculators EXPORT TOKENIZER_DIR [SPECFORGE_TEMPLATE]`` prints one JSON
 line per training row the trainer produced: ``{"input_ids": [...], "loss_mask": [...]}``. Run by
-tests/test_trainers.py in a subprocess whose path starts with the CPU torch that scripts/bootstrap.sh installs
+tests/e2e/test_trainers.py in a subprocess whose path starts with the CPU torch that scripts/bootstrap.sh installs
 apart (--target), so no budgetq process ever imports torch.
 
 The trainers' code is theirs, installed from PyPI without its dependencies (scripts/bootstrap.sh):

@@ -30,7 +30,7 @@ from worker.config import WorkerConfig
 from worker.serverinfo import ServerInfoReporter
 
 API_KEY = "sk-server-info-test-key"
-# What the simulator's /get_server_info gives of SERVER_INFO_KEYS (the keys 0.5.23 has, tests/test_sim_contract_real.py)
+# What the simulator's /get_server_info gives of SERVER_INFO_KEYS (the keys 0.5.23 has, tests/unit/test_sim_contract_real.py)
 SIM_INFO = {"version": VERSION, "model_path": MODEL_PATH, "served_model_name": MODEL_PATH, "context_length": 32768,
             "max_total_num_tokens": 32768 * 256, "max_req_input_len": 32768 - 6, "tp_size": 1, "dp_size": 1,
             "random_seed": 0, "enable_deterministic_inference": False}

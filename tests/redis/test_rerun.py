@@ -19,11 +19,11 @@ from tests.demo_data import CODE
 from tests.exactly_once import check_exact
 from tests.procs import produce_cmd, read_jsonl, sim_stats, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sigint_as_a_terminal_sends_it() -> None:
-    """Ctrl-C's default disposition in the child, even when the suite runs with SIGINT ignored (tests/test_e2e.py
+    """Ctrl-C's default disposition in the child, even when the suite runs with SIGINT ignored (tests/e2e/test_e2e.py
     says why)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 

@@ -3,7 +3,7 @@
 ``produce`` checks the run's epoch key (budget/keys.py ``EPOCH``) at the start of each step; a restart that falls
 later in the same step first shows as a counter below what the output files hold, which also means "Redis went
 back to an older state". Both stop ``produce`` with exit 1 and lose nothing, but only one says what happened:
-the end-to-end test in tests/test_reliability.py met the second message once, when the restart landed inside
+the end-to-end test in tests/e2e/test_reliability.py met the second message once, when the restart landed inside
 a step. Here that window is taken on purpose.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The producer writes chunk job data itself (orjson straight from the rendered arrays, zlib level 1) instead of
 RQ's stdlib json + zlib level 6. Workers read it with rq's ``JSONSerializer`` (stdlib ``json.loads``), so these
-tests read it the same way; tests/test_e2e.py runs real ``rq worker -w worker.Worker`` processes on it.
+tests read it the same way; tests/e2e/test_e2e.py runs real ``rq worker -w worker.Worker`` processes on it.
 ``produce --detach`` sends a dataset in batches of ``BATCH_CHUNKS`` chunks, one MULTI/EXEC each: MONITOR shows
 the transactions as Redis executes them.
 

@@ -13,7 +13,7 @@ from demo.run import find_redis_server
 
 pytestmark = pytest.mark.e2e
 
-DATA = Path(__file__).parent.parent / "demo" / "data"
+DATA = Path(__file__).parents[2] / "demo" / "data"
 
 
 def _records(path: Path) -> list[dict[str, object]]:

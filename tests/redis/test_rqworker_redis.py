@@ -1,7 +1,7 @@
 """worker.Worker's pubsub thread when Redis goes silent: rq's teardown closes the thread's connection while it
 still polls (it waits 1 s for the thread, then closes), and the thread meets the closed socket. That must end
 the thread quietly, not with a traceback in the worker's log (the chaos suite's redis-blackhole scenario met it
-once: tests/test_chaos.py)."""
+once: tests/chaos/test_chaos.py)."""
 from __future__ import annotations
 
 import logging

@@ -3,7 +3,7 @@ render/, never each other; budget/ and render/ import neither; none of them, nor
 tooling (demo/, which holds the dev stack demo/stack.py that tests, bench and the demo share; bench/; tests/);
 demo/ imports neither bench/ nor tests/, so the dev stack stays below both; no test imports bench/. No module
 of render/ or worker/ imports transformers at module level (a worker that never renders must never load it:
-tests/test_render_shared.py runs one and looks). In tests/, no module imports a test module: what tests share
+tests/redis/test_render_shared.py runs one and looks). In tests/, no module imports a test module: what tests share
 lives in support modules (procs.py, demo_data.py, chats.py, chaos/...) or conftest.py fixtures, so a test module
 can be read, run and changed alone."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: The tooling around the product: the demo with the dev stack, the benchmarks, the tests.
 TOOLING = {"demo", "bench", "tests"}
 #: package -> the top-level packages of this repository it must not import.
@@ -71,7 +71,7 @@ def test_no_module_of_tests_imports_a_test_module() -> None:
             else:
                 continue
             found += [f"{path.relative_to(ROOT)}:{node.lineno}: imports {name}" for name in names
-                      if name.startswith("tests.test_")]
+                      if name.startswith("tests.") and name.rsplit(".", 1)[-1].startswith("test_")]
     assert not found, "\n".join(found)
 
 

@@ -1,6 +1,6 @@
 """Several generations per prompt (docs/generations.md), the producer's side on the session's redis-server: the
 sample key, the rounds, what a chunk carries per generation, resume from the file, and the settings check. No
-worker runs here; the ledger's commit script stands for what a worker did (tests/test_generations_e2e.py runs
+worker runs here; the ledger's commit script stands for what a worker did (tests/e2e/test_generations_e2e.py runs
 real workers)."""
 from __future__ import annotations
 

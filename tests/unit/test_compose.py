@@ -412,7 +412,7 @@ def test_dockerfile_small_non_root_offline_and_without_secrets() -> None:
 def test_dockerignore_sends_only_the_source() -> None:
     for secret_or_data in (".env", ".env.prod", "worker/.env", ".git/config", "models/m/model.safetensors",
                            "data/B1.jsonl", "out/B1/raw_responses.jsonl", "tokenizer/tokenizer.json",
-                           "appendonlydir/a.aof", "tests/test_compose.py", "worker/__pycache__/x.pyc"):
+                           "appendonlydir/a.aof", "tests/unit/test_compose.py", "worker/__pycache__/x.pyc"):
         assert dockerignore_excludes(secret_or_data), secret_or_data
     cfg = setup_cfg()
     packages = [p.strip() for p in cfg.get("options.packages.find", "include").split() if "." not in p]

@@ -27,7 +27,7 @@ def test_budget_hit_and_unbudgeted_complete(redis_url: str, r: "redis.Redis", to
         pool.start(f"w{i}")
     out = tmp_path / "out"
     budget = 15_000
-    # --turns last: one request and one turn per record (multi-turn runs: tests/test_turns_producer.py).
+    # --turns last: one request and one turn per record (multi-turn runs: tests/redis/test_turns_producer.py).
     res = produce([str(GLAIVE), str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "1024",
                    "--budget", f"code_instruct={budget}", "--chunk-size", "8", "--queue-depth", "4",
                    "--out", str(out), "--turns", "last"], redis_url)
@@ -188,7 +188,7 @@ def test_final_400_is_recorded_failed_and_retried_on_rerun(redis_url: str, r: "r
     small = sim_factory("--time-scale", "50", "--mean-tokens", "50", "--context-length", "400")
     first_worker = workers(small.url).start("w0")
     # A server whose limit produce does not know (an older worker, a server reporting context_length null):
-    # otherwise produce skips those prompts at attach (tests/test_modeldir.py) and none is sent to be refused.
+    # otherwise produce skips those prompts at attach (tests/redis/test_modeldir.py) and none is sent to be refused.
     wait_for(lambda: r.hlen(keys.SERVER_INFO) > 0, 60, "the worker recorded its server")
     r.delete(keys.SERVER_INFO)  # it records again in an hour
     out = tmp_path / "out"

@@ -68,7 +68,7 @@ from tests.procs import read_jsonl  # only newline-terminated lines: the stack m
 
 yaml = pytest.importorskip("yaml")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_DATA = ROOT / "demo" / "data"
 SYSTEM_REDIS_PORT = 6379  # a server this test did not start: never connect to it
 LOOPBACK = "127.0.0.1"
@@ -184,7 +184,7 @@ def parse_compose_call(words: list[str], block: str) -> ComposeCall:
         if opt == "--profile":
             call.profiles.append(value)
         else:
-            pytest.fail(f"`{call}`: {opt} is not emulated here; teach tests/test_compose_run.py about it")
+            pytest.fail(f"`{call}`: {opt} is not emulated here; teach tests/e2e/test_compose_run.py about it")
         i += 1
     call.sub = words[i]
     assert call.sub in _SUB_FLAGS, f"`{call}`: subcommand {call.sub!r} is not emulated here"

@@ -19,7 +19,7 @@ from budget import keys
 from tests import key_senders
 from tests.procs import read_jsonl
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHECKED = ("producer", "render", "worker", "demo")
 #: What of budget/keys.py a module outside budget/ may use: they name no key (the queue, a chunk id, the separator of
 #: composite names, the dataset-name alphabet).

@@ -12,7 +12,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 #: A cited path: everything up to a space, a backtick, a quote or a closing bracket; a trailing "." or "," ends
 #: the sentence, not the path.

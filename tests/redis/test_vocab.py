@@ -19,7 +19,7 @@ from budget import keys, serverinfo
 from budget.vocab import Vocab, check_prompts, config_vocab, first_outside, servers_vocab, turn_refusal
 from tests.procs import produce, read_jsonl, sim_stats, wait_for
 
-DATA = Path(__file__).resolve().parent.parent / "demo" / "data"
+DATA = Path(__file__).resolve().parents[2] / "demo" / "data"
 
 
 def test_first_outside_finds_the_first_id_at_or_past_the_vocabulary_and_negatives() -> None:

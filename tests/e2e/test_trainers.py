@@ -33,7 +33,7 @@ import redis
 from tests.families import build_family_tokenizer
 from tests.procs import produce_cmd, read_jsonl
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 #: Where scripts/bootstrap.sh installs the CPU torch the trainers' data code imports (the same default).
 TORCH_DIR = Path(os.environ.get("BUDGETQ_TRAINER_TORCH") or Path(os.environ.get("XDG_CACHE_HOME") or
                  Path.home() / ".cache") / "budgetq" / "trainer-torch-2.13.0+cpu")

@@ -28,7 +28,7 @@ from tests.procs import produce_cmd, read_jsonl
 
 pytestmark = pytest.mark.e2e
 
-GLAIVE = Path(__file__).resolve().parent.parent / "demo" / "data" / "glaive_fc.jsonl"  # function definitions
+GLAIVE = Path(__file__).resolve().parents[2] / "demo" / "data" / "glaive_fc.jsonl"  # function definitions
 #: family -> the export's reasoning mode its template reads back (Kimi-VL's template renders only content).
 FAMILIES = {"qwen3": "field", "qwen3-thinking": "field", "glm45": "field", "kimi": "inline", "kimi_k2": "field",
             "gpt-oss": "field", "deepseek-v3": "field", "deepseek-r1": "field"}

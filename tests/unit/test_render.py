@@ -223,7 +223,7 @@ def test_load_missing_directory(no_network: None, tmp_path: Path, monkeypatch: p
     started = time.monotonic()
     with pytest.raises(RenderError, match="tokenizer directory not found: .*no-such-model"):
         load_tokenizer(tmp_path / "no-such-model")
-    # a hub id is looked up in the local cache only (tests/test_modeldir.py), never fetched
+    # a hub id is looked up in the local cache only (tests/redis/test_modeldir.py), never fetched
     with pytest.raises(RenderError, match=f"Qwen/Qwen3-8B: not a local directory, and not in the Hugging Face "
                                           f"cache {tmp_path / 'hub'}"):
         load_tokenizer("Qwen/Qwen3-8B")

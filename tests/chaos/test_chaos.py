@@ -2,7 +2,7 @@
 
 Each runs on its own redis-server, sglang-sim and real ``rq worker`` processes and checks the promise (nothing
 lost, nothing twice, counter == Σ completion_tokens on disk, no unexpected traceback, failures only where
-expected) plus the scenario's own bounds. tests/test_reliability.py holds the short forms of the others (one
+expected) plus the scenario's own bounds. tests/e2e/test_reliability.py holds the short forms of the others (one
 Redis kill, Redis restarted empty, the SGLang outage, malformed bodies); docs/reliability.md has the figures.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ Each recorded request is replayed to an in-process simulator configured like tha
 answer compared field by field: the status, the media type, which keys exist at every level, the types of the
 values, and the values that do not differ by nature (error messages, finish reasons, counts budgetq relies on).
 Values that do (ids, text, timings, random request ids) are compared by type. Every difference that stays is in
-KNOWN with the reason, and named in docs/simulator.md's comparison table (tests/test_docs.py-style check below).
+KNOWN with the reason, and named in docs/simulator.md's comparison table (tests/unit/test_docs.py-style check below).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import pytest
 from sglang_sim import SimConfig, serve
 from sglang_sim.server import SimServer
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sglang_real"
-DOC = Path(__file__).resolve().parent.parent / "docs" / "simulator.md"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sglang_real"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "simulator.md"
 SERVER = json.loads((FIXTURES / "server.json").read_text())
 CONTEXT = int(SERVER["context_length"])
 EOS = int(SERVER["model"]["eos_token_id"])

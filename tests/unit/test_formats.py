@@ -28,7 +28,7 @@ from producer.inputs.reader import (
 )
 from tests.record_strategies import json_values, plausible, records
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 INSTALL_HINT = "pip install 'budgetq[formats]'"
 
 
@@ -544,5 +544,5 @@ def test_reading_jsonl_imports_neither_pyarrow_nor_datasets(tmp_path: Path) -> N
             f"read_all([{str(path)!r}, {str(json_path)!r}], skip_invalid=False); "
             "print(sorted(m for m in ('pyarrow', 'datasets', 'pandas') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).parent.parent)
+                         cwd=Path(__file__).parents[2])
     assert out.stdout.strip() == "[]"

@@ -72,7 +72,7 @@ def write_input(path: Path) -> Path:
 
 def produce(args: list[str], *, cwd: Path, env: dict[str, str] | None = None,
             timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    full = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})}
+    full = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **(env or {})}
     return subprocess.run([*produce_cmd(), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env=full)
 

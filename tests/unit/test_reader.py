@@ -23,7 +23,7 @@ from producer.inputs.reader import (
 )
 from tests.record_strategies import json_values, plausible, records, user
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 def write_lines(path: Path, records: list[Any]) -> Path:

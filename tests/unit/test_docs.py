@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from producer.cli import main
 from sglang_sim.config import build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CLI_DOC = ROOT / "docs" / "cli.md"
 #: Files whose string constants name the environment variables they read, and the docs/cli.md section that must
 #: mention each of them.
@@ -307,9 +307,9 @@ def test_tests_named_in_the_docs_exist() -> None:
 
 def test_the_test_reference_check_catches_what_it_is_for() -> None:
     found = [(m.group(1), m.group(2), m.group(3)) for m in TEST_REF.finditer(
-        "tests/test_ledger.py::test_x, `test_e2e.py`, tests/e2e/test_y.py, not bench/test_z.py or mytest_q.py")]
-    assert found == [("tests/", "test_ledger", "test_x"), (None, "test_e2e", None), ("tests/e2e/", "test_y", None)]
-    assert "test_commit_counts_once_under_racing_threads" in defined_names(ROOT / "tests" / "test_ledger.py")
+        "tests/redis/test_ledger.py::test_x, `test_e2e.py`, tests/e2e/test_y.py, not bench/test_z.py or mytest_q.py")]
+    assert found == [("tests/redis/", "test_ledger", "test_x"), (None, "test_e2e", None), ("tests/e2e/", "test_y", None)]
+    assert "test_commit_counts_once_under_racing_threads" in defined_names(ROOT / "tests" / "redis" / "test_ledger.py")
 
 
 def heading_anchors(path: Path) -> set[str]:

@@ -19,7 +19,7 @@ from tests.procs import produce_cmd, read_jsonl, wait_for
 
 pytestmark = pytest.mark.e2e
 
-TRACES = Path(__file__).resolve().parent.parent / "demo" / "data" / "agent_traces.jsonl"  # 80, 2-4 user turns
+TRACES = Path(__file__).resolve().parents[2] / "demo" / "data" / "agent_traces.jsonl"  # 80, 2-4 user turns
 DS = "agent_traces"
 
 

@@ -42,7 +42,7 @@ LEAST_COMMANDS = (
     "xadd xdel xlen xrange xrevrange xread subscribe unsubscribe publish"
 ).split()
 LEAST = ["~bq:*", "~rq:*", "&rq:*", "-@all", *(f"+{c}" for c in LEAST_COMMANDS)]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def documented_acl_rules(doc: str) -> list[list[str]]:
@@ -170,7 +170,7 @@ def operate(url: str, tmp_path: Path) -> str:
         metrics.terminate()
         metrics.wait(10)
 
-    pytest.importorskip("rq_dashboard")  # without it this test is skipped, as tests/test_dashboard.py is
+    pytest.importorskip("rq_dashboard")  # without it this test is skipped, as tests/redis/test_dashboard.py is
     from tests.dashboard_proc import GOOD, Dashboard
     dash = Dashboard(url, tmp_path)
     try:

@@ -23,7 +23,7 @@ from tests.procs import produce_cmd, read_jsonl
 from worker import tokenizer_cache
 from worker.tokenizer_cache import TokenizerFault, TokenizerMismatch, renderer_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: A 3-turn conversation, rendered before its third user turn: system, three user turns, two answers, a tool call.
 CONVERSATION: list[dict[str, Any]] = [
     {"role": "system", "content": "You are terse."},

@@ -27,7 +27,7 @@ from tests.sglang_schema import Contract
 
 pytestmark = pytest.mark.timeout(240)
 
-DATA = Path(__file__).resolve().parent.parent / "demo" / "data"
+DATA = Path(__file__).resolve().parents[2] / "demo" / "data"
 
 
 @pytest.fixture(scope="module")
