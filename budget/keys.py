@@ -19,6 +19,10 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 |                             |        |                          | the run whose Renderer fingerprint is fp, for the |
 |                             |        |                          | workers that render later turns; HSETNX, never    |
 |                             |        |                          | changed (docs/multiturn.md)                       |
+| ``bq:mix:{id}``             | hash   | producer (budget/mix.py) | a mix (docs/mix.md): ``total``, ``weight:<name>``,|
+|                             |        |                          | ``dry:<name>`` (tokens when it ran dry), ``given``|
+|                             |        |                          | (the last command's mix); id = members, sorted,   |
+|                             |        |                          | joined by ","                                     |
 | ``bq:ds:{n}``               | hash   | producer, scripts        | the dataset's record: META_FIELDS below           |
 | ``bq:ds:{n}:used``          | string | ``commit`` script        | completion tokens committed: THE budget counter   |
 | ``bq:ds:{n}:done``          | hash   | ``commit`` script        | sample id -> completion tokens; exactly-once guard|
@@ -82,6 +86,7 @@ The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default, so 
 | ``out_dir``        | producer (RunState.register)            | the absolute, resolved --out of the run's last       |
 |                    |                                         | ``produce``: a rerun whose --out resolves elsewhere  |
 |                    |                                         | is refused (it would regenerate what is on disk)     |
+| ``mix``            | producer (budget/mix.py MixStore)       | the id of the mix the dataset belongs to; unset: none|
 | ``run_budget``     | producer (RunState.set_run_budget)      | the --budget the last ``produce`` that gave one gave |
 |                    |                                         | ('' = unlimited): a rerun giving it again keeps a    |
 |                    |                                         | budget ``produce budget`` set since; unset: none     |
@@ -112,6 +117,11 @@ SERVER_INFO = PREFIX + "server_info"
 SERVER_HEALTH = PREFIX + "server_health"
 
 
+def mix(mix_id: str) -> str:
+    """The hash of the mix whose members are ``mix_id`` (budget/mix.py ``mix_id``: names sorted, joined by ",")."""
+    return f"{PREFIX}mix:{{{mix_id}}}"
+
+
 def tokenizer_files(fingerprint: str) -> str:
     """The hash of a run's tokenizer files (budget/tokstore.py), by its Renderer fingerprint: content-addressed,
     so runs with one tokenizer and template share it. Only a sha256 hex digest is accepted, so no value can name
@@ -123,7 +133,8 @@ def tokenizer_files(fingerprint: str) -> str:
 #: Every field of a dataset's hash (``DatasetKeys.meta``), documented in the table above (the one table of
 #: them); tests check that a run writes no other.
 META_FIELDS = ("name", "settings", "queue", "created_at", "budget", "status", "closed_at", "mode", "max_new_tokens",
-               "prior_mean", "committed", "discarded_chunks", "selected", "todo", "cut", "out_dir", "run_budget")
+               "prior_mean", "committed", "discarded_chunks", "selected", "todo", "cut", "out_dir", "run_budget",
+               "mix")
 
 #: The one RQ queue that every dataset shares; workers listen on it (``worker.settings.QUEUES``).
 QUEUE_NAME = "budgetq"

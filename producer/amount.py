@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import decimal
 import re
+from fractions import Fraction
 from typing import Final, Literal, Union
 
 from producer.inputs.reader import valid_name
@@ -113,3 +114,33 @@ def _quote(text: str, limit: int = 60) -> str:
     """Quote user input for a message: bounded, and printable even if it holds control characters."""
     shown = text if len(text) <= limit else text[:limit] + "..."
     return '"' + shown.encode("unicode_escape").decode("ascii").replace('"', '\\"') + '"'
+
+
+_WEIGHT_RE = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+
+
+def parse_mix(values: tuple[str, ...]) -> dict[str, Fraction]:
+    """``--mix NAME=WEIGHT[,NAME=WEIGHT...]`` (repeatable) -> each dataset's weight, exact (docs/mix.md).
+
+    A weight is a positive decimal number (``1``, ``2.5``); 0 is refused (leave the dataset out of the run), and so
+    are a name given twice and an entry that is not NAME=WEIGHT. ValueError names the entry."""
+    weights: dict[str, Fraction] = {}
+    for value in values:
+        for entry in value.split(","):
+            name, sep, weight = (x.strip() for x in entry.partition("="))
+            if not sep or not name:
+                raise ValueError(f"invalid --mix entry {_quote(entry)}: expected NAME=WEIGHT, e.g. code=1,traces=2")
+            if not valid_name(name):
+                raise ValueError(f"invalid --mix entry {_quote(entry)}: {_quote(name)} is not a valid dataset name "
+                                 f'(letters, digits, "_" and "-" only, 1 to 64 characters)')
+            if not _WEIGHT_RE.fullmatch(weight):
+                raise ValueError(f"invalid --mix entry {_quote(entry)}: the weight must be a positive number like "
+                                 "1 or 2.5")
+            w = Fraction(weight)
+            if w == 0:
+                raise ValueError(f"invalid --mix entry {_quote(entry)}: a weight of 0 gives the dataset nothing; "
+                                 "leave it out of the run instead")
+            if name in weights:
+                raise ValueError(f"invalid --mix entry {_quote(entry)}: dataset {_quote(name)} already has a weight")
+            weights[name] = w
+    return weights

@@ -142,6 +142,10 @@ def main() -> None:
      help="Completion tokens per dataset (10M, 500k, 1.5G, or unlimited); NAME=AMOUNT for one dataset. "
           "Default: unlimited on a first run, the stored budget on a rerun (also when it gives the last run's "
           "--budget again after 'produce budget' changed it).")
+@opt("--mix", multiple=True, metavar="NAME=WEIGHT[,...]",
+     help="Share one budget across the datasets by weight: --budget 40M --mix code=1,fc=1,traces=2 gives code and "
+          "fc 10M each and traces 20M; a dataset that runs out of prompts passes the rest of its share on to the "
+          "others by weight, so the total still lands on --budget. Names every dataset of the run. docs/mix.md.")
 @opt("--budget-mode", "modes", multiple=True, metavar="MODE|NAME=MODE",
      help="How a dataset lands on its budget: predict (default: reserve each running request's expected "
           "length), strict (reserve --max-tokens: never above the budget), drain (stop at the budget, let "
@@ -286,13 +290,27 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
 
 @main.command("budget", help="Set dataset NAME's budget to AMOUNT (12M, 500k, or unlimited) while it runs: raising "
               "reopens it (the attached produce tops up its queue; with none attached, run produce again), "
-              "lowering to what is used closes it at once.\n\n"
-              "\b\nExample:\n  produce budget B2_opencodeinstruct 12M")
-@click.argument("name")
-@click.argument("amount")
+              "lowering to what is used closes it at once. For a mix (docs/mix.md): --mix with every member's "
+              "weight, and --total to change the total.\n\n"
+              "\b\nExamples:\n  produce budget B2_opencodeinstruct 12M\n"
+              "  produce budget --mix code=1,fc=2,traces=2 --total 50M")
+@click.argument("name", required=False)
+@click.argument("amount", required=False)
+@opt("--mix", "mix", multiple=True, metavar="NAME=WEIGHT[,...]", help="The mix's new weights (every member).")
+@opt("--total", default=None, metavar="AMOUNT", help="With --mix: the mix's new total.")
 @redis_url_option
-def budget_cmd(name: str, amount: str, redis_url: str) -> None:
-    from producer.ops.status import change_budget, parse_budget_change
+def budget_cmd(name: str | None, amount: str | None, mix: tuple[str, ...], total: str | None, redis_url: str) -> None:
+    from producer.ops.status import change_budget, change_mix, parse_budget_change, parse_mix_change
+    if mix:
+        if name is not None:
+            raise UsageError("give NAME AMOUNT or --mix, not both")
+        weights, new_total = parse_mix_change(mix, total)
+        click.echo(change_mix(connect(redis_url), weights, new_total))
+        return
+    if name is None or amount is None:
+        raise UsageError("give NAME AMOUNT (one dataset) or --mix NAME=WEIGHT,... [--total AMOUNT] (a mix)")
+    if total is not None:
+        raise UsageError("--total goes with --mix")
     budget = parse_budget_change(name, amount)
     click.echo(change_budget(connect(redis_url), name, budget))
 

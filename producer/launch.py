@@ -106,7 +106,8 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     options = RunOptions(out_dir=s.out_dir, budgets=budgets, modes=s.modes_for(names), expect_mean=s.expect_mean,
                          chunk_size=s.chunk_size, queue_depth=s.queue_depth, new_run=s.new_run,
                          job=JobSettings(job_timeout=s.job_timeout), show_progress=s.show_progress,
-                         conversation=inputs.conversation(context), tokenizer=s.tokenizer, variants=inputs.variants)
+                         conversation=inputs.conversation(context), tokenizer=s.tokenizer, variants=inputs.variants,
+                         mix=s.given_mix())
     check_vocab_servers(client, inputs, s.tokenizer, options.conversation)  # producer/vocab.py; sets vocab_size
     producer = Producer(client, inputs.prepared, options, echo=log.info)
     try:

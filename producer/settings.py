@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from budget.urls import server_urls
-from producer.amount import Budget, parse_budget_option
+from producer.amount import UNLIMITED, Budget, parse_budget_option, parse_mix
 from producer.errors import UsageError
 from producer.generations import parse_temperatures
 from producer.inputs.records import FieldMapping
@@ -20,6 +21,7 @@ from producer.order import DEFAULT_SEED, RANDOM, Order
 from producer.templatemix import MixError, TemplateMix
 
 if TYPE_CHECKING:
+    from budget.mix import Mix
     from render.modeldir import Context
 
 
@@ -38,6 +40,8 @@ class RunSettings:
     #: AMOUNT may be UNLIMITED (producer/amount.py): explicitly none
     budget: Budget | None
     named_budgets: Mapping[str, Budget]
+    #: --mix NAME=WEIGHT,...: the datasets' weights in one budget whose total is --budget AMOUNT (docs/mix.md)
+    mix: Mapping[str, Fraction] | None
     #: --budget-mode MODE and NAME=MODE (None: the stored mode, else predict)
     mode: str | None
     named_modes: Mapping[str, str]
@@ -83,8 +87,16 @@ class RunSettings:
         try:
             budget, named_budgets = parse_budget_option(o["budgets"])
             mode, named_modes = parse_mode_option(o["modes"])
+            weights = parse_mix(tuple(o.get("mix") or ()))
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        if weights:
+            if named_budgets:
+                raise UsageError(f"--budget {next(iter(named_budgets))}=...: with --mix a dataset's budget is its "
+                                 "share of the total; give the total as --budget AMOUNT and the shares as weights")
+            if budget is None or budget == UNLIMITED:
+                raise UsageError("--mix needs the total it shares: --budget AMOUNT (e.g. --budget 40M --mix "
+                                 "code=1,traces=2)")
         top_k = o["top_k"]
         if top_k is not None and top_k != -1 and top_k < 1:
             raise UsageError("--top-k must be -1 or at least 1")
@@ -116,7 +128,7 @@ class RunSettings:
         return cls(
             files=tuple(o["files"]), tokenizer=o["tokenizer"], max_tokens=o["max_tokens"],
             max_context=o["max_context"], max_samples=o["max_samples"], out_dir=o["out_dir"],
-            redis_url=o["redis_url"], budget=budget, named_budgets=named_budgets, mode=mode,
+            redis_url=o["redis_url"], budget=budget, named_budgets=named_budgets, mix=weights or None, mode=mode,
             named_modes=named_modes, order=order, turns=o["turns"], generations=o["generations"],
             temperatures=temperatures, top_p=o["top_p"], top_k=top_k,
             seed=o["seed"], skip_special_tokens=o["skip_special_tokens"], chat_template_kwargs=kwargs,
@@ -149,10 +161,31 @@ class RunSettings:
         if unknown:
             raise UsageError(f"--budget/--budget-mode name unknown dataset(s): {', '.join(unknown)} (datasets: "
                              f"{', '.join(sorted(names))})")
+        if self.mix is not None:
+            check_mix_names(self.mix, names)
+            return dict.fromkeys(names)  # each dataset's budget is its share (RunOptions.mix), not --budget
         return {n: self.named_budgets.get(n, self.budget) for n in names}
+
+    def given_mix(self) -> "Mix | None":
+        """--budget TOTAL --mix ...: the mix as given (no member dry yet); None without --mix."""
+        from budget.mix import Mix
+        if self.mix is None:
+            return None
+        return Mix(total=int(self.budget), weights=dict(self.mix))  # type: ignore[arg-type]
 
     def modes_for(self, names: Iterable[str]) -> dict[str, str | None]:
         return {n: self.named_modes.get(n, self.mode) for n in names}
+
+
+def check_mix_names(weights: Mapping[str, Fraction], names: set[str]) -> None:
+    """--mix names every dataset of the run, and only those (exit 2): a dataset left out would have no share, a
+    name that is not a dataset is a typo."""
+    unknown, missing = sorted(set(weights) - names), sorted(names - set(weights))
+    if unknown or missing:
+        parts = ([f"names unknown dataset(s) {', '.join(unknown)}"] if unknown else []) + \
+                ([f"gives no weight to {', '.join(missing)}"] if missing else [])
+        raise UsageError(f"--mix {' and '.join(parts)} (datasets of this run: {', '.join(sorted(names))}); "
+                         "a mix names every dataset of the run")
 
 
 def check_max_tokens(max_tokens: int, context: "Context") -> None:

@@ -55,8 +55,9 @@ class SimProcess:
         """Base URL of the simulator."""
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 15.0) -> None:
-        """Spawn the process and return once GET /health answers 200; RuntimeError otherwise."""
+    def start(self, timeout: float = 60.0) -> None:
+        """Spawn the process and return once GET /health answers 200; RuntimeError otherwise. The timeout is a
+        bound, not a wait: on a loaded machine (a parallel test run) importing aiohttp alone can take seconds."""
         self._stderr = tempfile.TemporaryFile()
         argv = [*self.command, "--host", self.host, "--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self._stderr)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from typing import Any
 
 import redis
 
 from budget import health
 from budget.ledger import Ledger
+from budget.mix import Mix, MixStore, mix_id
 from budget.outcomes import DatasetState
 from budget.runstate import RunState
-from producer.amount import parse_amount
+from producer.amount import parse_amount, parse_mix
 from producer.errors import UsageError
 
 RATE_WINDOW_S = 60  # tokens/s over the last minute of 10-second buckets
@@ -131,11 +133,46 @@ def parse_budget_change(name: str, amount: str) -> int | None:
         raise UsageError(str(exc)) from None
 
 
+def parse_mix_change(values: tuple[str, ...], total: str | None) -> tuple[dict[str, Fraction], int | None]:
+    """``produce budget --mix ... [--total AMOUNT]`` checked before Redis is asked."""
+    try:
+        return parse_mix(values), None if total is None else parse_amount(total)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def change_mix(client: "redis.Redis", weights: dict[str, Fraction], total: int | None) -> str:
+    """Give the mix of exactly these datasets new weights (and a new total): every member's budget becomes its new
+    share at once; a member whose share is at or below what it used closes, and its queued chunks are discarded.
+    Tokens already spent stay counted; the dry members keep what they used. Returns the lines saying so."""
+    store = MixStore(client)
+    stored = store.load(mix_id(weights))
+    if stored is None:
+        raise UsageError(f"no mix of exactly {', '.join(sorted(weights))} in this Redis: --mix names every member "
+                         "of the run's mix (produce status lists them)")
+    new = Mix(total=stored.total if total is None else total, weights=weights, dry=stored.dry)
+    store.save(new)
+    ledger = Ledger(client)
+    lines = [new.describe()]
+    for name, status in store.apply(ledger, new).items():
+        discarded = ledger.discard(name, "budget lowered") if status == "closed" else 0
+        state = ledger.state(name)
+        lines.append(f"{name}: budget {_n(state.budget)}, used {state.used:,}, {status}"
+                     + (f", {discarded} queued chunks discarded" if discarded else ""))
+    return "\n".join(lines)
+
+
 def change_budget(client: "redis.Redis", name: str, budget: int | None) -> str:
     """Set dataset ``name``'s budget: raising it reopens the dataset (the attached produce tops up its queue),
-    lowering it to what is used closes it and discards its queued chunks at once. Returns the line saying so."""
+    lowering it to what is used closes it and discards its queued chunks at once. Returns the line saying so.
+    A mix's member is refused: its budget is its share (``change_mix``)."""
     if not RunState(client).exists(name):
         raise UsageError(f"no dataset {name!r} in this Redis")
+    in_mix = MixStore(client).mix_of(name)
+    if in_mix:
+        raise UsageError(f"{name} is in the mix of {in_mix.replace(',', ', ')}: its budget is its share of the mix; "
+                         f"change the weights or the total: produce budget --mix "
+                         f"{','.join(f'{n}=W' for n in in_mix.split(','))} [--total AMOUNT]")
     ledger = Ledger(client)
     status = ledger.set_budget(name, budget)
     discarded = ledger.discard(name, "budget lowered") if status == "closed" else 0

@@ -99,6 +99,8 @@ class Attacher:
         self.opt = options
         self.echo = echo
         self.locks = locks
+        #: The budget of each dataset in a mix: its share (budget/mix.py), set by ``Producer.attach`` first.
+        self.shares: dict[str, int] = {}
 
     def check(self, datasets: list[Prepared]) -> None:
         """Every dataset's stored settings, checked before anything is written, so a refused rerun leaves Redis as
@@ -227,6 +229,11 @@ class Attacher:
         run's is stored (``run_budget``): rerunning the same command after ``produce budget NAME 60k`` keeps the
         60k (saying so), where it would silently restore the command's budget; a --budget other than the last
         run's wins (saying so when it changes the live one)."""
+        if p.name in self.shares:  # a mix's member: its share, whatever --budget said (docs/mix.md)
+            self.ledger.set_mode(p.name, self.opt.modes.get(p.name) or self.store.field(p.name, "mode") or "predict",
+                                 p.settings.max_new_tokens)
+            self.ledger.set_budget(p.name, self.shares[p.name])
+            return self.shares[p.name]
         given = self.opt.budgets.get(p.name)
         live_raw = self.store.field(p.name, "budget")
         live = int(live_raw) if live_raw else None

@@ -44,6 +44,7 @@ from producer.session.enqueue import (
     listening_workers,
     make_queue,
 )
+from producer.session.mixing import MixKeeper
 from producer.session.report import DatasetSummary, progress_line, summaries
 from producer.session.state import DatasetRun, RunOptions
 
@@ -82,6 +83,7 @@ class Producer:
         self._last_stale_check = 0.0
         self._grace_until = 0.0
         self.epoch = ""
+        self.mixer = MixKeeper(client, self.ledger, options.mix, options.new_run, echo)
 
     # -- attach (producer/session/attach.py) -------------------------------------------------------------------
     def attach(self) -> None:
@@ -92,9 +94,12 @@ class Producer:
         attacher = Attacher(self.r, self.ledger, self.store, self.opt, self.echo, self._locks)
         attacher.check(self.datasets)
         self.epoch = self.store.claim_epoch()
+        self.mixer.settle(p.name for p in self.datasets)
+        attacher.shares = self.mixer.shares()
         try:
             for prepared in self.datasets:
                 self.runs.append(attacher.attach_one(prepared))
+            self.mixer.attached(self.runs)
         except BaseException:
             self.release()
             raise
@@ -157,10 +162,11 @@ class Producer:
         check_stale = now - self._last_stale_check >= STALE_CHECK_S
         if check_stale:
             self._last_stale_check = now
+        if check_stale:
+            self.mixer.apply()  # a produce budget --mix from elsewhere: its shares, in this loop's budgets too
         for d in self.runs:
-            if d.finished and check_stale and d.todo and self.ledger.state(d.name).has_room():
-                d.finished = False  # its budget was raised (produce budget): top it up again
-                self.echo(f"{d.name}: reopened")
+            if d.finished and check_stale:
+                self._reopen(d)
             if not d.finished:
                 self._step_one(d, check_stale)
         if now - self._last_progress >= self.opt.progress_s:
@@ -168,6 +174,13 @@ class Producer:
             self.echo(self.progress_line())
             self._warn_down_servers()
         return all(d.finished for d in self.runs)
+
+    def _reopen(self, d: DatasetRun) -> None:
+        """A finished dataset whose budget was raised (produce budget, or a mix's member that ran dry passing its
+        rest on) and that has samples left: top it up again."""
+        if d.todo and self.ledger.state(d.name).has_room():
+            d.finished = False
+            self.echo(f"{d.name}: reopened")
 
     def _warn_down_servers(self) -> None:
         """Name each worker whose SGLang servers are down once when that starts, and say when they answer again:
@@ -238,6 +251,12 @@ class Producer:
                          max_samples=self._samples_needed(d, state))
         if (state.status != "open" or not d.todo) and not d.chunk_samples and not live \
                 and self.store.unwritten(d.name) == 0:
+            if self.mixer.ran_dry(d):  # its rest goes to the others; it closes at what it used
+                state = self.ledger.state(d.name)
+                d.status, d.budget = state.status, state.budget
+                for other in self.runs:
+                    if other is not d and other.finished:
+                        self._reopen(other)
             d.failed = self.ledger.failed(d.name)
             write_failed(self.opt.out_dir / d.name / FAILED_FILE, d.failed)
             d.finished = True

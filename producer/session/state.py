@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from budget.mix import Mix
 from budget.payload import ConversationPayload
 from producer.amount import Budget
 from producer.prepare import Prepared
@@ -41,6 +42,8 @@ class RunOptions:
     #: written in run.json (``tokenizer_path``) for ``produce export``.
     conversation: ConversationPayload | None = None
     tokenizer: str | None = None
+    #: --budget TOTAL --mix ...: the mix as given (budget/mix.py); None: no --mix (a stored mix still applies).
+    mix: Mix | None = None
     #: --template-kwargs-mix: the renderer of each drawn combination (producer/templatemix.py Variants); None: no mix.
     variants: Variants | None = None
 
