@@ -47,8 +47,8 @@ def split_shares(total: int, weights: Mapping[str, Fraction], dry: Mapping[str, 
     return out
 
 
-def plan_shares(total: int, weights: Mapping[str, Fraction], capacity: Mapping[str, int | None]) -> dict[str, int]:
-    """The shares a run is expected to end with, for ``--dry-run``: a member whose projected tokens (``capacity``;
+def plan_shares(total: int, weights: Mapping[str, Fraction], capacity: Mapping[str, int | None]) -> Mix:
+    """The mix a run is expected to end with, for ``--dry-run``: a member whose projected tokens (``capacity``;
     None: unknown, never dry) cannot fill its share runs dry at its capacity and passes the rest on, until every
     share fits. The same rule as a run's (``split_shares`` with the dry members), applied ahead of time."""
     dry: dict[str, int] = {}
@@ -57,7 +57,7 @@ def plan_shares(total: int, weights: Mapping[str, Fraction], capacity: Mapping[s
         short = {n: c for n, c in capacity.items()
                  if n not in dry and n in shares and c is not None and c < shares[n]}
         if not short:
-            return shares
+            return Mix(total, weights, dry)
         dry.update(short)
 
 

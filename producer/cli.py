@@ -259,13 +259,13 @@ def run_cmd(**options: Any) -> None:
 def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: float, as_json: bool) -> None:
     import redis
 
-    from producer.ops.status import all_status, down_servers, status_table
+    from producer.ops.status import all_status, down_servers, mix_lines, status_table
     client = connect(redis_url)
     try:
         while True:
             try:
                 rows = all_status(client, list(names))
-                down = down_servers(client)
+                down = mix_lines(client, [r.name for r in rows]) + down_servers(client)
             except redis.RedisError as exc:  # --watch outlives a Redis restart; a single look reports it
                 if not watch:
                     raise ProduceError(f"Redis at {logs.redact(redis_url)}: {exc}") from None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import redis
 
@@ -44,28 +44,45 @@ def launch(settings: RunSettings, *, warn: Callable[[str], None]) -> str:
 def dry_run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]) -> str:
     """``--dry-run``: each dataset's plan (samples needed, projected tokens, ETA), as a table or JSON. Writes
     nothing; with ``--pilot`` it sends real requests to SGLANG_URL (a failure is exit 1)."""
-    from producer.plan import PilotResult, plan_dataset, plan_table, run_pilot
+    from budget.mix import plan_shares
+    from producer.plan import DatasetPlan, PilotResult, plan_dataset, plan_table, run_pilot
+    from producer.prepare import Prepared
     s = settings
     mix = s.template_mix.describe() if s.template_mix else ""
     described = "; ".join(d for d in (inputs.settings.generations.describe(), mix) if d)
-    plans = []
+    measured: dict[str, PilotResult | None] = {}
     for p in inputs.prepared:
-        measured: PilotResult | None = None
+        measured[p.name] = None
         if s.pilot:
             try:
-                measured = run_pilot(p, s.pilot, urls=s.pilot_urls, sampling_params=p.settings.chunk_params,
-                                     api_key=s.api_key)
+                measured[p.name] = run_pilot(p, s.pilot, urls=s.pilot_urls, sampling_params=p.settings.chunk_params,
+                                             api_key=s.api_key)
             except (OSError, RuntimeError, ValueError) as exc:
                 raise ProduceError(f"--pilot: {exc}") from None
-        plans.append(plan_dataset(p, budget=budget_limit(budgets.get(p.name)), out_dir=s.out_dir,
-                                  expect_mean=s.expect_mean, pilot_mean=measured.mean if measured else None,
-                                  pilot_n=len(measured.lengths) if measured else 0, throughput=s.throughput,
-                                  in_flight=s.in_flight, settings_mix=described, pilot=measured))
+
+    def plan(p: Prepared, budget: int | None) -> DatasetPlan:
+        m = measured[p.name]
+        return plan_dataset(p, budget=budget, out_dir=s.out_dir, expect_mean=s.expect_mean,
+                            pilot_mean=m.mean if m else None, pilot_n=len(m.lengths) if m else 0,
+                            throughput=s.throughput, in_flight=s.in_flight, settings_mix=described, pilot=m)
+
+    shared, limits = s.given_mix(), {p.name: budget_limit(budgets.get(p.name)) for p in inputs.prepared}
+    if shared is not None:
+        # What each member can make at most (every prompt; None: unknown mean) decides who runs dry in the plan.
+        capacity = {p.name: plan(p, None).projected_tokens for p in inputs.prepared}
+        shared = plan_shares(shared.total, shared.weights, capacity)
+        limits.update(shared.shares())
+    plans = [plan(p, limits[p.name]) for p in inputs.prepared]
     if s.as_json:
         context = {"tokens": inputs.context.tokens, "source": inputs.context.source}
-        return json.dumps({"datasets": [x.as_dict() for x in plans], "throughput": s.throughput,
-                           "context": context}, indent=2)
-    return plan_table(plans, s.throughput, inputs.context)
+        doc: dict[str, Any] = {"datasets": [x.as_dict() for x in plans], "throughput": s.throughput,
+                               "context": context}
+        if shared is not None:
+            doc["mix"] = {"total": shared.total, "weights": {n: str(w) for n, w in shared.weights.items()},
+                          "shares": shared.shares(), "runs_dry": sorted(shared.dry)}
+        return json.dumps(doc, indent=2)
+    table = plan_table(plans, s.throughput, inputs.context)
+    return table + (f"\n{shared.describe().replace('ran dry', 'runs dry')}" if shared is not None else "")
 
 
 def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None], *,

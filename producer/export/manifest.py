@@ -102,7 +102,17 @@ def budget_state(client: "redis.Redis", name: str) -> dict[str, Any]:
     """A manifest's ``extra``: the dataset's budget, mode, usage and status in Redis now."""
     from budget.ledger import Ledger
     state = Ledger(client).state(name)
-    return {"budget": state.budget, "budget_mode": state.mode, "used": state.used, "status": state.status}
+    out: dict[str, Any] = {"budget": state.budget, "budget_mode": state.mode, "used": state.used,
+                           "status": state.status}
+    from budget.mix import MixStore
+    store = MixStore(client)
+    mix_id = store.mix_of(name)
+    mix = store.load(mix_id) if mix_id else None
+    if mix is not None:  # docs/mix.md: the mix, this dataset's weight and share, and what it got against it
+        out["mix"] = {"total": mix.total, "weights": {n: str(w) for n, w in sorted(mix.weights.items())},
+                      "weight": str(mix.weights[name]), "share": mix.shares()[name], "got": state.used,
+                      "ran_dry": name in mix.dry}
+    return out
 
 
 def still_running(client: "redis.Redis", name: str) -> tuple[int, int | None] | None:

@@ -216,6 +216,22 @@ def status_table(rows: list[DatasetStatus]) -> str:
     return "\n".join(lines)
 
 
+def mix_lines(client: "redis.Redis", names: list[str]) -> str:
+    """One line per mix among ``names`` (docs/mix.md), after the table: its total, what its members used, and each
+    member's weight and share; '' if none. A member's share is its budget in the table."""
+    store, lines, seen = MixStore(client), [], set()
+    for name in names:
+        mid = store.mix_of(name)
+        if not mid or mid in seen:
+            continue
+        seen.add(mid)
+        mix = store.load(mid)
+        if mix is not None:
+            used = sum(Ledger(client).state(n).used for n in mix.weights)
+            lines.append(f"{mix.describe()}; used {used:,} ({used / mix.total:.1%})" if mix.total else mix.describe())
+    return "".join(f"\n{line}" for line in lines)
+
+
 def down_servers(client: "redis.Redis") -> str:
     """The lines naming each worker whose SGLang servers are down (budget/health.py), after the table; '' if none."""
     lines = health.describe(health.load(client))

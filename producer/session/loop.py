@@ -251,15 +251,20 @@ class Producer:
                          max_samples=self._samples_needed(d, state))
         if (state.status != "open" or not d.todo) and not d.chunk_samples and not live \
                 and self.store.unwritten(d.name) == 0:
-            if self.mixer.ran_dry(d):  # its rest goes to the others; it closes at what it used
-                state = self.ledger.state(d.name)
-                d.status, d.budget = state.status, state.budget
-                for other in self.runs:
-                    if other is not d and other.finished:
-                        self._reopen(other)
-            d.failed = self.ledger.failed(d.name)
-            write_failed(self.opt.out_dir / d.name / FAILED_FILE, d.failed)
-            d.finished = True
+            self._finish(d)
+
+    def _finish(self, d: DatasetRun) -> None:
+        """Nothing of ``d`` is left to run or to collect. A mix's member that ran dry passes the rest of its share on
+        (docs/mix.md): the others that had finished at their old shares reopen."""
+        if self.mixer.ran_dry(d):
+            state = self.ledger.state(d.name)
+            d.status, d.budget = state.status, state.budget
+            for other in self.runs:
+                if other is not d and other.finished:
+                    self._reopen(other)
+        d.failed = self.ledger.failed(d.name)
+        write_failed(self.opt.out_dir / d.name / FAILED_FILE, d.failed)
+        d.finished = True
 
     def _end_stranded(self, d: DatasetRun, released: list[str]) -> None:
         """End, with the turns they have (``stopped_by: budget``), the started conversations of a closed dataset

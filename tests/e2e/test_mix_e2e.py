@@ -2,6 +2,7 @@
 dataset that runs dry passing the rest of its share on, so the total still lands on the total budget."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import redis
 from budget import keys
 from tests.demo_data import CODE, GLAIVE
 from tests.exactly_once import check_exact
-from tests.procs import produce_cmd, sim_stats, wait_for
+from tests.procs import produce, produce_cmd, sim_stats, wait_for
 
 
 @pytest.mark.e2e
@@ -59,3 +60,9 @@ def test_a_mix_lands_on_its_total_and_a_dry_dataset_passes_its_rest_on(
         assert budgets[name] <= got[name] <= budgets[name] + 8 * max_new, (name, got, budgets)
     assert sum(got.values()) >= total
     assert sim_stats(sim.url)["completed"] >= sum(r.hlen(keys.DatasetKeys(n).done) for n in got)
+    status = produce(["status"], redis_url)
+    assert status.returncode == 0 and "mix of 3: total 12,000: code_instruct=1" in status.stdout, status.stdout
+    assert f"small=2 ({got['small']:,}, ran dry)" in status.stdout
+    manifest = json.loads((out / "small" / "manifest.json").read_text())
+    assert manifest["extra"]["mix"] == {"total": total, "weights": {"code_instruct": "1", "glaive_fc": "1", "small": "2"},
+                               "weight": "2", "share": got["small"], "got": got["small"], "ran_dry": True}

@@ -94,3 +94,26 @@ def test_changing_weights_closes_a_member_past_its_new_share(r: "redis.Redis", r
     assert refused.exit_code == 2 and "is in the mix of code_instruct, glaive_fc" in refused.output
     unknown = run(["budget", "--mix", "code_instruct=1,other=1"], redis_url)
     assert unknown.exit_code == 2 and "no mix of exactly code_instruct, other" in unknown.output
+
+
+def test_the_dry_run_plans_each_share_and_who_runs_dry(tmp_path: Path, redis_url: str, r: "redis.Redis",
+                                                       tokenizer_dir: Path) -> None:
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(CODE.read_text().splitlines(keepends=True)[:12]))
+    args = [str(CODE), str(GLAIVE), str(small), "--tokenizer", str(tokenizer_dir), "--max-tokens", "300",
+            "--turns", "last", "--out", str(tmp_path / "out"), "--budget", "12k", "--mix",
+            "code_instruct=1,glaive_fc=1,small=2", "--dry-run", "--expect-mean", "100", "--throughput", "50"]
+    before = run_keys(r)
+    res = run([*args, "--json"], redis_url)
+    assert res.exit_code == 0, res.output
+    import json
+    doc = json.loads(res.stdout)
+    # small makes at most 12 x 100 = 1,200 of its 6,000: the other 10,800 go 1:1.
+    assert doc["mix"]["shares"] == {"code_instruct": 5_400, "glaive_fc": 5_400, "small": 1_200}
+    assert doc["mix"]["runs_dry"] == ["small"] and doc["mix"]["total"] == 12_000
+    plans = {d["name"]: d for d in doc["datasets"]}
+    assert plans["code_instruct"]["budget"] == 5_400 and plans["code_instruct"]["samples_needed"] == 54
+    assert plans["small"]["samples_needed"] == 12
+    table = run(args, redis_url)
+    assert table.exit_code == 0 and "small=2 (1,200, runs dry)" in table.output, table.output
+    assert run_keys(r) == before

@@ -29,9 +29,10 @@ def test_a_dry_member_keeps_what_it_used_and_the_others_share_the_rest_by_weight
 
 def test_the_plan_runs_dry_whoever_cannot_fill_its_share_until_every_share_fits() -> None:
     # traces can make 5M of its 20M: 35M is left for code and fc; fc can make 12M of its 17.5M: code gets 23M.
-    shares = plan_shares(40_000_000, W, {"code": None, "fc": 12_000_000, "traces": 5_000_000})
-    assert shares == {"code": 23_000_000, "fc": 12_000_000, "traces": 5_000_000}
-    assert plan_shares(40_000_000, W, dict.fromkeys(W)) == split_shares(40_000_000, W, {})
+    planned = plan_shares(40_000_000, W, {"code": None, "fc": 12_000_000, "traces": 5_000_000})
+    assert planned.shares() == {"code": 23_000_000, "fc": 12_000_000, "traces": 5_000_000}
+    assert planned.dry == {"fc": 12_000_000, "traces": 5_000_000}
+    assert plan_shares(40_000_000, W, dict.fromkeys(W)) == Mix(40_000_000, W)
 
 
 def test_a_mix_says_its_shares_and_is_named_by_its_members() -> None:
