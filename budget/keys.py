@@ -87,6 +87,9 @@ The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default, so 
 |                    |                                         | ``produce``: a rerun whose --out resolves elsewhere  |
 |                    |                                         | is refused (it would regenerate what is on disk)     |
 | ``mix``            | producer (budget/mix.py MixStore)       | the id of the mix the dataset belongs to; unset: none|
+| ``deadline``       | producer (Ledger.set_deadline)          | unix ms by which requests must end: ``admit`` closes |
+|                    |                                         | the dataset at the first that could not; unset: none |
+| ``closed_by``      | ``admit`` (past_deadline)               | ``deadline`` when the deadline closed the dataset    |
 | ``run_budget``     | producer (RunState.set_run_budget)      | the --budget the last ``produce`` that gave one gave |
 |                    |                                         | ('' = unlimited): a rerun giving it again keeps a    |
 |                    |                                         | budget ``produce budget`` set since; unset: none     |
@@ -134,7 +137,7 @@ def tokenizer_files(fingerprint: str) -> str:
 #: them); tests check that a run writes no other.
 META_FIELDS = ("name", "settings", "queue", "created_at", "budget", "status", "closed_at", "mode", "max_new_tokens",
                "prior_mean", "committed", "discarded_chunks", "selected", "todo", "cut", "out_dir", "run_budget",
-               "mix")
+               "mix", "deadline", "closed_by")
 
 #: The one RQ queue that every dataset shares; workers listen on it (``worker.settings.QUEUES``).
 QUEUE_NAME = "budgetq"

@@ -116,6 +116,14 @@ class Ledger:
             raise ValueError(f"unknown budget mode {mode!r} (expected one of {', '.join(MODES)})")
         self.r.hset(keys.DatasetKeys(name).meta, mapping={"mode": mode, "max_new_tokens": max_new_tokens})
 
+    def set_deadline(self, name: str, deadline_ms: int | None) -> None:
+        """Set (or, None, remove) the time, unix ms, by which the dataset's requests must end (docs/mix.md)."""
+        meta = keys.DatasetKeys(name).meta
+        if deadline_ms is None:
+            self.r.hdel(meta, "deadline")
+        else:
+            self.r.hset(meta, "deadline", int(deadline_ms))
+
     def set_prior(self, name: str, mean_tokens: float) -> None:
         """The expected completion length before the dataset has results of its own (predict mode)."""
         self.r.hset(keys.DatasetKeys(name).meta, "prior_mean", str(round(mean_tokens, 1)))
@@ -185,19 +193,20 @@ class Ledger:
         return Call(self._job_meta, [keys.rq_job_key(job_id)], [meta], bool)
 
     def admit(self, name: str, sample: str, chunk: str, expected: int = 0, margin: float = 0.0,
-              taper: float = 0.0) -> Admission:
-        return run(self.admit_call(name, [sample], chunk, expected, margin, taper))[0]
+              taper: float = 0.0, duration_ms: int = 0) -> Admission:
+        return run(self.admit_call(name, [sample], chunk, expected, margin, taper, duration_ms))[0]
 
     def admit_call(self, name: str, samples: Sequence[str], chunk: str, expected: int = 0,
-                   margin: float = 0.0, taper: float = 0.0) -> Call[list[Admission]]:
+                   margin: float = 0.0, taper: float = 0.0, duration_ms: int = 0) -> Call[list[Admission]]:
         """Admit ``samples`` of ``chunk`` in order, in one script run: one verdict per sample. Those after
-        the first refusal that stops the chunk (closed, revoked, full) get that refusal too."""
+        the first refusal that stops the chunk (closed, revoked, full) get that refusal too. ``duration_ms``: how
+        long a request is expected to take; one that could not end by the dataset's deadline closes it."""
         if isinstance(samples, str):
             raise TypeError("admit_call takes a list of sample ids")
         k = self._keys(name)
         n = len(samples)
         return Call(self._admit, [k.meta, k.chunks, k.pending, k.done, k.used, k.resv, k.inflight],
-                    [chunk, int(expected), round(margin, 1), round(taper, 1), *samples],
+                    [chunk, int(expected), round(margin, 1), round(taper, 1), max(0, int(duration_ms)), *samples],
                     lambda reply: parse_admissions(reply, n))
 
     def commit(self, name: str, sample: str, completion_tokens: int, result: dict[str, Any], *,

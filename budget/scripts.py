@@ -50,6 +50,23 @@ local function close_if_spent(meta, used)
 end
 """
 
+# The deadline (meta ``deadline``, unix ms; docs/mix.md): ``past_deadline(meta, ms)`` closes an open dataset whose
+# request of ``ms`` milliseconds could not end by it (``closed_by`` deadline) and returns true if it is past.
+_DEADLINE = """
+local function past_deadline(meta, ms)
+  local deadline = redis.call('HGET', meta, 'deadline')
+  if not deadline or deadline == '' then return false end
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if now + ms < tonumber(deadline) then return false end
+  if redis.call('HGET', meta, 'status') == 'open' then
+    redis.call('HSET', meta, 'status', 'closed', 'closed_at', t[1] .. '.' .. string.format('%06d', t[2]),
+               'closed_by', 'deadline')
+  end
+  return true
+end
+"""
+
 _NOW_MS = """
 local function now_ms()
   local t = redis.call('TIME')
@@ -85,6 +102,7 @@ redis.call('HSET', KEYS[1], 'budget', ARGV[1])
 local status = 'open'
 if spent(KEYS[1], used) then status = 'closed' end
 redis.call('HSET', KEYS[1], 'status', status)
+if status == 'open' then redis.call('HDEL', KEYS[1], 'closed_by') end
 return {status, used}
 """
 
@@ -207,14 +225,15 @@ redis.call('HDEL', KEYS[4], unpack(progress_fields({ARGV[1]})))
 return 1
 """
 
-ADMIT = _CLOSE_IF_SPENT + _RESERVED + """
+ADMIT = _CLOSE_IF_SPENT + _RESERVED + _DEADLINE + """
 -- admit: may this chunk start requests for these samples now, and what does each reserve?
 -- KEYS[1] meta hash, KEYS[2] chunks zset, KEYS[3] pending hash, KEYS[4] done hash, KEYS[5] used counter,
 -- KEYS[6] reservations hash, KEYS[7] in-flight hash
 -- ARGV[1] chunk id, ARGV[2] expected completion tokens (the predict reservation), ARGV[3] predict's safety
 -- margin per sqrt(request in flight), in tokens (k x the length's standard deviation), ARGV[4] predict's taper
--- margin per sqrt(request in flight), in tokens (t x sd; 0 = no taper), ARGV[5..] sample ids, decided in order,
--- each as if admitted alone after the ones before it
+-- margin per sqrt(request in flight), in tokens (t x sd; 0 = no taper), ARGV[5] the milliseconds a request is
+-- expected to take at this worker's speed (0: not known yet), ARGV[6..] sample ids, decided in order, each as if
+-- admitted alone after the ones before it
 -- returns {verdict, reserved, verdict, reserved, ...}, one pair per sample, up to and including the first
 -- verdict that stops the chunk (0, -1 or -3): the samples after it were not looked at and share that verdict.
 -- verdict 1 start it; 0 dataset closed (start nothing more); -1 chunk revoked (start nothing more); -2 skip
@@ -229,7 +248,10 @@ ADMIT = _CLOSE_IF_SPENT + _RESERVED + """
 -- + 1) <= budget. Near the close fewer start, so the batch drains instead of refilling; an idle dataset under
 -- its budget still starts one (docs/budget.md, "The taper").
 -- strict reserves max_new_tokens and starts only while that fits, closing when nothing can.
+-- A deadline (meta deadline) closes the dataset at the first request that could not end by it: what runs
+-- finishes, nothing more starts.
 if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return {0, 0} end
+if past_deadline(KEYS[1], tonumber(ARGV[5])) then return {0, 0} end
 if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {-1, 0} end
 local mode = redis.call('HGET', KEYS[1], 'mode') or 'drain'
 local budget = redis.call('HGET', KEYS[1], 'budget')
@@ -249,7 +271,7 @@ if budgeted then
 end
 local taper = tonumber(ARGV[4])
 local out, started = {}, 0
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   local sample = ARGV[i]
   if redis.call('HEXISTS', KEYS[4], sample) == 1 or redis.call('HGET', KEYS[3], sample) ~= ARGV[1] then
     out[#out + 1] = -2
@@ -410,7 +432,7 @@ redis.call('LTRIM', KEYS[9], 0, 4095)
 return out
 """
 
-ADMIT_TURN = _CLOSE_IF_SPENT + _RESERVED + """
+ADMIT_TURN = _CLOSE_IF_SPENT + _RESERVED + _DEADLINE + """
 -- admit_turn: may turn i > 0 of a started conversation start now, and what does it reserve? (docs/multiturn.md)
 -- KEYS[1] meta hash, KEYS[2] chunks zset, KEYS[3] pending hash, KEYS[4] done hash, KEYS[5] conversations hash,
 -- KEYS[6] used counter, KEYS[7] reservations hash, KEYS[8] in-flight hash
@@ -431,6 +453,7 @@ if redis.call('HEXISTS', KEYS[4], sample) == 1 or redis.call('HGET', KEYS[3], sa
   return {-2, 0}
 end
 if redis.call('HEXISTS', KEYS[1], 'cut') == 1 then return {0, 0} end
+if past_deadline(KEYS[1], 0) then return {0, 0} end  -- past the deadline no later turn starts
 local mode = redis.call('HGET', KEYS[1], 'mode') or 'drain'
 local budget = redis.call('HGET', KEYS[1], 'budget')
 local res = 0

@@ -146,6 +146,14 @@ def main() -> None:
      help="Share one budget across the datasets by weight: --budget 40M --mix code=1,fc=1,traces=2 gives code and "
           "fc 10M each and traces 20M; a dataset that runs out of prompts passes the rest of its share on to the "
           "others by weight, so the total still lands on --budget. Names every dataset of the run. docs/mix.md.")
+@opt("--mix-pacing/--no-mix-pacing", default=True, show_default=True,
+     help="With --mix: queue each dataset's chunks so that its tokens keep to its weight while the run goes, so a "
+          "run stopped early is in proportion; --no-mix-pacing lets them progress as their chunks are pulled.")
+@opt("--deadline", default=None, metavar="WHEN",
+     help="Every request ends by WHEN (2026-12-05T08:00, local time, or with an offset): as it nears, workers start "
+          "no request their measured speed says cannot finish in time, and what runs finishes. Stored with the "
+          "run; a rerun after it passed sends nothing unless given a new one. docs/mix.md.")
+@opt("--for", "for_", default=None, metavar="DURATION", help="A deadline this long from now: 20h, 90m, 1h30m, 2d.")
 @opt("--budget-mode", "modes", multiple=True, metavar="MODE|NAME=MODE",
      help="How a dataset lands on its budget: predict (default: reserve each running request's expected "
           "length), strict (reserve --max-tokens: never above the budget), drain (stop at the budget, let "
@@ -259,13 +267,13 @@ def run_cmd(**options: Any) -> None:
 def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: float, as_json: bool) -> None:
     import redis
 
-    from producer.ops.status import all_status, down_servers, mix_lines, status_table
+    from producer.ops.status import all_status, deadline_lines, down_servers, mix_lines, status_table
     client = connect(redis_url)
     try:
         while True:
             try:
                 rows = all_status(client, list(names))
-                down = mix_lines(client, [r.name for r in rows]) + down_servers(client)
+                down = mix_lines(client, [r.name for r in rows]) + deadline_lines(client, rows) + down_servers(client)
             except redis.RedisError as exc:  # --watch outlives a Redis restart; a single look reports it
                 if not watch:
                     raise ProduceError(f"Redis at {logs.redact(redis_url)}: {exc}") from None

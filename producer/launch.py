@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import redis
 
@@ -22,6 +22,9 @@ from producer.amount import Budget, budget_limit
 from producer.errors import ProduceError
 from producer.prepare import Inputs
 from producer.settings import RunSettings, check_max_tokens
+
+if TYPE_CHECKING:
+    from budget.runstate import RunState
 
 log = logging.getLogger("budgetq.produce")
 
@@ -85,10 +88,25 @@ def dry_run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | N
     return table + (f"\n{shared.describe().replace('ran dry', 'runs dry')}" if shared is not None else "")
 
 
+def deadline_passed(store: "RunState", names: set[str], now: float) -> str:
+    """A rerun without --deadline/--for of a run whose stored deadline passed: the line saying so (it exits 0,
+    sending nothing); '' when no dataset's deadline passed. Read-only."""
+    passed = {}
+    for name in sorted(names):
+        raw = store.field(name, "deadline")
+        if raw and int(raw) / 1000 <= now:
+            passed[name] = int(raw) / 1000
+    if not passed:
+        return ""
+    when = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(max(passed.values())))
+    return (f"the run's deadline ({when}) passed for {', '.join(passed)}: nothing was sent. Give a new --deadline or "
+            "--for to go on.")
+
+
 def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None], *,
         warn: Callable[[str], None]) -> str:
     """Check, attach and run (or enqueue and detach); write the manifests of a run that ended; return the
-    summary table."""
+    summary table (or, for a rerun after its deadline, the line saying nothing was sent)."""
     from budget.runstate import RunState
     from producer.export.manifest import write_run_manifests
     from producer.preflight import (
@@ -114,6 +132,10 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     client = connect(s.redis_url)
     if not s.new_run:  # before check_out_dirs creates this --out's folders: a refused rerun writes nothing
         check_out_dir(RunState(client), names, s.out_dir)
+        if s.deadline is None:
+            passed = deadline_passed(RunState(client), names, time.time())
+            if passed:
+                return passed
     context = recheck_context(client, inputs, s.max_tokens, warn=warn)
     check_max_tokens(s.max_tokens, context)  # the servers' smaller limit: still before anything is written
     check_out_dirs(s.out_dir, names)
@@ -124,7 +146,7 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
                          chunk_size=s.chunk_size, queue_depth=s.queue_depth, new_run=s.new_run,
                          job=JobSettings(job_timeout=s.job_timeout), show_progress=s.show_progress,
                          conversation=inputs.conversation(context), tokenizer=s.tokenizer, variants=inputs.variants,
-                         mix=s.given_mix())
+                         mix=s.given_mix(), mix_pacing=s.mix_pacing, deadline=s.deadline)
     check_vocab_servers(client, inputs, s.tokenizer, options.conversation)  # producer/vocab.py; sets vocab_size
     producer = Producer(client, inputs.prepared, options, echo=log.info)
     try:

@@ -6,7 +6,10 @@ by `RunSettings.budgets_for` once they are read. docs/cli.md describes every opt
 """
 from __future__ import annotations
 
+import datetime
 import json
+import re
+import time
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -42,6 +45,9 @@ class RunSettings:
     named_budgets: Mapping[str, Budget]
     #: --mix NAME=WEIGHT,...: the datasets' weights in one budget whose total is --budget AMOUNT (docs/mix.md)
     mix: Mapping[str, Fraction] | None
+    mix_pacing: bool
+    #: --deadline / --for: when every request must have ended, unix seconds (None: no deadline; a stored one stays)
+    deadline: float | None
     #: --budget-mode MODE and NAME=MODE (None: the stored mode, else predict)
     mode: str | None
     named_modes: Mapping[str, str]
@@ -128,7 +134,9 @@ class RunSettings:
         return cls(
             files=tuple(o["files"]), tokenizer=o["tokenizer"], max_tokens=o["max_tokens"],
             max_context=o["max_context"], max_samples=o["max_samples"], out_dir=o["out_dir"],
-            redis_url=o["redis_url"], budget=budget, named_budgets=named_budgets, mix=weights or None, mode=mode,
+            redis_url=o["redis_url"], budget=budget, named_budgets=named_budgets, mix=weights or None,
+            mix_pacing=o.get("mix_pacing", True), deadline=_deadline(o.get("deadline"), o.get("for_"), time.time()),
+            mode=mode,
             named_modes=named_modes, order=order, turns=o["turns"], generations=o["generations"],
             temperatures=temperatures, top_p=o["top_p"], top_k=top_k,
             seed=o["seed"], skip_special_tokens=o["skip_special_tokens"], chat_template_kwargs=kwargs,
@@ -175,6 +183,44 @@ class RunSettings:
 
     def modes_for(self, names: Iterable[str]) -> dict[str, str | None]:
         return {n: self.named_modes.get(n, self.mode) for n in names}
+
+
+_DURATION_RE = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
+
+
+def parse_duration(text: str) -> float:
+    """``--for``: 20h, 90m, 1h30m, 2d, 45s -> seconds. ValueError names the input."""
+    m = _DURATION_RE.fullmatch(text.strip())
+    if not text.strip() or m is None or not any(m.groups()):
+        raise ValueError(f"--for {text!r}: expected a duration like 20h, 90m, 1h30m or 2d")
+    d, h, mi, sec = (int(x or 0) for x in m.groups())
+    return float(((d * 24 + h) * 60 + mi) * 60 + sec)
+
+
+def _deadline(deadline: str | None, duration: str | None, now: float) -> float | None:
+    """--deadline WHEN (ISO 8601; without an offset, this machine's local time) or --for DURATION, as unix
+    seconds. A deadline in the past, or both options, is an error (exit 2)."""
+    if deadline is not None and duration is not None:
+        raise UsageError("give --deadline or --for, not both")
+    if duration is not None:
+        try:
+            seconds = parse_duration(duration)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if seconds <= 0:
+            raise UsageError(f"--for {duration}: must be longer than 0")
+        return now + seconds
+    if deadline is None:
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(deadline.strip())
+    except ValueError:
+        raise UsageError(f"--deadline {deadline!r}: expected a date and time like 2026-12-05T08:00 (local time) or "
+                         "2026-12-05T08:00+00:00") from None
+    at = when.timestamp()  # naive: local time
+    if at <= now:
+        raise UsageError(f"--deadline {deadline}: it is in the past (now {time.strftime('%Y-%m-%dT%H:%M:%S')})")
+    return at
 
 
 def check_mix_names(weights: Mapping[str, Fraction], names: set[str]) -> None:

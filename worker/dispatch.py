@@ -260,9 +260,10 @@ class Dispatcher:
             if turns > 1:
                 price = turn_models.conversation(turns) if turn_models is not None else expected * turns
                 spread = turn_models.sd(turns) if turn_models is not None else sd
+            seconds = self.length_models.rates.seconds_for(price)  # a deadline's admission asks (docs/mix.md)
             return self.batcher.call_until_answered("admit", self.ledger.admit_call(
                 rc.dataset, ids, rc.id, price, self.config.predict_margin * spread,
-                self.config.predict_taper * spread))
+                self.config.predict_taper * spread, duration_ms=round(seconds * 1000) if seconds else 0))
 
         if len(groups) == 1:
             (turns,) = groups

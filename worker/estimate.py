@@ -288,6 +288,15 @@ class RateTracker:
         """Mean seconds from a request's start to its answer over the window; None before the first."""
         return self.seconds / len(self.window) if self.window else None
 
+    def seconds_for(self, tokens: int) -> float | None:
+        """How long a request of ``tokens`` is expected to take here (the fit, else the ratio of sums); None before
+        the first completion. What a deadline's admission asks (docs/mix.md)."""
+        fitted = self.fit()
+        if fitted is not None:
+            overhead, per_token = fitted
+            return overhead + tokens * per_token
+        return tokens / self.rate if self.rate else None
+
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
             return

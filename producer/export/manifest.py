@@ -104,6 +104,10 @@ def budget_state(client: "redis.Redis", name: str) -> dict[str, Any]:
     state = Ledger(client).state(name)
     out: dict[str, Any] = {"budget": state.budget, "budget_mode": state.mode, "used": state.used,
                            "status": state.status}
+    deadline = state.fields.get("deadline")
+    if deadline:  # docs/mix.md: the deadline, and whether it is what closed the dataset
+        out["deadline"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(int(deadline) / 1000))
+        out["closed_by_deadline"] = state.fields.get("closed_by") == "deadline"
     from budget.mix import MixStore
     store = MixStore(client)
     mix_id = store.mix_of(name)

@@ -232,6 +232,31 @@ def mix_lines(client: "redis.Redis", names: list[str]) -> str:
     return "".join(f"\n{line}" for line in lines)
 
 
+def deadline_lines(client: "redis.Redis", rows: list[DatasetStatus], now: float | None = None) -> str:
+    """One line per dataset with a deadline (docs/mix.md): when, and the tokens it is projected to have by then at
+    its current tok/s (capped at its budget), warning when that is short of the budget; '' if none."""
+    now = time.time() if now is None else now
+    lines = []
+    for row in rows:
+        raw = RunState(client).field(row.name, "deadline")
+        if not raw:
+            continue
+        at = int(raw) / 1000
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(at))
+        if at <= now or row.status != "open":
+            closed = RunState(client).field(row.name, "closed_by") == "deadline"
+            lines.append(f"{row.name}: deadline {when}{' reached' if closed else ''}")
+            continue
+        projected = row.used + round(row.tokens_per_s * (at - now))
+        if row.budget is not None:
+            projected = min(projected, row.budget)
+        short = row.budget is not None and projected < row.budget
+        lines.append(f"{row.name}: deadline {when} (in {_eta(at - now)}): projected {projected:,} tokens by then at "
+                     f"{row.tokens_per_s:,.0f} tok/s" + (f"; warning: short of its budget {row.budget:,}" if short
+                                                          else ""))
+    return "".join(f"\n{line}" for line in lines)
+
+
 def down_servers(client: "redis.Redis") -> str:
     """The lines naming each worker whose SGLang servers are down (budget/health.py), after the table; '' if none."""
     lines = health.describe(health.load(client))

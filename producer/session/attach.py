@@ -177,6 +177,8 @@ class Attacher:
                                               sort_keys=True) + "\n")
 
         budget = self._set_budget(p)
+        if self.opt.deadline is not None:
+            self.ledger.set_deadline(p.name, round(self.opt.deadline * 1000))
         out = ResultsFile(out_dir / RESULTS)
         if out.truncated_bytes:
             self.echo(f"{p.name}: cut a torn last line ({out.truncated_bytes} bytes) from {out.path}")

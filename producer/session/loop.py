@@ -83,7 +83,7 @@ class Producer:
         self._last_stale_check = 0.0
         self._grace_until = 0.0
         self.epoch = ""
-        self.mixer = MixKeeper(client, self.ledger, options.mix, options.new_run, echo)
+        self.mixer = MixKeeper(client, self.ledger, options.mix, options.new_run, echo, pace=options.mix_pacing)
 
     # -- attach (producer/session/attach.py) -------------------------------------------------------------------
     def attach(self) -> None:
@@ -239,6 +239,7 @@ class Producer:
                                f"{d.out.total_tokens}: Redis went back to an older state. Nothing on disk is lost: "
                                "run the same produce command again to recount from the output files.", 1)
         d.status, d.used, d.stats, d.budget = state.status, state.used, state.stats, state.budget
+        d.closed_by = state.fields.get("closed_by", "")
         d.turns_committed = int(state.stats.get("turns", 0) or 0)
         self.store.set_progress(d.name, selected=d.prepared.selected, todo=len(d.todo))
         if state.status != "open":
@@ -246,9 +247,11 @@ class Producer:
                 self.ledger.discard(d.name, "budget reached")
             if d.prepared.conversations:
                 self._end_stranded(d, back if ended else [])
-        elif d.todo and state.queued_chunks < self.opt.queue_depth and state.has_room():
-            self._refill(d, max_chunks=self.opt.queue_depth - state.queued_chunks,
-                         max_samples=self._samples_needed(d, state))
+        elif d.todo and state.queued_chunks < self.opt.queue_depth and state.has_room() \
+                and not self.mixer.ahead(d, self.runs, self._mean):
+            # A paced mix's member gets one chunk at a time, so the members' chunks interleave in the queue.
+            chunks = 1 if self.mixer.paces(d) else self.opt.queue_depth - state.queued_chunks
+            self._refill(d, max_chunks=chunks, max_samples=self._samples_needed(d, state))
         if (state.status != "open" or not d.todo) and not d.chunk_samples and not live \
                 and self.store.unwritten(d.name) == 0:
             self._finish(d)
@@ -364,6 +367,10 @@ class Producer:
         needed = math.ceil(room / max(mean, 1.0) * self.opt.margin) + self.opt.chunk_size
         held = sum(1 for ids in d.chunk_samples.values() for sid in ids if sid not in d.done)
         return max(0, needed - held) if not everything else max(0, needed)
+
+    def _mean(self, d: DatasetRun) -> float:
+        """The mean tokens of ``d``'s samples so far, else its prior."""
+        return d.used / len(d.done) if d.done else self._prior_mean(d)
 
     def _prior_mean(self, d: DatasetRun) -> float:
         raw = self.store.field(d.name, "prior_mean")

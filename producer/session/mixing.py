@@ -21,16 +21,22 @@ def _same(a: Mix, b: Mix) -> bool:
     return a.total == b.total and dict(a.weights) == dict(b.weights)
 
 
+#: A member is ahead, and gets no new chunks, while its share is this much more spent than the least spent open
+#: member's (fractions of their shares): what is queued already still runs, so this is a band, not a hard cap.
+PACE_SLACK = 0.02
+
+
 class MixKeeper:
     """``given``: the run's --mix (None: none given; a mix stored for exactly these datasets still applies)."""
 
     def __init__(self, client: "redis.Redis", ledger: Ledger, given: Mix | None, new_run: bool,
-                 echo: Callable[[str], None]) -> None:
+                 echo: Callable[[str], None], pace: bool = True) -> None:
         self.store = MixStore(client)
         self.ledger = ledger
         self.given = given
         self.new_run = new_run
         self.echo = echo
+        self.pace = pace
         self.mix: Mix | None = None
         self._given: str | None = None  # what ``attached`` records as the command's mix (None: keep the record)
 
@@ -88,6 +94,27 @@ class MixKeeper:
         self.echo(f"{d.name}: ran dry at {d.used:,} tokens of its share {d.budget:,}; the rest goes to "
                   f"{others or 'no other dataset (every one ran dry)'} by weight")
         return True
+
+    def paces(self, d: "DatasetRun") -> bool:
+        return self.pace and self.mix is not None and d.name in self.mix.weights
+
+    def ahead(self, d: "DatasetRun", runs: list["DatasetRun"], mean: Callable[["DatasetRun"], float]) -> bool:
+        """Proportion at any moment (docs/mix.md): should ``d`` wait for the other members before it gets another
+        chunk? A member's progress is the part of its share it used or holds in live chunks (their samples at its
+        mean length, ``mean``): counting only what is used, the first member to be enqueued would fill the queue
+        before its first result. ``d`` waits while it is PACE_SLACK ahead of the least advanced member that can
+        still go on (open, prompts left, not dry). Workers pull chunks in queue order, so the members' token
+        rates follow what the producer queues."""
+        if not self.pace or self.mix is None or d.name not in self.mix.weights:
+            return False
+
+        def progress(x: "DatasetRun") -> float:
+            held = sum(1 for ids in x.chunk_samples.values() for sid in ids if sid not in x.done)
+            return (x.used + held * mean(x)) / x.budget if x.budget else 1.0
+
+        behind = [progress(x) for x in runs if x is not d and x.name in self.mix.weights
+                  and x.name not in self.mix.dry and x.status == "open" and x.todo and not x.finished]
+        return bool(behind) and progress(d) > min(behind) + PACE_SLACK
 
     def apply(self) -> None:
         """Read the mix again and set every member's budget to its share; closing a member discards its queued

@@ -60,7 +60,8 @@ def summaries(runs: list[DatasetRun], out_dir: Path) -> list[DatasetSummary]:
         closed = d.status == "closed"
         keys = p.keys()
         not_run = sum(1 for k in keys if k not in d.done and k not in d.failed)
-        status = "complete" if not_run == 0 else ("budget reached" if closed else
+        reached = "deadline reached" if d.closed_by == "deadline" else "budget reached"
+        status = "complete" if not_run == 0 else (reached if closed else
                                                   ("running (detached)" if d.chunk_samples else "incomplete"))
         out.append(DatasetSummary(
             name=d.name, status=status, done=len(d.done), selected=p.selected, tokens=d.used,

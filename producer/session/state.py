@@ -44,6 +44,10 @@ class RunOptions:
     tokenizer: str | None = None
     #: --budget TOTAL --mix ...: the mix as given (budget/mix.py); None: no --mix (a stored mix still applies).
     mix: Mix | None = None
+    #: --no-mix-pacing: let a mix's members progress at whatever rate their chunks are pulled (for comparison).
+    mix_pacing: bool = True
+    #: --deadline / --for, unix seconds (None: keep the stored one, if any).
+    deadline: float | None = None
     #: --template-kwargs-mix: the renderer of each drawn combination (producer/templatemix.py Variants); None: no mix.
     variants: Variants | None = None
 
@@ -59,6 +63,7 @@ class DatasetRun:
     failed: dict[str, dict[str, Any]] = field(default_factory=dict)
     reclaims: dict[str, int] = field(default_factory=dict)
     status: str = "open"
+    closed_by: str = ""  # "deadline" when the deadline closed it (the admit script's meta closed_by)
     used: int = 0
     budget: int | None = None
     finished: bool = False
