@@ -13,9 +13,11 @@ from typing import Any
 import pytest
 
 from budget.payload import ChunkPayload, SamplePayload
+from producer.export.writer import ExportOptions, export_dataset
 from producer.parsers import PARSER_TEXT_MARKERS, special_markers
 from render.chat import Renderer, load_tokenizer
 from tests.families import FAMILIES, build_family_tokenizer
+from tests.unit.test_export_multiturn import write_dataset
 from worker.reasoning import END_OF_TURN_TOKENS, parse_turn
 from worker.sglang import Generation
 from worker.trip import result_record
@@ -95,11 +97,14 @@ def test_an_end_token_the_model_wrote_is_left_out_of_the_parsed_fields(tokenizer
         assert end in (literal.reasoning or "") + literal.content, (family, end)
 
 
-def _record(family: str, text: str, output_ids: list[int], skip: bool) -> dict[str, Any]:
+def _record(family: str, text: str, output_ids: list[int], skip: bool, *, sid: str = "s0",
+            prompt: list[int] | None = None) -> dict[str, Any]:
+    """The record a worker commits for this generation (worker/trip.py result_record)."""
     chunk: ChunkPayload = {"v": 4, "dataset": "d", "chunk": "c", "think": None, "reasoning_parser": family,
                            "sampling_params": {"max_new_tokens": 64, "skip_special_tokens": skip}, "samples": []}
-    sample: SamplePayload = {"id": "s0", "input_ids": [1, 2, 3], "opens_think": False}
-    gen = Generation(text=text, completion_tokens=len(output_ids), prompt_tokens=3, cached_tokens=0,
+    prompt = [1, 2, 3] if prompt is None else prompt
+    sample: SamplePayload = {"id": sid, "input_ids": prompt, "opens_think": False}
+    gen = Generation(text=text, completion_tokens=len(output_ids), prompt_tokens=len(prompt), cached_tokens=0,
                      finish_reason="stop", server="http://sglang", output_ids=output_ids)
     return result_record("d", sample, gen, chunk)
 
@@ -115,6 +120,32 @@ def test_the_record_keeps_the_response_and_ids_and_parses_without_the_end(tokeni
     assert (turn["response"], turn["output_ids"], turn["content"]) == (text, ids, ANSWER)
     kept = _record(family, text, ids, skip=True)["turns"][0]  # SGLang deleted special tokens: text, not a token
     assert kept["content"] == text.strip()
+
+
+def test_an_export_row_is_exact_only_where_the_ids_after_the_answer_are_the_templates_end(
+        tokenizers: dict[str, Any], tmp_path: Path) -> None:
+    """Stripped fields render the template's own end of turn after the answer: exact where the model's ids end
+    the same way (the answer, then the stop token the server trimmed from the text); an end token written inside
+    the answer is gone from ``content``, so the row renders otherwise than ``output_ids``: counted inexact."""
+    tok = tokenizers["qwen3"]
+    prompt = Renderer(tok).render(PROMPT).input_ids
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    turn = {"role": "assistant", "content": ANSWER, "reasoning_content": "Easy."}
+    whole = Renderer(tok).render([*PROMPT, turn], generation_prompt=False).input_ids
+    assert whole[:len(prompt)] == prompt
+    body = whole[len(prompt):whole.index(end, len(prompt))]  # what the template renders the model wrote
+    more = tok(" More.", add_special_tokens=False).input_ids
+    recs = []
+    for sid, ids in (("end", [*body, end]), ("inside", [*body, end, *more, end])):
+        rec = _record("qwen3", tok.decode(ids[:-1], skip_special_tokens=False), ids, False, sid=sid, prompt=prompt)
+        assert "<|im_end|>" not in rec["turns"][0]["content"]
+        recs.append({**rec, "messages": PROMPT})
+    ds = write_dataset(tmp_path, tok, recs)
+    dest = tmp_path / "rows.jsonl"
+    report = export_dataset(ds, dest, ExportOptions("openai-messages", reasoning="field", trainer="speculators"), tokenizer=tok)
+    assert (report.written, report.inexact, report.inexact_ids) == (1, 1, ["inside"])
+    row = json.loads(dest.read_text())
+    assert row["id"] == "end" and row["conversations"][-1]["content"] == ANSWER
 
 
 def test_kimi_k2_sends_special_tokens_so_its_end_is_stripped(tokenizers: dict[str, Any]) -> None:
