@@ -14,7 +14,7 @@ docs/models.md lists every difference from SGLang.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Mapping
 
 from budget.payload import REASONING_PARSERS
 from worker.harmony import parse_harmony
@@ -73,7 +73,7 @@ _FORCED: Final = frozenset({"qwen3-thinking", "deepseek-r1"})
 #: rendering the turn would write the template's end of turn after it again. None is ever a parser's marker
 #: (producer/parsers.py ``PARSER_TEXT_MARKERS``, tests/unit/test_end_tokens.py); harmony's ``<|return|>`` and
 #: ``<|call|>`` are gpt-oss's markers, read by worker/harmony.py. ``none``: the family is unknown, so every family's.
-END_OF_TURN_TOKENS: Final[dict[str, tuple[str, ...]]] = {
+_FAMILY_ENDS: Final[dict[str, tuple[str, ...]]] = {
     "qwen3": ("<|im_end|>", "<|endoftext|>"),
     "qwen3-thinking": ("<|im_end|>", "<|endoftext|>"),
     "deepseek-r1": ("<\uff5cend\u2581of\u2581sentence\uff5c>",),
@@ -83,7 +83,8 @@ END_OF_TURN_TOKENS: Final[dict[str, tuple[str, ...]]] = {
     "kimi_k2": ("<|im_end|>", "[EOS]"),
     "gpt-oss": ("<|endoftext|>",),
 }
-END_OF_TURN_TOKENS["none"] = tuple(dict.fromkeys(t for ends in END_OF_TURN_TOKENS.values() for t in ends))
+END_OF_TURN_TOKENS: Final[Mapping[str, tuple[str, ...]]] = {
+    **_FAMILY_ENDS, "none": tuple(dict.fromkeys(t for ends in _FAMILY_ENDS.values() for t in ends))}
 
 
 def strip_end_of_turn(parser: str, text: str) -> str:
