@@ -14,7 +14,7 @@ docs/models.md lists every difference from SGLang.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Mapping
 
 from budget.payload import REASONING_PARSERS
 from worker.harmony import parse_harmony
@@ -65,6 +65,35 @@ _FAMILIES: Final[dict[str, _Family]] = {
 _FORCED: Final = frozenset({"qwen3-thinking", "deepseek-r1"})
 
 
+#: The special tokens that end a turn in each family's template: its EOS and the other stop ids of its
+#: generation_config (Qwen3: both ChatML ends; GLM-4.5: the next role tokens it stops at; Kimi: ``<|im_end|>``
+#: and ``[EOS]``). With ``skip_special_tokens`` false the text keeps every special token; SGLang trims only the
+#: stop token it matched, and its parsers take out only their own markers (KimiK2Detector's tool-call tokens), so
+#: one the model wrote without stopping on it (not a stop id of the server) would reach the answer, and a trainer
+#: rendering the turn would write the template's end of turn after it again. None is ever a parser's marker
+#: (producer/parsers.py ``PARSER_TEXT_MARKERS``, tests/unit/test_end_tokens.py); harmony's ``<|return|>`` and
+#: ``<|call|>`` are gpt-oss's markers, read by worker/harmony.py. ``none``: the family is unknown, so every family's.
+_FAMILY_ENDS: Final[dict[str, tuple[str, ...]]] = {
+    "qwen3": ("<|im_end|>", "<|endoftext|>"),
+    "qwen3-thinking": ("<|im_end|>", "<|endoftext|>"),
+    "deepseek-r1": ("<\uff5cend\u2581of\u2581sentence\uff5c>",),
+    "deepseek-v3": ("<\uff5cend\u2581of\u2581sentence\uff5c>",),
+    "glm45": ("<|endoftext|>", "<|user|>", "<|observation|>"),
+    "kimi": ("<|im_end|>", "[EOS]"),
+    "kimi_k2": ("<|im_end|>", "[EOS]"),
+    "gpt-oss": ("<|endoftext|>",),
+}
+END_OF_TURN_TOKENS: Final[Mapping[str, tuple[str, ...]]] = {
+    **_FAMILY_ENDS, "none": tuple(dict.fromkeys(t for ends in _FAMILY_ENDS.values() for t in ends))}
+
+
+def strip_end_of_turn(parser: str, text: str) -> str:
+    """``text`` without the family's end-of-turn special tokens (END_OF_TURN_TOKENS), wherever they are."""
+    for token in END_OF_TURN_TOKENS[parser]:
+        text = text.replace(token, "")
+    return text
+
+
 def skip_special_tokens_for(parser: str) -> bool:
     """The ``skip_special_tokens`` a parser needs: False for gpt-oss, whose harmony markers are special tokens
     (SGLang's chat path sets the same for gpt-oss); True, SGLang's default, for the others, whose markers are
@@ -79,16 +108,21 @@ def _strip_start(text: str, start: str) -> str:
 
 
 def parse_turn(parser: str, text: str, *, opens_think: bool, finish_reason: str,
-               call_id_seed: str | None = None) -> ParsedTurn:
+               call_id_seed: str | None = None, special_tokens: bool = False) -> ParsedTurn:
     """Parse one generated turn with `parser` (one of PARSERS).
 
     `call_id_seed` names the sample (tool-call ids are derived from it and the call's index, so a rerun gets the
     same ids); without it the text itself seeds them. Reasoning and content are stripped of surrounding
     whitespace (SGLang returns them as generated; the chat templates strip them when they render them back).
+    `special_tokens`: the text keeps special tokens (the request sent ``skip_special_tokens`` false), so the
+    family's end-of-turn tokens are taken out of every parsed field (END_OF_TURN_TOKENS); with true SGLang
+    deleted them all, and such a string in the text is text the model wrote, kept.
     """
     if parser not in PARSERS:
         raise ValueError(f"unknown reasoning parser {parser!r}: expected one of {', '.join(PARSERS)}")
     seed = text if call_id_seed is None else call_id_seed
+    if special_tokens:
+        text = strip_end_of_turn(parser, text)
     if parser == "none":
         return ParsedTurn(None, text.strip(), False, False, [], 0)
     if parser == "gpt-oss":

@@ -88,9 +88,13 @@ async def generate_sample(client: SGLangClient, config: WorkerConfig, dataset: s
 
 
 def parse_response(dataset: str, chunk: ChunkPayload, sample: SamplePayload, gen: Generation) -> dict[str, Any]:
-    """The turn's parse by the run's reasoning parser (the chunk's ``reasoning_parser``)."""
+    """The turn's parse by the run's reasoning parser (the chunk's ``reasoning_parser``). With
+    ``skip_special_tokens`` false the text holds special tokens, and the family's end-of-turn ones are left out of
+    the parsed fields (worker/reasoning.py END_OF_TURN_TOKENS); ``response`` and ``output_ids`` stay verbatim."""
+    kept = sampling_params_of(chunk, sample).get("skip_special_tokens", True) is False
     turn = parse_turn(chunk["reasoning_parser"], gen.text, opens_think=sample["opens_think"],
-                      finish_reason=gen.finish_reason, call_id_seed=f"{dataset}\0{sample['id']}")
+                      finish_reason=gen.finish_reason, call_id_seed=f"{dataset}\0{sample['id']}",
+                      special_tokens=kept)
     return {"reasoning": turn.reasoning, "content": turn.content,
             "reasoning_truncated": turn.reasoning_truncated, "reasoning_unclosed": turn.reasoning_unclosed,
             "tool_calls": list(turn.tool_calls), "tool_call_errors": turn.tool_call_errors}

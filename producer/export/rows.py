@@ -140,7 +140,7 @@ def turn_rows(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, think: tupl
 #   history's turns again, so that combination is refused (producer/export/writer.py).
 #
 # Both render without budgetq's ``chat_template_kwargs`` (neither takes them from a row), so the check renders
-# without them too. The check needs the run's tokenizer (``produce export --tokenizer``); producer/export/writer.py counts
+# without them too; both render with the row's ``tools`` (the record's), so the check renders with them. The check needs the run's tokenizer (``produce export --tokenizer``); producer/export/writer.py counts
 # the rows that fail it and leaves them out unless asked (``--inexact keep``).
 
 
@@ -177,10 +177,13 @@ def _speculators(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def is_exact(renderer: Renderer, conversation: list[dict[str, Any]], prompt: list[int],
-             output: Sequence[int]) -> bool:
-    """The trainer's rendering of ``conversation`` (no generation prompt) starts with ``prompt`` + ``output``."""
+             output: Sequence[int], tools: Sequence[Mapping[str, Any]] | None = None) -> bool:
+    """The trainer's rendering of ``conversation`` (no generation prompt) starts with ``prompt`` + ``output``.
+    ``tools``: the record's (the row's ``tools``), which both trainers pass to the chat template with the row
+    (SpecForge's parsers: ``apply_chat_template(messages, tools=tools or None)``; speculators: the render
+    request's ``tools``), as the prompt was rendered with them."""
     try:
-        ids = renderer.render(conversation, generation_prompt=False).input_ids
+        ids = renderer.render(conversation, tools or None, generation_prompt=False).input_ids
     except RenderError:
         return False
     want = [*prompt, *output]

@@ -467,7 +467,7 @@ def _rows(rec: Mapping[str, Any], points: list[int], checked: list[tuple[list[in
             row.update(input_ids=pair[0], output_ids=pair[1], template_hash=ids.template_hash,
                        tokenizer_revision=ids.revision)
         if trained is not None and ids is not None:
-            verdict = _verdict(trained[j], turns, checked, ids)
+            verdict = _verdict(trained[j], turns, checked, ids, rec.get("tools"))
             if verdict is None:
                 report.unchecked += 1
             elif not verdict:
@@ -511,13 +511,15 @@ def _trained(rec: Mapping[str, Any], points: list[int], options: ExportOptions,
 
 
 def _verdict(trained: list[tuple[int, list[dict[str, Any]]]], turns: Sequence[Mapping[str, Any]],
-             checked: list[tuple[list[int], list[int]] | None], ids: _TokenIds) -> bool | None:
-    """Whether a row trains on exactly the generated ids; None when a turn has no server ids (version 1)."""
+             checked: list[tuple[list[int], list[int]] | None], ids: _TokenIds,
+             tools: Sequence[Mapping[str, Any]] | None) -> bool | None:
+    """Whether a row trains on exactly the generated ids, rendered with the record's ``tools`` as the trainers
+    render the row; None when a turn has no server ids (version 1)."""
     for i, conversation in trained:
         if turns[i].get("output_ids") is None:
             return None
         pair = checked[i]
-        if pair is None or not is_exact(ids.plain, conversation, pair[0], pair[1]):
+        if pair is None or not is_exact(ids.plain, conversation, pair[0], pair[1], tools):
             return False
     return True
 

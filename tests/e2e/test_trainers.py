@@ -54,6 +54,28 @@ EXPORTS = [("specforge", "openai-messages"), ("specforge", "sharegpt"), ("specfo
            ("speculators", "openai-messages"), ("speculators", "sharegpt"), ("speculators", "tokens")]
 
 
+def with_tools_field(dest: Path) -> Path:
+    """glaive_fc with its function moved from the system prompt to the record's ``tools`` (OpenAI shape, a JSON
+    schema), as a tool-use dataset ships them: every prompt is rendered with them, and both trainers pass a row's
+    ``tools`` to the chat template (SpecForge's parsers, speculators' render request), so the export's check
+    must too. Each function has other properties: a row's tools differ from its neighbours'."""
+    lines = []
+    for rec in read_jsonl(GLAIVE):
+        system, *rest = rec["messages"]
+        fn = json.loads(system["content"][system["content"].index("-\n") + 2:])
+        params = fn["parameters"]
+        tools = [{"type": "function", "function": {
+            "name": fn["name"], "description": fn["description"],
+            "parameters": {"type": "object", "properties": {k: {"type": "string", "description": v}
+                                                            for k, v in params.items()},
+                           "required": list(params)[:1]}}}]
+        lines.append(json.dumps({**rec, "messages": [{"role": "system", "content": "You are a helpful assistant."},
+                                                     *rest], "tools": tools}))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text("\n".join(lines) + "\n")
+    return dest
+
+
 def produce(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*produce_cmd(), *args], capture_output=True, text=True, timeout=180)
 
@@ -92,9 +114,12 @@ def mismatches(rows: list[dict[str, list[int]]], turns: list[tuple[list[int], li
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("tools", ["system", "tools"])
 @pytest.mark.parametrize("family", list(SPECFORGE_TEMPLATE))
 def test_trainers_train_on_exactly_what_the_model_generated(
-        family: str, redis_url: str, r: "redis.Redis", tmp_path: Path, sim_factory: Any, workers: Any) -> None:
+        family: str, tools: str, redis_url: str, r: "redis.Redis", tmp_path: Path, sim_factory: Any,
+        workers: Any) -> None:
+    """``tools``: the functions in the system prompt (glaive_fc as it is), or in the record's ``tools``."""
     from transformers import AutoTokenizer
     tok_dir = build_family_tokenizer(tmp_path / "tok", family)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -102,12 +127,14 @@ def test_trainers_train_on_exactly_what_the_model_generated(
                       "--tokenizer", str(tok_dir))
     workers(sim.url).start("w0")
     out = tmp_path / "out"
-    res = produce([str(GLAIVE), "--tokenizer", str(tok_dir), "--reasoning-parser", family, "--max-tokens", "300",
+    source = GLAIVE if tools == "system" else with_tools_field(tmp_path / "data" / "glaive_fc.jsonl")
+    res = produce([str(source), "--tokenizer", str(tok_dir), "--reasoning-parser", family, "--max-tokens", "300",
                    "--max-samples", "24", "--skip-invalid", "--out", str(out), "--redis-url", redis_url])
     assert res.returncode == 0, res.stderr
     recs = read_jsonl(out / "glaive_fc" / "raw_responses.jsonl")
     assert any(len(x["turns"]) > 1 for x in recs) and any(t["tool_calls"] for x in recs for t in x["turns"])
     assert any(t["reasoning"] for x in recs for t in x["turns"])
+    assert all(bool(x.get("tools")) == (tools == "tools") for x in recs)
 
     def export(fmt: str, trainer: str) -> Path:
         dest = tmp_path / trainer / f"{fmt}.jsonl"

@@ -59,12 +59,14 @@ def response_text(reasoning: str, content: str, calls: list[dict[str, Any]]) -> 
 
 
 def conversation_record(tok: Any, sid: str, steps: list[Any], *, incomplete: bool = False,
-                        stopped_by: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                        stopped_by: str | None = None,
+                        tools: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A record as the worker and collector would write it. ``steps`` are messages sent (system, user, tool)
     and turns to generate (``("turn", reasoning, content, calls, finish)``) in conversation order. Each turn's
     prompt is rendered here from the history built step by step (the earlier turns as assistant messages with
     ``reasoning_content`` and ``tool_calls``), its digest taken of those ids. Returns the record and, per turn,
-    the prompt messages and response (for the assertions)."""
+    the prompt messages and response (for the assertions). ``tools``: the record's, every prompt rendered with
+    them."""
     renderer = Renderer(tok)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     sent: list[dict[str, Any]] = []
@@ -76,7 +78,7 @@ def conversation_record(tok: Any, sid: str, steps: list[Any], *, incomplete: boo
             history.append(step)
             continue
         _kind, reasoning, content, calls, finish = step
-        prompt_ids = renderer.render(history).input_ids
+        prompt_ids = renderer.render(history, tools).input_ids
         response = response_text(reasoning, content, calls)
         output_ids = tok.encode(response, add_special_tokens=False) + ([eos] if finish == "stop" else [])
         turns.append(make_turn(response=response, reasoning=reasoning, content=content, reasoning_truncated=False,
@@ -90,7 +92,7 @@ def conversation_record(tok: Any, sid: str, steps: list[Any], *, incomplete: boo
             message["tool_calls"] = calls
         history.append(message)
     rec = make_record(sample_id=sid, dataset="ds", turns=turns, reasoning_parser="qwen3",
-                      sampling_params={"max_new_tokens": 64}, messages=sent)
+                      sampling_params={"max_new_tokens": 64}, messages=sent, tools=tools)
     if len(turns) > 1 or incomplete:
         rec["incomplete"], rec["stopped_by"] = incomplete, stopped_by
     return rec, seen
@@ -442,3 +444,28 @@ def test_rows_are_checked_as_their_trainer_renders_them(tmp_path: Path, family: 
     assert (unchecked.written, unchecked.unchecked) == (1, 1)  # no tokenizer: written, counted as unchecked
     with pytest.raises(ExportError, match="--for speculators reads whole conversations"):
         ExportOptions("sharegpt", trainer="speculators", per_turn=True)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize(("trainer", "rows"), [("specforge", 3), ("speculators", 1)])
+def test_rows_of_a_record_with_tools_are_checked_rendered_with_them(tmp_path: Path, family: tuple[str, Any],
+                                                                   trainer: str, rows: int) -> None:
+    """A record's ``tools`` (its prompts were rendered with them) go on its rows, and both trainers pass a row's
+    ``tools`` to the chat template (SpecForge: ``apply_chat_template(..., tools=tools or None)``; speculators: the
+    render request's ``tools``): the check renders with them too, so the rows are exact, not left out."""
+    _name, tok = family
+    rec, seen = conversation_record(tok, "tools", [SYSTEM, UW, T("Call the tool.", "", [CALL]), TOOL,
+                                                   T("It says 21.", "It is 21 degrees."), U2, T("Still fine.", "Yes.")],
+                                    tools=[WEATHER_TOOL])
+    assert "The weather in a city" in tok.decode(seen[0]["prompt_ids"])  # the template renders them
+    ds = write_dataset(tmp_path, tok, [rec])
+    for fmt in ("openai-messages", "sharegpt"):
+        dest = tmp_path / f"{fmt}.jsonl"
+        report = export_dataset(ds, dest, ExportOptions(fmt, reasoning="field", trainer=trainer), tokenizer=tok)
+        got = read_jsonl(dest)
+        assert (report.written, report.inexact, report.unchecked, report.prompt_mismatch) == (rows, 0, 0, 0), fmt
+        assert all(row["tools"] == [WEATHER_TOOL] for row in got)
