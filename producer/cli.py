@@ -304,8 +304,8 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
               "  produce budget --mix code=1,fc=2,traces=2 --total 50M")
 @click.argument("name", required=False)
 @click.argument("amount", required=False)
-@opt("--mix", "mix", multiple=True, metavar="NAME=WEIGHT[,...]", help="The mix's new weights (every member).")
-@opt("--total", default=None, metavar="AMOUNT", help="With --mix: the mix's new total.")
+@click.option("--mix", "mix", multiple=True, metavar="NAME=WEIGHT[,...]", help="The mix's new weights (every member).")
+@click.option("--total", default=None, metavar="AMOUNT", help="With --mix: the mix's new total.")
 @redis_url_option
 def budget_cmd(name: str | None, amount: str | None, mix: tuple[str, ...], total: str | None, redis_url: str) -> None:
     from producer.ops.status import change_budget, change_mix, parse_budget_change, parse_mix_change

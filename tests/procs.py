@@ -19,15 +19,22 @@ __all__ = ["Workers", "complete_lines", "produce", "produce_cmd", "read_jsonl", 
 wait_for = wait_until
 
 
-#: What running workers write on their own (registrations, registry cleaning, their servers' info and health):
-#: it changes under a test whenever a worker heartbeats or looks at its server.
-WORKER_OWNED = ("rq:worker", "rq:clean_registries", keys.SERVER_INFO, keys.SERVER_HEALTH)
+#: What running workers write on their own: their servers' info and health, and every RQ key but the queue's and
+#: the jobs' (registrations, registry and group cleaning, which change under a test whenever a worker heartbeats).
+WORKER_OWNED = (keys.SERVER_INFO, keys.SERVER_HEALTH)
+PRODUCE_RQ = ("rq:queue:", "rq:queues", "rq:job:", "rq:canceled:")
 
 
 def run_keys(r: "redis.Redis") -> set[bytes]:
     """Every key but those live workers write by themselves: what a refused ``produce`` must leave as it was,
     counted without racing a worker's heartbeat or health report."""
-    return {k for k in r.scan_iter() if not k.decode().startswith(WORKER_OWNED)}
+    out = set()
+    for k in r.scan_iter():
+        name = k.decode()
+        if name in WORKER_OWNED or (name.startswith("rq:") and not name.startswith(PRODUCE_RQ)):
+            continue
+        out.add(k)
+    return out
 
 
 def produce(args: list[str], redis_url: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:

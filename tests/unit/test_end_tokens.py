@@ -16,8 +16,8 @@ from budget.payload import ChunkPayload, SamplePayload
 from producer.export.writer import ExportOptions, export_dataset
 from producer.parsers import PARSER_TEXT_MARKERS, special_markers
 from render.chat import Renderer, load_tokenizer
+from tests.exports import write_dataset
 from tests.families import FAMILIES, build_family_tokenizer
-from tests.unit.test_export_multiturn import write_dataset
 from worker.reasoning import END_OF_TURN_TOKENS, parse_turn
 from worker.sglang import Generation
 from worker.trip import result_record

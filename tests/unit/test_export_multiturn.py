@@ -14,6 +14,7 @@ import pytest
 from budget.record import make_record, make_turn, prompt_digest
 from producer.export.writer import ExportError, ExportOptions, export_dataset
 from render.chat import Renderer, load_tokenizer
+from tests.exports import write_dataset
 from tests.families import build_family_tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
@@ -121,16 +122,6 @@ def records(tok: Any) -> dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]:
         "cut-last": conversation_record(tok, "cut-last", [U1, T("Sum.", "sum(xs)"), U2,
                                                           T("Hmm", "Sure, here", finish="length")]),
     }
-
-
-def write_dataset(root: Path, tok: Any, recs: list[dict[str, Any]]) -> Path:
-    out = root / "out" / "ds"
-    out.mkdir(parents=True, exist_ok=True)
-    settings = {"chat_template_kwargs": {}, "sampling_params": {"max_new_tokens": 64},
-                "think": ["<think>", "</think>"], "reasoning_parser": "qwen3", "tokenizer": Renderer(tok).fingerprint()}
-    (out / "run.json").write_text(json.dumps(settings) + "\n", encoding="utf-8")
-    (out / "raw_responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
-    return out
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
