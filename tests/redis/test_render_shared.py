@@ -15,7 +15,8 @@ import redis
 
 from budget import keys, tokstore
 from demo.tokenizer import build_tokenizer
-from producer.tokenizer_files import ShareError, share_tokenizer
+from producer.errors import UsageError
+from producer.session.attach import share_tokenizer
 from render import tokfiles
 from render.chat import Renderer, load_tokenizer
 from tests.families import build_family_tokenizer
@@ -173,7 +174,7 @@ def test_size_limits(r: "redis.Redis", tmp_path: Path) -> None:
         tokfiles.unpack(bomb, tmp_path / "out", limit=1_000_000)
     assert not (tmp_path / "out").exists()
     (directory / "tokenizer.json").unlink()
-    with pytest.raises(ShareError, match="no tokenizer.json"):
+    with pytest.raises(UsageError, match="no tokenizer.json"):
         share_tokenizer(r, directory, "ef" * 32)
 
 
