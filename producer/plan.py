@@ -100,8 +100,8 @@ def _p95(values: Sequence[int]) -> int:
 
 
 def existing_turns(out_dir: Path, name: str) -> tuple[int, int, int]:
-    """(records, completion tokens, regenerated turns) already in OUT/<name>/raw_responses.jsonl (a record before
-    version 2 is one turn), read without changing it. The first record of an id counts."""
+    """(records, completion tokens, regenerated turns) already in OUT/<name>/raw_responses.jsonl, read without
+    changing it. The first record of an id counts."""
     path = out_dir / name / RESULTS
     if not path.exists():
         return 0, 0, 0

@@ -34,7 +34,7 @@ from producer.amount import budget_limit
 from producer.errors import ProduceError, UsageError
 from producer.generations import SETTING as GENERATIONS
 from producer.prepare import Prepared
-from producer.results import RESULTS, RUN, ResultsFile
+from producer.results import RESULTS, RUN, ResultsFile, check_version
 from producer.runjson import VERSION_KEY, run_json, settings_diff, without_location
 from producer.session.state import DatasetRun, RunOptions
 from render import tokfiles
@@ -119,11 +119,12 @@ class Attacher:
 
     def check(self, datasets: list[Prepared]) -> None:
         """Every dataset's stored settings, checked before anything is written, so a refused rerun leaves Redis as
-        it was (exit 2): a run of another format, or other settings; then a multi-turn run's tokenizer files are
+        it was (exit 2): a run or a record of another format, or other settings; then a multi-turn run's tokenizer files are
         stored for the workers."""
         if not self.opt.new_run:
             check_out_dir(self.store, [p.name for p in datasets], self.opt.out_dir)
             for prepared in datasets:
+                check_version(self.opt.out_dir / prepared.name / RESULTS)
                 stored = self._stored_settings(prepared.name, self.opt.out_dir / prepared.name)
                 if stored is None:
                     continue
