@@ -61,7 +61,6 @@ def test_worker_renders_the_producers_ids_from_redis(r: "redis.Redis", tmp_path:
     assert worker.fingerprint() == producer.fingerprint()
     for turn in (2, 6, len(CONVERSATION)):  # before the 1st, 2nd and 3rd user turn's answer
         assert worker.render(CONVERSATION[:turn]) == producer.render(CONVERSATION[:turn])
-    assert worker.eos_token_ids() == producer.eos_token_ids()
     cached = tmp_path / "worker-cache" / producer.fingerprint()
     assert sorted(p.name for p in cached.iterdir()) == sorted(p.name for p in directory.iterdir())
     assert renderer_for(r, producer.fingerprint(), chat_template_kwargs=kwargs) is worker  # once per process
@@ -77,7 +76,6 @@ def test_model_families_render_alike_on_both_sides(r: "redis.Redis", tmp_path: P
     worker = renderer_for(r, producer.fingerprint(), opens_markers=markers, root=tmp_path / "worker-cache")
     for turn in (2, 6, len(CONVERSATION)):
         assert worker.render(CONVERSATION[:turn]) == producer.render(CONVERSATION[:turn])
-    assert worker.eos_token_ids() == producer.eos_token_ids()  # glm45's, gpt-oss' generation_config.json too
 
 
 def test_a_chat_template_file_travels(r: "redis.Redis", tmp_path: Path) -> None:
