@@ -81,7 +81,7 @@ def from_file(path: Path) -> Iterator[tuple[dict[str, Any], list[int] | None]]:
         for raw in fh:
             if raw.endswith(b"\n"):
                 rec = json.loads(raw)
-                if record.version(rec) >= 2:
+                if rec.get("record_version") == record.RECORD_VERSION:
                     yield rec, None
 
 

@@ -56,7 +56,7 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:ds:{n}:convs``         | hash   | same as ``turns``        | sample -> turns committed: started conversations  |
 |                             |        |                          | and the turn each resumes at                      |
 
-The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default, so a Redis of an older run works):
+The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default):
 
 | field              | written by                              | what                                                 |
 | ------------------ | --------------------------------------- | ---------------------------------------------------- |

@@ -1,7 +1,6 @@
-"""The output record: one line of ``raw_responses.jsonl``, its version 2 shape, and the one reader of version 1.
+"""The output record: one line of ``raw_responses.jsonl``, record version 2 (``RECORD_VERSION``).
 
-Version 2 is a conversation with a list of regenerated turns (one today; the multi-turn issue appends more), so
-that every reader walks ``turns`` from the first day and nothing has to be reshaped again when there are several:
+A record is a conversation with a list of regenerated turns (one per assistant answer the model made):
 
 - record: ``record_version`` (2), ``id``, ``dataset``, ``messages`` (what was sent, the dataset's own assistant
   answer removed), ``tools`` (only on a record whose dataset record had tool definitions: every turn's prompt was
@@ -14,9 +13,7 @@ that every reader walks ``turns`` from the first day and nothing has to be resha
   prompt again can prove id by id that it has the ids the model saw, without storing them (docs/export.md has
   the measured sizes: the prompt ids would roughly double a record, the digest costs 86 bytes).
 
-Version 1 records (flat: the turn's fields on the record, no ``record_version``) are still on disk in runs made
-before; `as_v2` is the one place that reads them, so resume, counting and export see one shape. Top-level ``id``
-and ``completion_tokens`` are the same in both, which is all a resume reads.
+A record of another version is refused where the file is read (producer/results.py ``iter_results``).
 
 Lives in budget/ because both sides build it: the worker the turn and the record without ``messages``
 (`worker.trip.result_record`), the producer adds ``messages`` and writes the line (`producer.results`).
@@ -24,7 +21,7 @@ Lives in budget/ because both sides build it: the worker the turn and the record
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Final, Iterable, Mapping, Sequence
+from typing import Any, Final, Mapping, Sequence
 
 RECORD_VERSION: Final = 2
 RECORD_FIELDS: Final = ("record_version", "id", "dataset", "messages", "turns", "completion_tokens", "incomplete",
@@ -32,9 +29,6 @@ RECORD_FIELDS: Final = ("record_version", "id", "dataset", "messages", "turns", 
 TURN_FIELDS: Final = ("response", "reasoning", "content", "reasoning_truncated", "reasoning_unclosed",
                       "tool_calls", "tool_call_errors", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason",
                       "prompt_ids_sha256", "output_ids")
-#: The field order of version 1 records (producer/results.py wrote them in this order).
-V1_FIELDS: Final = ("id", "dataset", "messages", "response", "reasoning", "content", "reasoning_truncated",
-                    "prompt_tokens", "completion_tokens", "finish_reason", "sampling_params")
 #: The one vocabulary of ``stopped_by``: why a record's conversation ended before its planned end (null: it did
 #: not), whether it has one turn or many (docs/multiturn.md "Stopping rules").
 LENGTH: Final = "length"  # a turn was cut by max_new_tokens (SGLang's finish_reason "length")
@@ -100,49 +94,14 @@ def _ending(turns: Sequence[Mapping[str, Any]]) -> tuple[bool, str | None]:
     return False, None
 
 
-def version(rec: Mapping[str, Any]) -> int:
-    """2 for a record with ``record_version: 2``; 1 for a flat record without the key."""
-    value = rec.get("record_version", 1)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 1
-
-
-def as_v2(rec: Mapping[str, Any]) -> dict[str, Any]:
-    """The record in the version 2 view. A version 2 record is returned as is (a shallow copy); a version 1
-    record becomes one turn holding its flat fields, with what version 1 never kept set to null
-    (``output_ids``, ``prompt_ids_sha256``, ``reasoning_parser``) or to what version 1 meant (no tool calls
-    parsed, an unclosed block not flagged, ``cached_tokens`` 0). Unknown keys are kept on the record.
-
-    Flat records may also carry ``reasoning_unclosed``, ``tool_calls``, ``tool_call_errors`` and
-    ``reasoning_parser``: the reasoning parsers landed a little before version 2 and wrote them flat; they are
-    read into the turn (and the record) like the other flat fields."""
-    if version(rec) >= 2:
-        return dict(rec)
-    turn = make_turn(response=rec.get("response", ""), reasoning=rec.get("reasoning"),
-                     content=rec.get("content", ""), reasoning_truncated=bool(rec.get("reasoning_truncated")),
-                     reasoning_unclosed=bool(rec.get("reasoning_unclosed")),
-                     tool_calls=list(rec.get("tool_calls") or []), prompt_tokens=rec.get("prompt_tokens", 0),
-                     cached_tokens=0, completion_tokens=rec.get("completion_tokens", 0),
-                     finish_reason=rec.get("finish_reason", ""), prompt_ids=None, output_ids=None,
-                     tool_call_errors=int(rec.get("tool_call_errors") or 0))
-    out = make_record(sample_id=rec.get("id"), dataset=rec.get("dataset", ""),  # type: ignore[arg-type]
-                      turns=[turn], reasoning_parser=rec.get("reasoning_parser"),
-                      sampling_params=rec.get("sampling_params") or {}, messages=rec.get("messages"))
-    out["record_version"] = 1  # what it was read from: a view, not a rewrite
-    out["completion_tokens"] = rec.get("completion_tokens", 0)
-    read = set(V1_FIELDS) | {"reasoning_unclosed", "tool_calls", "tool_call_errors", "reasoning_parser"}
-    out.update((k, v) for k, v in rec.items() if k not in read and k not in out)
-    return out
-
-
 def ordered(rec: Mapping[str, Any]) -> dict[str, Any]:
-    """``rec`` with its fields in the documented order (v2 or v1), unknown keys after them."""
-    fields: Iterable[str] = RECORD_FIELDS if version(rec) >= 2 else V1_FIELDS
-    out = {k: rec.get(k) for k in fields}
-    if "generation" in rec:  # beside the id it completes (docs/generations.md); absent in older records
+    """``rec`` with its fields in the documented order, unknown keys after them."""
+    out = {k: rec.get(k) for k in RECORD_FIELDS}
+    if "generation" in rec:  # beside the id it completes (docs/generations.md)
         out = {**{k: out[k] for k in list(out)[:list(out).index("id") + 1]}, "generation": rec["generation"], **out}
     out.update((k, v) for k, v in rec.items() if k not in out)
     turns = out.get("turns")
-    if version(rec) >= 2 and isinstance(turns, list):
+    if isinstance(turns, list):
         out["turns"] = [_ordered_turn(t) for t in turns]
     return out
 

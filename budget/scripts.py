@@ -144,8 +144,8 @@ REFRESH_CHUNK = _NOW_MS + """
 -- ARGV[1] chunk id, ARGV[2] lease length (ms), ARGV[3] tokens reserved by the chunk now, or '' to keep,
 -- ARGV[4] JSON list of its running requests' progress in tokens, or '' to keep; ARGV[5..8] optional, with
 -- ARGV[4]: the progress of its conversations' running turns, by turn bucket 0..3 (JSON lists), kept in the
--- fields '{chunk}\\31{bucket}' (ARGV[4] then holds its one-turn requests only: an older worker reading every
--- field of the hash still sees each running request once)
+-- fields '{chunk}\\31{bucket}' (ARGV[4] then holds its one-turn requests only, so a reader summing every
+-- field of the hash sees each running request once)
 -- returns 1 if extended, 0 if the chunk is no longer ours (reclaimed after a missed lease, or discarded)
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
 redis.call('ZADD', KEYS[1], now_ms() + tonumber(ARGV[2]), ARGV[1])

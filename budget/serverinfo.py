@@ -45,7 +45,7 @@ from budget import keys
 
 #: What is kept of /get_server_info: what identifies the model and the engine, never the whole dict.
 #: ``context_length`` (a server argument: null unless set) and the scheduler's ``max_total_num_tokens`` (KV cache
-#: size) and ``max_req_input_len`` are the limits SGLang enforces per request (producer/servercontext.py).
+#: size) and ``max_req_input_len`` are the limits SGLang enforces per request (producer/preflight.py server_context).
 SERVER_INFO_KEYS: Final = (
     "version", "model_path", "served_model_name", "tokenizer_path", "revision", "dtype", "quantization",
     "kv_cache_dtype", "context_length", "max_total_num_tokens", "max_req_input_len", "tp_size", "dp_size",

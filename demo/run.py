@@ -30,7 +30,6 @@ import click
 
 import demo
 from budget.keys import QUEUE_NAME
-from budget.record import as_v2
 from demo.stack import (
     HOST,
     NotReady,
@@ -83,7 +82,7 @@ def start_redis(into: list[Service], binary: str, data_dir: Path, logs: Path) ->
 
 
 def start_sim(into: list[Service], logs: Path, tokenizer: Path) -> str:
-    # The run's tokenizer: output_ids are real ids of the text, so the tokens export is trainable (issue 25).
+    # The run's tokenizer: output_ids are real ids of the text, so the tokens export is trainable.
     service, url = spawn_sim("sglang-sim", [*SIM_ARGS, "--tokenizer", str(tokenizer)], logs, own_session=True)
     into.append(service)
     wait_for_sim(service, url, STARTUP_TIMEOUT_S)
@@ -195,7 +194,7 @@ def show_outputs(out_dir: Path) -> None:
             rec = json.loads(fh.readline())
         click.echo(f"\nThe first line of {DATASETS[0]}/{sample.name} (fields: {', '.join(rec)}):")
         click.echo(f"  id:        {rec.get('id')}")
-        turn = as_v2(rec)["turns"][0]  # the regenerated answer, whichever record version the file holds
+        turn = rec["turns"][0]  # the regenerated answer
         for field in ("reasoning", "content"):
             text = str(turn.get(field) or "")
             click.echo(f"  {field + ':':<10} {text[:200]!r}{' ...' if len(text) > 200 else ''}")

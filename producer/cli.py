@@ -166,7 +166,7 @@ def main() -> None:
           "multimodal models). At attach, a smaller limit the workers recorded for their servers wins.")
 @opt("--max-samples", type=click.IntRange(0), default=None,
      help="Also cap each dataset at N prompts: the first N valid ones in --order (random by default, so a "
-          "seeded random N, no longer the file's first N).")
+          "seeded random N, not the file's first N).")
 @opt("--order", type=click.Choice(ORDERS), default=None,
      help="Order each dataset's prompts are sent in, so what a budget or --max-samples keeps: random (default; "
           "seeded, a function of the ids and --order-seed only) or file. Stored with the run; a run stored "

@@ -27,7 +27,6 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Mapping, Sequence
 
-from budget.payload import REASONING_PARSERS
 from render.chat import ThinkMarkers
 
 if TYPE_CHECKING:
@@ -38,7 +37,6 @@ AUTO: Final = "auto"
 # alone (a comment, a system prompt) is not enough.
 _THINKING_TOGGLE: Final = re.compile(
     r"\bthinking\s+is\s+(?:defined|not\s+defined|true|false)|\bif\s+(?:not\s+)?thinking\b")
-CHOICES: Final[tuple[str, ...]] = (AUTO, *REASONING_PARSERS)
 
 #: The markers a parser's thinking block opens and closes with, for the rendered prompt's ``opens_think``; None:
 #: the parser does not use it (gpt-oss reasoning is a harmony channel, "none" does not think).

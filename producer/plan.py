@@ -1,7 +1,7 @@
 """``produce --dry-run``: know before launching what a run will cost and how long it will take.
 
 A run launched without an estimate can be on course to 2.7 times its target (26.6M tokens against 10M, seen
-before this command existed) before anyone looks. A plan reads, validates and renders everything (the same code
+in a run launched without one) before anyone looks. A plan reads, validates and renders everything (the same code
 path as a real run), writes nothing to Redis, and projects per dataset: samples needed to reach the budget at
 the expected completion length, tokens, and the time at a given throughput. The expected length comes from
 ``--expect-mean``, from an existing ``raw_responses.jsonl`` (a resumed run), or from ``--pilot N`` real requests
@@ -100,8 +100,8 @@ def _p95(values: Sequence[int]) -> int:
 
 
 def existing_turns(out_dir: Path, name: str) -> tuple[int, int, int]:
-    """(records, completion tokens, regenerated turns) already in OUT/<name>/raw_responses.jsonl (a record before
-    version 2 is one turn), read without changing it. The first record of an id counts."""
+    """(records, completion tokens, regenerated turns) already in OUT/<name>/raw_responses.jsonl, read without
+    changing it. The first record of an id counts."""
     path = out_dir / name / RESULTS
     if not path.exists():
         return 0, 0, 0

@@ -16,10 +16,10 @@ import redis
 
 from budget import connection, logs, serverinfo
 from producer.errors import ProduceError, UsageError
+from render.modeldir import Context, sane_context
 
 if TYPE_CHECKING:
-    from producer.prepare import Inputs
-    from render.modeldir import Context
+    from producer.prepare import Inputs, Prepared
 
 log = logging.getLogger("budgetq.produce")
 
@@ -108,19 +108,75 @@ def check_server_parsers(client: "redis.Redis", parser: str, *, warn: Callable[[
         warn(message)
 
 
+#: What a /get_server_info entry says limits one request, in the order they are preferred for messages.
+LIMIT_KEYS = ("context_length", "max_total_num_tokens")
+
+
+def server_context(servers: Sequence[Mapping[str, Any]]) -> Context | None:
+    """The smallest per-request limit any recorded server states, and which server and key said it; None when
+    none records one (a server that leaves ``context_length`` null)."""
+    best: Context | None = None
+    for entry in servers:
+        for key in LIMIT_KEYS:
+            tokens = sane_context(entry.get(key))
+            if tokens is None:
+                continue
+            where = entry.get("url", "?") + (f" on {entry['host']}" if entry.get("host") else "")
+            if best is None or tokens < best.tokens:
+                best = Context(tokens, f"SGLang server {where}: {key}, recorded by its workers in Redis")
+    return best
+
+
+def apply_server_context(prepared: Sequence["Prepared"], limit: Context, max_tokens: int) -> dict[str, int]:
+    """Drop from each dataset the selected samples whose prompt + ``max_tokens`` exceeds ``limit``; they join
+    its ``over_context`` problems. Returns {dataset: samples dropped} (datasets with none left out)."""
+    dropped: dict[str, int] = {}
+    for p in prepared:
+        over = [prompt for prompt in p.prompts.values() if prompt.length + max_tokens > limit.tokens]
+        for prompt in over:
+            p.over_context.append(prompt.sample.problem(
+                f"prompt of {prompt.length} tokens + --max-tokens {max_tokens} exceeds the servers' context of "
+                f"{limit.tokens} ({limit.source})"))
+            del p.prompts[prompt.sample.id]
+        if over:
+            dropped[p.name] = len(over)
+    return dropped
+
+
 def recheck_context(client: "redis.Redis", inputs: "Inputs", max_tokens: int, *,
                     warn: Callable[[str], None]) -> Context:
-    """The SGLang servers' context limit, as their workers recorded it, wins over the offline one: prompts over
-    it are skipped now (counted as over context), not sent to be refused one by one. Returns the context the
-    prompts are checked against now, what later turns of a conversation are checked against too."""
-    from producer.servercontext import recheck, server_context
+    """At attach, the SGLang servers' own context limit wins over the offline one the prompts were checked against
+    (``--max-context``, the tokenizer, config.json: producer.prepare.choose_context). Returns the context the
+    prompts are checked against now, what later turns of a conversation are checked against too.
+
+    SGLang's limit is its own: ``--context-length`` may have lowered it, and a KV cache smaller than the context
+    (``max_total_num_tokens``) caps every request too; a prompt over it would be refused (400) or cut short one
+    request at a time, after its chunk was queued. So the smallest limit the workers recorded in
+    ``bq:server_info`` (a chunk may run on any server) drops the prompts that no longer fit from what will be
+    enqueued, counted as "over context" like the ones found offline. A larger one changes nothing (the prompts
+    skipped offline were not rendered into the run; ``--max-context`` raises the offline limit)."""
     try:
         servers = serverinfo.load(client)
     except redis.RedisError as exc:
         raise ProduceError(f"Redis error: {exc}") from None
-    recheck(servers, inputs.prepared, inputs.context, max_tokens, echo=log.info, warn=warn)
+    checked = inputs.context
     limit = server_context(servers)
-    return limit if limit is not None and limit.tokens < inputs.context.tokens else inputs.context
+    if limit is None:
+        log.info("no worker recorded its SGLang servers' context length in Redis: prompts stay checked "
+                 f"against {checked.tokens:,} ({checked.source})")
+        return checked
+    if limit.tokens >= checked.tokens:
+        log.info(f"the SGLang servers' context is {limit.tokens:,} ({limit.source}): every prompt checked against "
+                 f"{checked.tokens:,} ({checked.source}) fits")
+        return checked
+    dropped = apply_server_context(inputs.prepared, limit, max_tokens)
+    for name, n in sorted(dropped.items()):
+        warn(f"warning: {name}: {n:,} samples skipped, not enqueued: prompt + --max-tokens {max_tokens:,} exceeds "
+             f"the SGLang servers' context of {limit.tokens:,} ({limit.source}), which is below the "
+             f"{checked.tokens:,} they were checked against ({checked.source})")
+    if not dropped:
+        log.info(f"the SGLang servers' context is {limit.tokens:,} ({limit.source}): every selected prompt fits")
+    return limit
 
 
 def check_seed(client: "redis.Redis", sampling_params: Mapping[str, Any], *, warn: Callable[[str], None],

@@ -8,7 +8,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from budget.history import plan
 from budget.payload import ConversationPayload
@@ -16,13 +16,26 @@ from producer.errors import UsageError
 from producer.generations import rounds, split_key
 from producer.inputs.reader import Problem, ReadResult, Sample
 from producer.order import permute
-from producer.progress import progress_bar
 from producer.runjson import ALL, DatasetSettings, resolve
 from producer.settings import RunSettings, check_max_tokens
 from producer.templatemix import Variants
 from render.chat import Rendered, Renderer, RenderError
 from render.modeldir import Context, ModelDirError, config_context
 
+
+class Bar(Protocol):
+    def update(self, n: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def progress_bar(total: int | None, what: str, *, show: bool, unit: str = " prompts") -> Bar:
+    """A tqdm bar on stderr (``total`` None: a counter and a rate), disabled unless ``show`` (``produce`` shows
+    them when stderr is a terminal and ``--quiet`` is not given; stdout carries the summary and ``--json``).
+    100,000 prompts take about a minute to render: without a bar a slow run looks like a stuck one."""
+    from tqdm import tqdm
+    bar: Bar = tqdm(total=total, desc=what, unit=unit, leave=False, mininterval=0.5, disable=not show)
+    return bar
 
 @dataclass(frozen=True)
 class Prompt:

@@ -15,25 +15,20 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from budget import record
+from budget.payload import OTHER_VERSION
 from budget.runstate import RESULTS_BATCH, RunState
+from producer.errors import UsageError
 from producer.generations import record_key, split_key
 
 RESULTS = "raw_responses.jsonl"
 FAILED_FILE = "failed.jsonl"
 RUN = "run.json"
 
-#: Version 1's field order; records are written in budget.record's order (version 2, or 1 for an old record).
-FIELD_ORDER = record.V1_FIELDS
-
-
-#: ``stopped_by`` of a conversation that ended because a later turn failed every attempt: the one record a later
-#: record of the same id supersedes (a rerun ``reopen``s it and carries it on: docs/multiturn.md).
-
 
 @dataclass(frozen=True)
 class Result:
-    """One complete record of a results file, as written (version 1 or 2: ``budget.record.as_v2`` gives the version
-    2 view), with its line number (from 1), its bytes (the newline included), its sample key and its count."""
+    """One complete record of a results file, as written, with its line number (from 1), its bytes (the newline
+    included), its sample key and its count."""
 
     number: int
     line: bytes
@@ -67,7 +62,8 @@ def iter_results(path: Path, end: ReadEnd | None = None) -> Iterator[Result]:
     """The records of a results file (``raw_responses.jsonl``) in order, read as every reader of the file reads it:
     up to a torn last line (no newline: a crash mid-write) or the first line that is not a record, whichever comes
     first; ``end`` says which. The collector cuts the file there (`ResultsFile`), a plan stops counting there, and
-    an export refuses the file at a bad line (producer/export/files.py ``Results``)."""
+    an export refuses the file at a bad line (producer/export/files.py ``Results``). A record of another
+    ``record_version`` raises UsageError (exit 2) naming the file and line: nothing reads it, nothing cuts it."""
     end = ReadEnd() if end is None else end
     with open(path, "rb") as fh:
         for number, raw in enumerate(fh, 1):
@@ -84,8 +80,17 @@ def iter_results(path: Path, end: ReadEnd | None = None) -> Iterator[Result]:
             except (ValueError, KeyError, TypeError):
                 end.bad_line, end.bad_value = number, rec
                 return
+            if rec.get("record_version") != record.RECORD_VERSION:
+                raise UsageError(f"{path}:{number}: a record of record_version {rec.get('record_version')!r}, "
+                                 f"{OTHER_VERSION}")
             yield Result(number, raw, rec, key, tokens)
 
+
+def check_version(path: Path) -> None:
+    """Refuse (UsageError, exit 2) a results file whose first record is of another version: attach looks before it
+    writes anything; `iter_results` checks every line when the file is opened."""
+    if path.exists():
+        next(iter_results(path), None)
 
 class ResultsFile:
     """``out/<dataset>/raw_responses.jsonl``: append-only, fsynced, with the ids (and tokens) it holds.

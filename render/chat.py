@@ -14,7 +14,7 @@ is imported only inside `load_tokenizer`; a worker imports this module only when
 - A record's own tool definitions go to the template as ``tools=`` (its own tool syntax renders them), per call:
   they override a ``tools`` of the run's chat_template_kwargs, and are not in the fingerprint (they are the
   data, not the renderer).
-- Everything that does not depend on the messages (template kwargs, think markers, eos ids, the fingerprint) is
+- Everything that does not depend on the messages (template kwargs, think markers, the fingerprint) is
   computed once per `Renderer`, because 100,000 prompts go through `render`.
 """
 
@@ -157,19 +157,6 @@ def _vocabulary_digest(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
-def _generation_config_eos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """eos ids from a generation_config.json beside the tokenizer (Qwen lists two there; the tokenizer knows one)."""
-    path = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "generation_config.json"
-    if not path.is_file():
-        return []
-    try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
-        return []
-    values = value if isinstance(value, list) else [value]
-    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
-
-
 def _checked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     # A list of lists would be taken as a batch by apply_chat_template and give nested lists back.
     if isinstance(messages, (str, bytes)) or not messages or not all(isinstance(m, Mapping) for m in messages):
@@ -239,8 +226,6 @@ class Renderer:
         # The markers `opens_think` looks for when the run's reasoning parser uses others than `think` (Kimi's
         # ◁think▷). Not in the fingerprint: the run's settings name the parser, which names the markers.
         self._open_markers = opens_markers or self._think
-        eos = [tokenizer.eos_token_id] if isinstance(tokenizer.eos_token_id, int) else []
-        self._eos_ids = list(dict.fromkeys(eos + _generation_config_eos(tokenizer)))
         self._fingerprint: str | None = None
 
     @property
@@ -342,6 +327,3 @@ class Renderer:
             self._fingerprint = hashlib.sha256(_canonical_json(parts).encode("utf-8")).hexdigest()
         return self._fingerprint
 
-    def eos_token_ids(self) -> list[int]:
-        """The ids that end a completion: the tokenizer's eos plus any listed in generation_config.json beside it."""
-        return list(self._eos_ids)

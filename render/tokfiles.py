@@ -20,7 +20,7 @@ from typing import Final, Mapping
 
 #: The files of a tokenizer directory that the rendering reads: the fast tokenizer itself, its config (chat
 #: template, special tokens, model_max_length), a separate chat template (``chat_template.jinja``, ``.json``),
-#: added tokens, and generation_config.json (its eos ids). Model weights and config.json are never packed.
+#: added tokens, and generation_config.json. Model weights and config.json are never packed.
 NAMES: Final = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                 "generation_config.json")
 _CHAT_TEMPLATE: Final = re.compile(r"chat_template(\.[A-Za-z0-9_-]+)?\.(jinja|json)")

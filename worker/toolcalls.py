@@ -37,7 +37,6 @@ from typing import Any, Callable, Final
 
 #: tool-call format -> the text that starts a call; also what ends reasoning early for qwen3/glm45/kimi_k2.
 HERMES_START: Final = "<tool_call>"
-HERMES_END: Final = "</tool_call>"
 KIMI_SECTION_BEGIN: Final = "<|tool_calls_section_begin|>"
 KIMI_SECTION_END: Final = "<|tool_calls_section_end|>"
 DS_CALLS_BEGIN: Final = "<｜tool▁calls▁begin｜>"

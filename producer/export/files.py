@@ -1,6 +1,6 @@
-"""The files an export reads and writes: ``raw_responses.jsonl`` read record by record in its version 2 view and
-checked field by field (errors name file, line and field), ``run.json``, ``failed.jsonl``, and the atomic write
-(temporary file beside the destination, fsynced, renamed). Split from producer/export/writer.py, which uses them."""
+"""The files an export reads and writes: ``raw_responses.jsonl`` read record by record and checked field by field
+(errors name file, line and field), ``run.json``, ``failed.jsonl``, and the atomic write (temporary file beside
+the destination, fsynced, renamed). Split from producer/export/writer.py, which uses them."""
 from __future__ import annotations
 
 import json
@@ -10,19 +10,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Final, Iterator, Mapping
 
-from budget import record
 from producer.errors import UsageError
 from producer.generations import record_key
 from producer.results import FAILED_FILE, RESULTS, RUN, ReadEnd, iter_results
 
 MANIFEST: Final = "manifest.json"
 DEFAULT_THINK: Final = ("<think>", "</think>")
-#: What a version 1 record must hold (flat), and what every turn of a version 2 record must hold.
-_REQUIRED: Final[dict[str, type]] = {
-    "id": str, "messages": list, "response": str, "content": str, "finish_reason": str,
-    "prompt_tokens": int, "completion_tokens": int,
-}
-_REQUIRED_V2: Final[dict[str, type]] = {"id": str, "messages": list, "turns": list, "completion_tokens": int}
+#: What a record must hold, and what every turn of it must hold.
+_REQUIRED: Final[dict[str, type]] = {"id": str, "messages": list, "turns": list, "completion_tokens": int}
 _REQUIRED_TURN: Final[dict[str, type]] = {
     "response": str, "content": str, "finish_reason": str, "prompt_tokens": int, "completion_tokens": int,
 }
@@ -33,8 +28,8 @@ class ExportError(UsageError):
 
 
 class Results:
-    """The records of raw_responses.jsonl (producer/results.py ``iter_results``) with their line numbers, checked and
-    in their version 2 view; remembers whether the last line was torn. A line that is not a record is an error
+    """The records of raw_responses.jsonl (producer/results.py ``iter_results``) with their line numbers, checked;
+    remembers whether the last line was torn. A line that is not a record is an error
     naming it, where the collector would cut the file there: an export never skips what it cannot read."""
 
     def __init__(self, path: Path) -> None:
@@ -45,7 +40,7 @@ class Results:
         end = ReadEnd()
         for result in iter_results(self.path, end):
             check_record(result.record, f"{self.path}:{result.number}")
-            yield result.number, record.as_v2(result.record)
+            yield result.number, result.record
         self.torn_tail = end.torn  # a crash mid-write; the result is still in Redis
         if end.bad_line is not None:
             where = f"{self.path}:{end.bad_line}"
@@ -65,13 +60,10 @@ def _check_fields(obj: Mapping[str, Any], required: Mapping[str, type], where: s
 
 
 def check_record(rec: Any, where: str) -> None:
-    """A version 1 or 2 record as written; the error names the file, the line and the field."""
+    """A record as written; the error names the file, the line and the field."""
     if not isinstance(rec, dict):
         raise ExportError(f"{where}: expected a JSON object")
-    if record.version(rec) < 2:
-        _check_fields(rec, _REQUIRED, where)
-        return
-    _check_fields(rec, _REQUIRED_V2, where)
+    _check_fields(rec, _REQUIRED, where)
     if not rec["turns"]:
         raise ExportError(f"{where}: turns is empty")
     for n, turn in enumerate(rec["turns"]):

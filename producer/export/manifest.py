@@ -173,7 +173,7 @@ def write_run_manifests(client: "redis.Redis", out_dir: Path, names: Sequence[st
 
 @dataclass
 class Stats:
-    """Counts over records in their version 2 view; a record's finish reason is its last turn's."""
+    """Counts over records; a record's finish reason is its last turn's."""
 
     samples: int = 0
     truncated: int = 0
@@ -208,7 +208,7 @@ class Stats:
         self.tool_calls += sum(len(t.get("tool_calls") or ()) for t in turns)
         self.tool_call_errors += sum(int(t.get("tool_call_errors") or 0) for t in turns)
         self.finish_reasons[turns[-1]["finish_reason"]] += 1
-        self.record_versions[str(record.version(rec))] += 1
+        self.record_versions[str(rec["record_version"])] += 1
         self.lengths.append(rec["completion_tokens"])
         self.turns += len(turns)
         self.multi_turn += len(turns) > 1

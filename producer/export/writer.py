@@ -13,15 +13,15 @@ Rules kept here:
 
 - Only committed results are exported: a last line without its newline (a crash mid-write, which the next
   collector cuts) is skipped, and an id listed in ``failed.jsonl`` is never exported.
-- Records are read in their version 2 view (budget/record.as_v2), whichever version the line is; a record is a
-  conversation of one or more regenerated turns.
+- A record (budget/record.py) is a conversation of one or more regenerated turns; a record of another version is
+  refused (exit 2) where the file is read.
 - A truncated conversation (a turn cut by ``max_new_tokens`` or stopped in an unclosed thinking block) or an
   incomplete one (ended before its last user turn: ``stopped_by`` length, budget, failed, context, tool_mismatch)
   is dropped unless asked for (``truncated="keep"``), whole and in every format alike.
 - The export is written to a temporary file beside ``dest`` and renamed over it: a reader never sees half a file.
 - Token ids (``tokens`` format, ``token_ids``) are each turn's prompt rendered again with the run's tokenizer and
   template kwargs, kept only if it is the prompt the worker sent (its digest), and the server's own
-  ``output_ids``; nothing is re-encoded from text. A turn that fails the check, or has no server ids (version 1),
+  ``output_ids``; nothing is re-encoded from text. A turn that fails the check, or has no server ids,
   is left out and counted, never written with ids that are wrong.
 """
 from __future__ import annotations
@@ -157,7 +157,7 @@ class ExportReport:
     manifest: Path
     empty_turns: int = 0  # written regenerated turns that hold no text (no answer, no exported reasoning, no call)
     prompt_mismatch: int = 0  # token ids: turns whose re-rendered prompt is not the one sent (digest or length)
-    no_output_ids: int = 0  # token ids: turns of version 1 records, which kept no server ids; left out
+    no_output_ids: int = 0  # token ids: records with a turn the server gave no output_ids for; left out
     conversations: int = 0  # conversations with at least one row written
     mismatched_ids: list[str] = field(default_factory=list)  # the first prompt mismatches, for the message
     torn_tail: bool = False  # raw_responses.jsonl ended in a partial line (skipped)
@@ -167,7 +167,7 @@ class ExportReport:
     # conversation rows checked as their trainer renders them (producer/export/rows.py), with the run's tokenizer:
     inexact: int = 0  # rows that would not train on exactly the generated ids (left out with inexact="drop")
     inexact_ids: list[str] = field(default_factory=list)  # the first of their conversations, for the message
-    unchecked: int = 0  # rows written unchecked: no tokenizer given, or a version 1 record (no server ids)
+    unchecked: int = 0  # rows written unchecked: no tokenizer given, or a turn without server ids
     #: of dropped_truncated, the incomplete ones (ended early, no turn cut), by ``stopped_by`` (budget, tool_mismatch...)
     dropped_incomplete: Counter[str] = field(default_factory=Counter)
 
@@ -188,8 +188,7 @@ class ExportJob:
               tokenizer_dir: str | None) -> "ExportJob":
         """Raises ExportError (exit 2) when token ids have no tokenizer, or --dest is a file for several.
 
-        Token ids without --tokenizer use the run's, named in each dataset's run.json (``tokenizer_path``, written
-        since issue 29); an explicit --tokenizer wins."""
+        Token ids without --tokenizer use the run's, named in each dataset's run.json (``tokenizer_path``); an explicit --tokenizer wins."""
         tokenizer = None
         if options.needs_tokenizer and not tokenizer_dir:
             tokenizer_dir = _stored_tokenizer(Path(out_dir), names)
@@ -217,7 +216,7 @@ class ExportJob:
 
 def _stored_tokenizer(out_dir: Path, names: Sequence[str]) -> str | None:
     """The tokenizer the runs of ``names`` stored in run.json (`TOKENIZER_PATH`), when they all name the same one;
-    None when one names none (a run made before it was stored) or they differ. Raises ExportError naming a stored
+    None when one names none or they differ. Raises ExportError naming a stored
     directory that no longer exists."""
     found: set[str] = set()
     for name in names:
@@ -270,8 +269,7 @@ def export_datasets(job: ExportJob, *, client: "redis.Redis | None" = None,
             log.info("%s: manifest %s%s", name, report.manifest, describe_servers(servers),
                      extra={"dataset": name, "manifest": str(report.manifest), "servers": len(servers)})
         if report.no_output_ids and job.options.needs_tokenizer:  # conversation rows are written, unchecked
-            log.warning("%s: %d records of %s left out: written before record version 2, they have no server "
-                        "token ids", name, report.no_output_ids, dataset_dir / RESULTS,
+            log.warning("%s: %d records of %s left out: they have no server token ids", name, report.no_output_ids, dataset_dir / RESULTS,
                         extra={"dataset": name, "no_output_ids": report.no_output_ids})
         if report.prompt_mismatch:
             log.warning("%s: %d turns left out: the re-rendered prompt differs (first: %s)", name,
@@ -286,7 +284,7 @@ def export_datasets(job: ExportJob, *, client: "redis.Redis | None" = None,
         if report.unchecked and job.options.format != "tokens":
             log.warning("%s: %d rows not checked against the ids the model generated: %s", name, report.unchecked,
                         "give --tokenizer (the run's)" if job.tokenizer is None else
-                        "their records have no server ids (record version 1)",
+                        "their records have no server ids",
                         extra={"dataset": name, "unchecked": report.unchecked})
 
 
@@ -354,8 +352,7 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
         _write_batch(fh, batch, options, think, ids, report, source)
         if ids is not None and report.no_output_ids and not report.written:  # inside: dest is left as it was
             raise ExportError(f"{source}: none of its {report.no_output_ids} records has the server's token ids "
-                              "(they were written before record version 2, which keeps them): a token export "
-                              "needs them; regenerate the dataset (produce --new-run) or export it without "
+                              "(output_ids): a token export needs them; regenerate the dataset (produce --new-run) or export it without "
                               "token ids")
     report.torn_tail = results.torn_tail
     write_manifest_of(dataset_dir, settings, stats, len(failed), servers, extra, path=manifest)
@@ -514,7 +511,7 @@ def _verdict(trained: list[tuple[int, list[dict[str, Any]]]], turns: Sequence[Ma
              checked: list[tuple[list[int], list[int]] | None], ids: _TokenIds,
              tools: Sequence[Mapping[str, Any]] | None) -> bool | None:
     """Whether a row trains on exactly the generated ids, rendered with the record's ``tools`` as the trainers
-    render the row; None when a turn has no server ids (version 1)."""
+    render the row; None when a turn has no server ids."""
     for i, conversation in trained:
         if turns[i].get("output_ids") is None:
             return None
@@ -526,7 +523,7 @@ def _verdict(trained: list[tuple[int, list[dict[str, Any]]]], turns: Sequence[Ma
 
 def _same_prompt(prompt: list[int], turn: Mapping[str, Any]) -> bool:
     """The re-rendered prompt is the one the turn was generated from: id by id through the digest the worker
-    took of what it sent (version 2), or by length alone for a record that has no digest."""
+    took of what it sent, or by length alone for a turn that has no digest."""
     digest = turn.get("prompt_ids_sha256")
     if digest is not None:
         return bool(record.prompt_digest(prompt) == digest)

@@ -26,16 +26,19 @@ from typing import Any, Callable, Iterable
 
 import redis
 
+from budget import tokstore
 from budget.ledger import Ledger
 from budget.payload import OTHER_VERSION, VERSION
 from budget.runstate import RunState
 from producer.amount import budget_limit
-from producer.errors import ProduceError
+from producer.errors import ProduceError, UsageError
 from producer.generations import SETTING as GENERATIONS
 from producer.prepare import Prepared
-from producer.results import RESULTS, RUN, ResultsFile
+from producer.results import RESULTS, RUN, ResultsFile, check_version
 from producer.runjson import VERSION_KEY, run_json, settings_diff, without_location
 from producer.session.state import DatasetRun, RunOptions
+from render import tokfiles
+from render.modeldir import ModelDirError, resolve_tokenizer
 
 #: The collector lock's time to live: the loop refreshes it every step, so another ``produce`` may take a dataset
 #: over this long after its collector died or stalled (at once when it died on the same host: ``pid_alive``).
@@ -86,6 +89,20 @@ def holder_text(holder: str | None) -> str:
     return f"produce pid {pid} on {host}" if host and pid.isdigit() else f"token {holder!r}"
 
 
+def share_tokenizer(client: "redis.Redis", tokenizer: str | Path, fingerprint: str) -> int:
+    """Store the tokenizer files of ``tokenizer`` (``--tokenizer``: a directory, or a hub id's cached snapshot)
+    under ``fingerprint`` (the run's ``Renderer.fingerprint()``), for the workers that render a conversation's
+    later turns (worker/tokenizer_cache.py loads them and checks the fingerprint; a GPU host has no
+    ``--tokenizer``). Returns the files newly stored (0: stored by an earlier run). Raises UsageError (exit 2)
+    naming the directory (missing files, over the size limit)."""
+    try:
+        return tokstore.store_files(client, fingerprint, tokfiles.pack(resolve_tokenizer(tokenizer)))
+    except (ModelDirError, tokfiles.TokenizerFilesError, tokstore.TokenizerStoreError) as exc:
+        raise UsageError(f"--turns all: cannot share the tokenizer with the workers: {exc} (the workers render a "
+                         "conversation's later turns with the run's tokenizer; --turns last regenerates only the "
+                         "last turn)") from None
+
+
 class Attacher:
     """One attach of a ``produce`` to its datasets (``Producer.attach`` drives it). ``locks`` is the producer's own
     dict of the collector locks taken, by dataset: a dataset whose attach fails after its lock was taken must
@@ -104,11 +121,12 @@ class Attacher:
 
     def check(self, datasets: list[Prepared]) -> None:
         """Every dataset's stored settings, checked before anything is written, so a refused rerun leaves Redis as
-        it was (exit 2): a run of another format, or other settings; then a multi-turn run's tokenizer files are
+        it was (exit 2): a run or a record of another format, or other settings; then a multi-turn run's tokenizer files are
         stored for the workers."""
         if not self.opt.new_run:
             check_out_dir(self.store, [p.name for p in datasets], self.opt.out_dir)
             for prepared in datasets:
+                check_version(self.opt.out_dir / prepared.name / RESULTS)
                 stored = self._stored_settings(prepared.name, self.opt.out_dir / prepared.name)
                 if stored is None:
                     continue
@@ -144,15 +162,10 @@ class Attacher:
         (exit 2), found before anything of the run is written."""
         if not any(p.conversations for p in datasets):
             return
-        from producer.tokenizer_files import ShareError, share_tokenizer
         if self.opt.tokenizer is None or self.opt.conversation is None:
             raise ProduceError("multi-turn conversations need the tokenizer directory and the conversation block "
                                "(RunOptions.tokenizer, RunOptions.conversation)", 2)
-        try:
-            stored = share_tokenizer(self.r, self.opt.tokenizer, self.opt.conversation["tokenizer"])
-        except ShareError as exc:
-            raise ProduceError(f"--turns all: {exc} (the workers render a conversation's later turns with the run's "
-                               "tokenizer; --turns last regenerates only the last turn)", 2) from None
+        stored = share_tokenizer(self.r, self.opt.tokenizer, self.opt.conversation["tokenizer"])
         if stored:
             self.echo(f"stored the tokenizer files in Redis for the workers ({stored} files)")
 

@@ -31,8 +31,7 @@ from budget.outcomes import DatasetState, EndVerdict
 from budget.runstate import RunState
 from producer.errors import ProduceError
 from producer.generations import record_key, split_key
-from producer.prepare import Prepared, Prompt
-from producer.progress import progress_bar
+from producer.prepare import Prepared, Prompt, progress_bar
 from producer.results import FAILED_FILE, collect, write_failed
 from producer.session.attach import LOCK_TTL_MS, Attacher
 from producer.session.enqueue import (

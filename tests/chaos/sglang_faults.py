@@ -10,7 +10,6 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
-from budget import record
 from demo.appending import read_jsonl
 from demo.stack import wait_until
 from tests.chaos.audit import DATASET, Result, audit, log_files, sample_ids
@@ -161,7 +160,7 @@ def malformed(ctx: Ctx) -> Result:
 
 def _valid(rec: dict[str, Any], max_tokens: int) -> bool:
     """The simulator's own invariant: its text has one word per token, the EOS of a stopped answer excepted."""
-    x = record.as_v2(rec)["turns"][0]
+    x = rec["turns"][0]
     n = x.get("completion_tokens")
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= max_tokens:
         return False

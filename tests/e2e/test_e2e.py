@@ -294,60 +294,6 @@ def test_sigterm_right_after_start_stops_the_worker_cleanly(r: "redis.Redis", si
         assert not r.sismember("rq:workers", f"rq:worker:{name}")
 
 
-def test_version_1_records_resume_count_and_export(
-        redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
-        workers: Any) -> None:
-    """Flat version 1 records in a run's file (budget/record.py reads them): the run resumes, counts them toward
-    the budget, and both versions export; the token export leaves the version 1 records out and counts them."""
-    # The run's tokenizer: the token export below refuses output ids it does not have
-    sim = sim_factory("--time-scale", "50", "--mean-tokens", "100", "--seed", "6", "--tokenizer", str(tokenizer_dir))
-    workers(sim.url, BUDGETQ_CONCURRENCY="8").start("w0")
-    out = tmp_path / "out"
-    base = [str(CODE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "512", "--chunk-size", "8",
-            "--out", str(out)]
-    first = produce([*base, "--max-samples", "20"], redis_url)
-    assert first.returncode == 0, first.stderr
-    ds = out / "code_instruct"
-    made = read_jsonl(ds / "raw_responses.jsonl")
-    assert made and all(x["turns"][0]["output_ids"] for x in made)
-    assert all(x["sampling_params"]["skip_special_tokens"] is True for x in made)
-    # Flat version 1 records in place of the file's.
-    old_lines = []
-    for x in made:
-        t = x["turns"][0]
-        old_lines.append(json.dumps({"id": x["id"], "dataset": x["dataset"], "messages": x["messages"],
-                                     "response": t["response"], "reasoning": t["reasoning"], "content": t["content"],
-                                     "reasoning_truncated": t["reasoning_truncated"],
-                                     "prompt_tokens": t["prompt_tokens"], "completion_tokens": t["completion_tokens"],
-                                     "finish_reason": t["finish_reason"],
-                                     "sampling_params": {"max_new_tokens": 512}}) + "\n")
-    (ds / "raw_responses.jsonl").write_text("".join(old_lines))
-    settings = json.loads((ds / "run.json").read_text())
-    r.flushall()  # and a fresh Redis: the files are the truth
-
-    second = produce([*base, "--max-samples", "30"], redis_url)
-    assert second.returncode == 0, second.stderr
-    assert "counted 20 responses" in second.stderr
-    recs = check_exact(r, out, "code_instruct")
-    assert len(recs) == 30
-    assert [x.get("record_version", 1) for x in recs] == [1] * 20 + [2] * 10
-    assert all(x["sampling_params"]["skip_special_tokens"] is True for x in recs[20:])
-    assert json.loads((ds / "run.json").read_text()) == settings
-
-    export = subprocess.run([*produce_cmd(), "export", "code_instruct", "--out", str(out), "--format", "tokens",
-                             "--tokenizer", str(tokenizer_dir), "--truncated", "keep"],
-                            capture_output=True, text=True, timeout=120)
-    assert export.returncode == 0, export.stderr
-    assert "20 records" in export.stderr and "record version 2" in export.stderr
-    assert len(read_jsonl(ds / "tokens.jsonl")) == 10
-    messages = subprocess.run([*produce_cmd(), "export", "code_instruct", "--out", str(out), "--format",
-                               "openai-messages", "--truncated", "keep"], capture_output=True, text=True, timeout=120)
-    assert messages.returncode == 0, messages.stderr
-    assert len(read_jsonl(ds / "openai-messages.jsonl")) == 30
-    manifest = json.loads((ds / "manifest.json").read_text())
-    assert manifest["record_versions"] == {"1": 20, "2": 10} and manifest["counts"]["samples"] == 30
-
-
 def test_seed_without_deterministic_inference_is_warned_and_recorded(
         redis_url: str, r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path, sim_factory: Any,
         workers: Any) -> None:

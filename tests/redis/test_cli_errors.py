@@ -153,6 +153,28 @@ def test_a_run_of_another_version_is_refused_and_left_untouched(tmp_path: Path, 
     assert json.loads(run_json.read_text())["version"] == VERSION
 
 
+def test_a_record_of_another_version_is_refused_and_left_untouched(tmp_path: Path, redis_url: str,
+                                                                   r: "redis.Redis", tokenizer_dir: Path) -> None:
+    """A flat record (record version 1, no ``record_version``) on file: neither produce nor export reads it."""
+    path = write(tmp_path, "ds.jsonl", GOOD)
+    out = tmp_path / "out"
+    args = [str(path), "--tokenizer", str(tokenizer_dir), "--max-tokens", "10", "--detach", "--out", str(out)]
+    first = run(args, redis_url)
+    assert first.exit_code == 0, first.output
+    results, meta = out / "ds" / "raw_responses.jsonl", keys.DatasetKeys("ds").meta
+    results.write_text(json.dumps({"id": "a", "dataset": "ds", "messages": [], "response": "x", "content": "x",
+                                   "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 1}) + "\n")
+    before = (r.dbsize(), r.hgetall(meta), (out / "ds" / "run.json").read_bytes(), results.read_bytes())
+    again = run(args, redis_url)
+    assert again.exit_code == 2, again.output
+    assert f"{results}:1: a record of record_version None, {OTHER_VERSION}" in again.output
+    assert (r.dbsize(), r.hgetall(meta), (out / "ds" / "run.json").read_bytes(), results.read_bytes()) == before
+    export = run(["export", "ds", "--out", str(out)], redis_url)
+    assert export.exit_code == 2 and OTHER_VERSION in export.output, export.output
+    fresh = run([*args, "--new-run"], redis_url)
+    assert fresh.exit_code == 0, fresh.output
+
+
 def test_budget_zero_sends_nothing(tmp_path: Path, redis_url: str, r: "redis.Redis",
                                    tokenizer_dir: Path) -> None:
     path = write(tmp_path, "ds.jsonl", GOOD)

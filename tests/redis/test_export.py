@@ -18,8 +18,8 @@ from click.testing import CliRunner, Result
 
 from budget import keys
 from budget.ledger import Ledger
-from budget.record import as_v2, make_turn, prompt_digest
 from budget.record import make_record as make_v2_record
+from budget.record import make_turn, prompt_digest
 from budget.runstate import RunState
 from demo.run import find_redis_server
 from demo.tokenizer import build_tokenizer
@@ -87,7 +87,7 @@ def make_record(tok: Any, sid: str, prompt: str, *, reasoning: str | None = "Let
 
 
 def to_v2(tok: Any, rec: dict[str, Any], kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The version 2 record a worker would have written for the version 1 record ``rec``: the server's ids are
+    """The record a worker would have written for the flat fields ``rec`` (make_record): the server's ids are
     the response's tokens, plus the EOS on a stop; the prompt digest is of the ids the producer rendered."""
     prompt_ids = Renderer(tok, chat_template_kwargs=kwargs).render(rec["messages"]).input_ids
     output_ids = tok.encode(rec["response"], add_special_tokens=False)
@@ -101,10 +101,8 @@ def to_v2(tok: Any, rec: dict[str, Any], kwargs: dict[str, Any] | None = None) -
                           sampling_params=rec["sampling_params"], messages=rec["messages"])
 
 
-def standard_records(tok: Any, version: int = 1) -> list[dict[str, Any]]:
-    if version == 2:
-        return [to_v2(tok, rec) for rec in standard_records(tok)]
-    return [
+def standard_records(tok: Any) -> list[dict[str, Any]]:
+    return [to_v2(tok, rec) for rec in [
         make_record(tok, "a-plain", "plain"),
         make_record(tok, "b-tools", "tools", content="It is 21 degrees."),
         make_record(tok, "c-null", "null-content", reasoning="Sunny means nice."),
@@ -115,7 +113,7 @@ def standard_records(tok: Any, version: int = 1) -> list[dict[str, Any]]:
                     finish="length", reasoning_truncated=True),
         make_record(tok, "h-cut-answer", "plain", content="It is su", finish="length"),
         make_record(tok, "i-failed-too", "plain"),  # stale: a rerun answered it, failed.jsonl not yet rewritten
-    ]
+    ]]
 
 
 def write_dataset(root: Path, tok: Any, records: list[dict[str, Any]], *, failed: tuple[str, ...] = (),
@@ -134,24 +132,16 @@ def write_dataset(root: Path, tok: Any, records: list[dict[str, Any]], *, failed
     return out
 
 
-@pytest.fixture(params=[1, 2], ids=["v1", "v2"])
-def dataset(request: pytest.FixtureRequest, tmp_path: Path, tok: Any) -> Path:
-    """The standard records, as version 1 (runs made before record version 2) and as version 2."""
-    return write_dataset(tmp_path, tok, standard_records(tok, request.param),
-                         failed=("i-failed-too", "z-never-answered"))
-
-
 @pytest.fixture
-def dataset_v2(tmp_path: Path, tok: Any) -> Path:
-    return write_dataset(tmp_path, tok, standard_records(tok, 2), failed=("i-failed-too", "z-never-answered"))
+def dataset(tmp_path: Path, tok: Any) -> Path:
+    return write_dataset(tmp_path, tok, standard_records(tok), failed=("i-failed-too", "z-never-answered"))
 
 
 def source_turns(path: Path) -> dict[str, dict[str, Any]]:
-    """id -> the record in its version 2 view, with its one turn's fields on it (what the tests compare)."""
+    """id -> the record, with its one turn's fields on it (what the tests compare)."""
     out = {}
     for rec in read_jsonl(path):
-        view = as_v2(rec)
-        out[view["id"]] = {**view["turns"][0], **view}
+        out[rec["id"]] = {**rec["turns"][0], **rec}
     return out
 
 
@@ -278,7 +268,7 @@ def test_inline_is_the_think_block_then_the_answer(dataset: Path, tmp_path: Path
 
 
 def test_no_think_markers_means_no_think_block(tmp_path: Path, tok: Any) -> None:
-    records = [make_record(tok, "n", "plain", reasoning=None, content="Plain answer.")]
+    records = [to_v2(tok, make_record(tok, "n", "plain", reasoning=None, content="Plain answer."))]
     ds = write_dataset(tmp_path, tok, records, think=None)
     for mode in ("inline", "field"):
         dest = tmp_path / f"{mode}.jsonl"
@@ -326,20 +316,20 @@ def test_failed_samples_are_never_exported(dataset: Path, tmp_path: Path) -> Non
 # -- token ids -------------------------------------------------------------------------------------------------
 
 
-def test_token_ids_are_the_servers(dataset_v2: Path, tmp_path: Path, tok: Any) -> None:
+def test_token_ids_are_the_servers(dataset: Path, tmp_path: Path, tok: Any) -> None:
     """--token-ids: input_ids are the prompt the producer rendered (checked id by id against the worker's digest),
     output_ids the server's own ids verbatim (EOS of a stop included), never re-encoded text."""
     dest = tmp_path / "x.jsonl"
-    report = export_dataset(dataset_v2, dest, ExportOptions("openai-messages", truncated="keep", token_ids=True,
+    report = export_dataset(dataset, dest, ExportOptions("openai-messages", truncated="keep", token_ids=True,
                                                             inexact="keep"), tokenizer=tok)
     # The row whose answer starts with "\n" after the prompt's "<think>\n" renders as one "\n\n" token: a
     # trainer would not train on the ids the model produced, so it is counted and marked (kept here)
     assert (report.inexact, [r["id"] for r in read_jsonl(dest) if r.get("inexact")]) == (1, ["f-no-thinking"])
-    revision = json.loads((dataset_v2 / "run.json").read_text())["tokenizer"]
+    revision = json.loads((dataset / "run.json").read_text())["tokenizer"]
     expected_hash = hashlib.sha256(tok.chat_template.encode()).hexdigest()
     assert (report.template_hash, report.tokenizer_revision) == (expected_hash, revision)
     assert (report.written, report.prompt_mismatch, report.no_output_ids) == (8, 0, 0)
-    by_id = source_turns(dataset_v2 / "raw_responses.jsonl")
+    by_id = source_turns(dataset / "raw_responses.jsonl")
     for record in read_jsonl(dest):
         src = by_id[record["id"]]
         assert record["input_ids"] == tok.apply_chat_template(src["messages"], add_generation_prompt=True,
@@ -350,12 +340,12 @@ def test_token_ids_are_the_servers(dataset_v2: Path, tmp_path: Path, tok: Any) -
     assert template_hash(tok) == expected_hash
 
 
-def test_tokens_format_is_prompt_ids_then_output_ids_with_the_loss_on_the_output(dataset_v2: Path, tmp_path: Path,
+def test_tokens_format_is_prompt_ids_then_output_ids_with_the_loss_on_the_output(dataset: Path, tmp_path: Path,
                                                                                  tok: Any) -> None:
     dest = tmp_path / "tokens.jsonl"
-    report = export_dataset(dataset_v2, dest, ExportOptions("tokens", truncated="keep"), tokenizer=tok)
+    report = export_dataset(dataset, dest, ExportOptions("tokens", truncated="keep"), tokenizer=tok)
     assert (report.written, report.prompt_mismatch, report.no_output_ids) == (8, 0, 0)
-    by_id = source_turns(dataset_v2 / "raw_responses.jsonl")
+    by_id = source_turns(dataset / "raw_responses.jsonl")
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     for row in read_jsonl(dest):
         src = by_id[row["id"]]
@@ -373,24 +363,24 @@ def test_tokens_format_is_prompt_ids_then_output_ids_with_the_loss_on_the_output
     # prompt's "<think>\n", and re-tokenizing the whole text makes one "\n\n" of them. The text is the same;
     # only the tokens row has the ids the model saw and produced (docs/export.md, "Which export is exact").
     conversations = tmp_path / "messages.jsonl"
-    export_dataset(dataset_v2, conversations, ExportOptions("openai-messages", reasoning="field"))
+    export_dataset(dataset, conversations, ExportOptions("openai-messages", reasoning="field"))
     rows = {r["id"]: r for r in read_jsonl(dest)}
     for conversation in read_jsonl(conversations):
         whole = tok.apply_chat_template(conversation["conversations"], tokenize=True, return_dict=False)
         ids = rows[conversation["id"]]["input_ids"]
         assert tok.decode(whole).startswith(tok.decode(ids)), conversation["id"]
         assert (whole[:len(ids)] == ids) == (conversation["id"] != "f-no-thinking"), conversation["id"]
-    dropped = export_dataset(dataset_v2, dest, ExportOptions("tokens"), tokenizer=tok)
+    dropped = export_dataset(dataset, dest, ExportOptions("tokens"), tokenizer=tok)
     assert (dropped.written, dropped.dropped_truncated) == (6, 2)
 
 
-def test_tokens_format_needs_the_runs_tokenizer(dataset_v2: Path, tmp_path: Path) -> None:
+def test_tokens_format_needs_the_runs_tokenizer(dataset: Path, tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="tokenizer"):
-        export_dataset(dataset_v2, tmp_path / "x.jsonl", ExportOptions("tokens"))
+        export_dataset(dataset, tmp_path / "x.jsonl", ExportOptions("tokens"))
 
 
 def test_prompt_mismatch_is_reported_not_written(tmp_path: Path, tok: Any) -> None:
-    records = standard_records(tok, 2)[:3]
+    records = standard_records(tok)[:3]
     records[1]["turns"][0]["prompt_ids_sha256"] = prompt_digest([1, 2, 3])  # another prompt, id by id
     ds = write_dataset(tmp_path, tok, records)
     dest = tmp_path / "x.jsonl"
@@ -400,21 +390,22 @@ def test_prompt_mismatch_is_reported_not_written(tmp_path: Path, tok: Any) -> No
         assert [r["id"] for r in read_jsonl(dest)] == ["a-plain", "c-null"]
 
 
-def test_version_1_records_are_left_out_of_token_exports_and_counted(tmp_path: Path, tok: Any) -> None:
-    """A resumed old run holds both versions: the old records have no server ids and are counted, not guessed."""
-    v1, v2 = standard_records(tok, 1)[:3], standard_records(tok, 2)[3:6]
-    ds = write_dataset(tmp_path, tok, v1 + v2)
+def test_records_without_server_ids_are_left_out_of_token_exports_and_counted(tmp_path: Path, tok: Any) -> None:
+    """A turn the server gave no output_ids for is counted, not guessed."""
+    bare, full = standard_records(tok)[:3], standard_records(tok)[3:6]
+    for rec in bare:
+        rec["turns"][0]["output_ids"] = None
+    ds = write_dataset(tmp_path, tok, bare + full)
     dest = tmp_path / "x.jsonl"
     report = export_dataset(ds, dest, ExportOptions("tokens"), tokenizer=tok)
     assert (report.written, report.no_output_ids) == (3, 3)
-    assert [r["id"] for r in read_jsonl(dest)] == [r["id"] for r in v2]
-    only_v1 = write_dataset(tmp_path / "old", tok, v1)
+    assert [r["id"] for r in read_jsonl(dest)] == [r["id"] for r in full]
+    only_bare = write_dataset(tmp_path / "old", tok, bare)
     dest.write_text("old\n")
     with pytest.raises(ExportError, match=r"raw_responses\.jsonl: none of its 3 records has the server's token ids"):
-        export_dataset(only_v1, dest, ExportOptions("openai-messages", token_ids=True), tokenizer=tok)
+        export_dataset(only_bare, dest, ExportOptions("openai-messages", token_ids=True), tokenizer=tok)
     assert dest.read_text() == "old\n"
-    # the conversations still export from version 1 records, as before
-    assert export_dataset(only_v1, dest, ExportOptions("openai-messages")).written == 3
+    assert export_dataset(only_bare, dest, ExportOptions("openai-messages")).written == 3  # no ids asked for
 
 
 def test_token_ids_use_the_runs_template_kwargs(tmp_path: Path) -> None:
@@ -459,9 +450,8 @@ def test_manifest(dataset: Path, tok: Any) -> None:
     assert manifest["counts"] == {"samples": 9, "failed": 2, "truncated": 2, "reasoning_truncated": 1,
                                   "reasoning_unclosed": 0, "tool_calls": 0, "tool_call_errors": 0}
     assert manifest["reasoning_parser"] is None  # the fixture's run.json names none
-    version = str(records[0].get("record_version", 1))
-    assert manifest["record_versions"] == {version: 9}
-    assert manifest["tokens"] == {"prompt": sum(as_v2(r)["turns"][0]["prompt_tokens"] for r in records),
+    assert manifest["record_versions"] == {"2": 9}
+    assert manifest["tokens"] == {"prompt": sum(r["turns"][0]["prompt_tokens"] for r in records),
                                   "completion": sum(lengths)}
     assert manifest["finish_reasons"] == {"length": 2, "stop": 7}
     assert manifest["completion_length"] == {"mean": round(sum(lengths) / 9, 2), "p50": lengths[4],
@@ -578,11 +568,10 @@ def test_demo_output_round_trips_with_token_ids(demo_out: Path, tmp_path: Path, 
         assert_round_trip(source, dest, fmt, "inline")
 
 
-def test_produce_export_command(dataset_v2: Path, tmp_path: Path, tokenizer_dir: Path) -> None:
+def test_produce_export_command(dataset: Path, tmp_path: Path, tokenizer_dir: Path) -> None:
     from click.testing import CliRunner
 
     from producer.cli import main
-    dataset = dataset_v2
     out_dir, name = dataset.parent, dataset.name
     dest = tmp_path / "train.jsonl"
     res = CliRunner().invoke(main, ["export", name, "--out", str(out_dir), "--format", "openai-messages",
@@ -605,14 +594,16 @@ def test_produce_export_command(dataset_v2: Path, tmp_path: Path, tokenizer_dir:
 def test_parsed_tool_calls_are_written_and_unclosed_reasoning_is_truncated(tmp_path: Path, tok: Any) -> None:
     call = {"id": "call_0123", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    with_call = make_record(tok, "a-call", "plain", content="")
-    with_call.update(response=with_call["response"] + '<tool_call>\n{"name": "get_weather", "arguments": '
-                     '{"city": "Paris"}}\n</tool_call>', tool_calls=[call], tool_call_errors=0,
-                     reasoning_unclosed=False, reasoning_parser="qwen3-thinking")
-    unclosed = make_record(tok, "b-unclosed", "plain", reasoning="It never ends", content="",
-                           reasoning_truncated=True)
-    unclosed.update(reasoning_truncated=False, reasoning_unclosed=True, tool_calls=[], tool_call_errors=1,
-                    reasoning_parser="qwen3-thinking")  # stopped by EOS in mid-thought
+    with_call = to_v2(tok, make_record(tok, "a-call", "plain", content=""))
+    with_call["reasoning_parser"] = "qwen3-thinking"
+    turn = with_call["turns"][0]
+    turn.update(response=turn["response"] + '<tool_call>\n{"name": "get_weather", "arguments": '
+                '{"city": "Paris"}}\n</tool_call>', tool_calls=[call], tool_call_errors=0)
+    unclosed = to_v2(tok, make_record(tok, "b-unclosed", "plain", reasoning="It never ends", content="",
+                                      reasoning_truncated=True))
+    unclosed.update(reasoning_parser="qwen3-thinking", incomplete=True, stopped_by="reasoning_unclosed")
+    unclosed["turns"][0].update(reasoning_truncated=False, reasoning_unclosed=True, tool_calls=[],
+                                tool_call_errors=1)  # stopped by EOS in mid-thought
     ds = write_dataset(tmp_path, tok, [with_call, unclosed])
     dest = tmp_path / "x.jsonl"
     report = export_dataset(ds, dest, ExportOptions("openai-messages", reasoning="field"))
@@ -627,10 +618,10 @@ def test_parsed_tool_calls_are_written_and_unclosed_reasoning_is_truncated(tmp_p
     assert manifest["counts"]["tool_call_errors"] == 1 and manifest["counts"]["truncated"] == 1
 
 
-def test_tokens_refuses_output_ids_beyond_the_vocabulary(dataset_v2: Path, tmp_path: Path, tok: Any) -> None:
+def test_tokens_refuses_output_ids_beyond_the_vocabulary(dataset: Path, tmp_path: Path, tok: Any) -> None:
     """An id the tokenizer does not have is not the model's (a server with another tokenizer, or sglang_sim run
     without --tokenizer, as `make demo` once did): the export refuses it, naming the line, and writes nothing."""
-    source = dataset_v2 / "raw_responses.jsonl"
+    source = dataset / "raw_responses.jsonl"
     lines = source.read_text().splitlines()
     rec = json.loads(lines[1])
     rec["turns"][0]["output_ids"][0] = len(tok)
@@ -639,7 +630,7 @@ def test_tokens_refuses_output_ids_beyond_the_vocabulary(dataset_v2: Path, tmp_p
     dest = tmp_path / "tokens.jsonl"
     with pytest.raises(ExportError, match=rf"raw_responses.jsonl:2: turns\[0\]: output_ids holds id {len(tok)}, "
                                           rf"outside the tokenizer's {len(tok)}-id vocabulary"):
-        export_dataset(dataset_v2, dest, ExportOptions("tokens", truncated="keep"), tokenizer=tok)
+        export_dataset(dataset, dest, ExportOptions("tokens", truncated="keep"), tokenizer=tok)
     assert not dest.exists()
 
 
@@ -649,7 +640,7 @@ def test_tokens_refuses_output_ids_beyond_the_vocabulary(dataset_v2: Path, tmp_p
 
 @pytest.fixture
 def ds(tmp_path: Path, tok: Any) -> Path:
-    return write_dataset(tmp_path, tok, standard_records(tok, 2))
+    return write_dataset(tmp_path, tok, standard_records(tok))
 
 
 def export_cli(ds: Path, *args: str, env: dict[str, str | None] | None = None) -> Result:
@@ -711,7 +702,7 @@ def standard_records_v2(ds: Path) -> list[str]:
 
 
 def test_summary_calls_conversations_that_ended_early_incomplete_not_truncated(tmp_path: Path, tok: Any) -> None:
-    recs = standard_records(tok, 2)  # two of them truncated: g-cut-thinking, h-cut-answer
+    recs = standard_records(tok)  # two of them truncated: g-cut-thinking, h-cut-answer
     recs[0].update(incomplete=True, stopped_by="tool_mismatch")
     recs[1].update(incomplete=True, stopped_by="budget")
     recs[2].update(incomplete=True, stopped_by="tool_mismatch")

@@ -172,13 +172,14 @@ def test_records_say_their_prompt_and_generation_and_resume_maps_them_back(r: "r
     assert json.loads((tmp_path / FAILED_FILE).read_text()) == {"id": "p1", "generation": 2, "reason": "x"}
 
 
-def test_an_old_file_without_generation_resumes_as_generation_zero(tmp_path: Path) -> None:
+def test_a_record_without_generation_is_generation_zero(tmp_path: Path) -> None:
     path = tmp_path / RESULTS
-    path.write_text(json.dumps({"id": "a", "completion_tokens": 3}) + "\n")
+    path.write_text(json.dumps({"record_version": 2, "id": "a", "completion_tokens": 3}) + "\n")
     out = ResultsFile(path)
     assert out.tokens == {"a": 3}
-    assert out.append([{"id": "a", "generation": 1, "completion_tokens": 4}]) != []  # another sample
-    assert out.append([{"id": "a", "generation": 0, "completion_tokens": 3}]) == []  # on file already
+    v2 = {"record_version": 2, "id": "a"}
+    assert out.append([{**v2, "generation": 1, "completion_tokens": 4}]) != []  # another sample
+    assert out.append([{**v2, "generation": 0, "completion_tokens": 3}]) == []  # on file already
     out.close()
     assert ResultsFile(path).tokens == {"a": 3, "a\x1f1": 4}
 

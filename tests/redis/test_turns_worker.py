@@ -19,8 +19,8 @@ from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload
 from budget.record import LENGTH, TOOL_MISMATCH, make_turn, prompt_digest
 from producer.results import entry_record
+from producer.session.attach import share_tokenizer
 from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
-from producer.tokenizer_files import share_tokenizer
 from render.chat import Renderer, load_tokenizer
 from tests.dispatcher import dispatcher, until
 from tests.procs import sim_stats

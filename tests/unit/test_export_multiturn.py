@@ -313,23 +313,19 @@ def test_one_option_for_truncated_and_incomplete_in_every_format(tmp_path: Path,
 
 
 def test_a_one_turn_record_answers_all_its_messages_as_before(tmp_path: Path, family: tuple[str, Any]) -> None:
-    """A --turns last record keeps the dataset's earlier turns as context: the one turn follows them all, as
-    export always wrote it (v1 and v2 alike); --per-turn writes the same messages with turn 0."""
+    """A --turns last record keeps the dataset's earlier turns as context: the one turn follows them all;
+    --per-turn writes the same messages with turn 0."""
     _name, tok = family
     context = [SYSTEM, UW, {"role": "assistant", "content": DATASET_ANSWER}, U2]
     rec, seen = conversation_record(tok, "last", [*context, T("Fine.", "Yes.")])
-    v1 = {"id": "v1", "dataset": "ds", "messages": context, "response": seen[0]["response"], "reasoning": "Fine.",
-          "content": "Yes.", "reasoning_truncated": False, "prompt_tokens": 3, "completion_tokens": 5,
-          "finish_reason": "stop", "sampling_params": {"max_new_tokens": 64}}
-    ds = write_dataset(tmp_path, tok, [rec, v1])
+    ds = write_dataset(tmp_path, tok, [rec])
     rows, _report = export(ds, tmp_path, tok, format="openai-messages")
     expected = [*context, assistant("Fine.", "Yes.")]
-    assert rows == [{"id": "last", "conversations": expected}, {"id": "v1", "conversations": expected}]
+    assert rows == [{"id": "last", "conversations": expected}]
     rows, _report = export(ds, tmp_path, tok, format="openai-messages", per_turn=True)
-    assert rows == [{"id": "last", "turn": 0, "conversations": expected},
-                    {"id": "v1", "turn": 0, "conversations": expected}]
+    assert rows == [{"id": "last", "turn": 0, "conversations": expected}]
     rows, report = export(ds, tmp_path, tok, format="tokens")
-    assert [r["id"] for r in rows] == ["last"] and report.no_output_ids == 1
+    assert [r["id"] for r in rows] == ["last"] and report.no_output_ids == 0
     assert rows[0]["input_ids"] == seen[0]["prompt_ids"] + seen[0]["output_ids"]
 
 

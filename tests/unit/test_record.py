@@ -1,5 +1,4 @@
-"""The output record (version 2, and the one reader of version 1), the settings a resumed old run goes on with,
-and the --seed / --skip-special-tokens decisions. Pure functions: no Redis, no server."""
+"""The output record, and the --seed / --skip-special-tokens decisions. Pure functions: no Redis, no server."""
 from __future__ import annotations
 
 import hashlib
@@ -12,13 +11,8 @@ from budget import record, serverinfo
 from budget.payload import VERSION, ChunkPayload, SamplePayload
 from producer.parsers import skip_special_tokens_default
 from producer.preflight import seed_warning
-from producer.results import FIELD_ORDER
 from worker.sglang import GenerateError, parse_generation
 from worker.trip import result_record
-
-V1 = {"id": "s1", "dataset": "ds", "messages": [{"role": "user", "content": "hi"}], "response": "a</think>b",
-      "reasoning": "a", "content": "b", "reasoning_truncated": False, "prompt_tokens": 7, "completion_tokens": 4,
-      "finish_reason": "stop", "sampling_params": {"max_new_tokens": 64}}
 
 
 def chunk(**extra: Any) -> ChunkPayload:
@@ -33,26 +27,6 @@ def sample(ids: list[int]) -> SamplePayload:
 def body(text: str, ids: list[int], finish: dict[str, Any]) -> dict[str, Any]:
     return {"text": text, "output_ids": ids, "meta_info": {"id": "r", "finish_reason": finish, "prompt_tokens": 3,
                                                           "completion_tokens": len(ids), "cached_tokens": 1}}
-
-
-def test_v1_fields_are_the_old_writer_order() -> None:
-    assert FIELD_ORDER == tuple(V1)
-
-
-def test_a_version_1_record_reads_as_one_turn() -> None:
-    view = record.as_v2(V1)
-    assert view["record_version"] == 1 and record.version(V1) == 1
-    assert (view["id"], view["dataset"], view["messages"], view["completion_tokens"]) == (
-        "s1", "ds", V1["messages"], 4)
-    assert (view["incomplete"], view["stopped_by"], view["reasoning_parser"]) == (False, None, None)
-    (turn,) = view["turns"]
-    assert turn == {"response": "a</think>b", "reasoning": "a", "content": "b", "reasoning_truncated": False,
-                    "reasoning_unclosed": False, "tool_calls": [], "tool_call_errors": 0, "prompt_tokens": 7,
-                    "cached_tokens": 0, "completion_tokens": 4, "finish_reason": "stop",
-                    "prompt_ids_sha256": None, "output_ids": None}
-    cut = record.as_v2({**V1, "finish_reason": "length", "extra_key": 1})
-    assert (cut["incomplete"], cut["stopped_by"], cut["extra_key"]) == (True, "length", 1)
-    assert record.ordered(V1) == V1 and list(record.ordered(V1)) == list(V1)  # an old line is written unchanged
 
 
 def test_the_worker_builds_a_version_2_record_from_the_servers_answer() -> None:

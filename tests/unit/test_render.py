@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import pytest
 
 from demo.sample_data import agent_traces_records, code_instruct_records, glaive_fc_records
-from demo.tokenizer import BOS_TOKEN, IM_END, PAD_TOKEN, build_tokenizer
+from demo.tokenizer import BOS_TOKEN, build_tokenizer
 from render.chat import (
     Rendered,
     Renderer,
@@ -246,16 +246,6 @@ def test_default_max_context(tokenizer_dirs: dict[str, Path]) -> None:
     assert default_max_context(tokenizer) == 4096
     tokenizer.model_max_length = int(1e30)  # what transformers sets when the config says nothing
     assert default_max_context(tokenizer) is None
-
-
-def test_eos_token_ids(tokenizer_dirs: dict[str, Path], tmp_path: Path) -> None:
-    tokenizer = load_tokenizer(tokenizer_dirs["open"])
-    im_end, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    assert Renderer(tokenizer).eos_token_ids() == [im_end]
-    # Qwen's generation_config.json lists <|im_end|> and <|endoftext|>; the tokenizer knows only the first.
-    shutil.copytree(tokenizer_dirs["open"], tmp_path / "model")
-    (tmp_path / "model" / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, pad]}))
-    assert Renderer(load_tokenizer(tmp_path / "model")).eos_token_ids() == [im_end, pad]
 
 
 @pytest.mark.serial

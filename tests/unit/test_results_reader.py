@@ -9,6 +9,9 @@ from typing import Any
 
 import pytest
 
+from budget.payload import OTHER_VERSION
+from budget.record import RECORD_VERSION
+from producer.errors import UsageError
 from producer.export.files import ExportError, Results
 from producer.generations import sample_key
 from producer.plan import existing_turns
@@ -18,9 +21,10 @@ DS = "ds"
 
 
 def record(sid: str, tokens: int, **extra: Any) -> dict[str, Any]:
-    """A version 1 record (flat): what export's check asks of one, and what the collector and the plan read."""
-    return {"id": sid, "dataset": DS, "messages": [{"role": "user", "content": "hi"}], "response": "ok",
-            "content": "ok", "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": tokens, **extra}
+    """A record: what export's check asks of one, and what the collector and the plan read."""
+    turn = {"response": "ok", "content": "ok", "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": tokens}
+    return {"record_version": RECORD_VERSION, "id": sid, "dataset": DS, "messages": [{"role": "user", "content": "hi"}],
+            "turns": [turn], "completion_tokens": tokens, **extra}
 
 
 def write(out: Path, lines: list[str], tail: str = "") -> Path:
@@ -65,3 +69,22 @@ def test_a_line_that_is_not_a_record_ends_every_reader_there(tmp_path: Path, bad
     out.close()
     assert out.total_tokens == 12 and set(out.tokens) == {"a", "b"}
     assert path.read_text(encoding="utf-8") == "".join(line + "\n" for line in good)
+
+
+@pytest.mark.parametrize("version", [None, 1, 3])
+def test_a_record_of_another_version_is_refused_by_every_reader_and_left_as_it_is(
+        tmp_path: Path, version: int | None) -> None:
+    """No reader converts a record another budgetq version wrote (version 1 was flat, without ``record_version``):
+    the collector, the plan and the export all refuse it, naming the file and line, and nothing is cut."""
+    other = {k: v for k, v in record("b", 7).items() if k != "record_version"}
+    if version is not None:
+        other["record_version"] = version
+    path = write(tmp_path, [json.dumps(record("a", 5)), json.dumps(other)])
+    before = path.read_bytes()
+    message = rf"{RESULTS}:2: a record of record_version {version!r}, {OTHER_VERSION}"
+    for read in (lambda: list(iter_results(path)), lambda: existing_turns(tmp_path, DS),
+                 lambda: list(Results(path)), lambda: ResultsFile(path)):
+        with pytest.raises(UsageError, match=message) as err:
+            read()
+        assert err.value.exit_code == 2
+    assert path.read_bytes() == before
