@@ -215,10 +215,14 @@ return out
 
 FINISH_CHUNK = _PROGRESS_FIELDS + """
 -- finish_chunk: a chunk's job is over; it is no longer live and reserves nothing.
--- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] in-flight hash, KEYS[4] progress hash
--- ARGV[1] chunk id
+-- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] in-flight hash, KEYS[4] progress hash, KEYS[5] stats
+-- ARGV[1] chunk id, ARGV[2] the milliseconds its requests ran, summed (start to answer)
 -- returns 1
-redis.call('ZREM', KEYS[1], ARGV[1])
+-- The request time goes to stats request_ms once: only while the chunk is still live, so a resend after a lost
+-- reply adds nothing (a chunk reclaimed from its worker is not live either: its requests' time is not counted).
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 and tonumber(ARGV[2]) > 0 then
+  redis.call('HINCRBY', KEYS[5], 'request_ms', ARGV[2])
+end
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], unpack(progress_fields({ARGV[1]})))

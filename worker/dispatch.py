@@ -385,7 +385,8 @@ class Dispatcher:
             await asyncio.gather(rc.lease, return_exceptions=True)
         self.running.pop(rc.id, None)
         if not cancelled:
-            await self.batcher.call_until_answered("finish", self.ledger.finish_chunk_call(rc.dataset, rc.id))
+            await self.batcher.call_until_answered("finish", self.ledger.finish_chunk_call(
+                rc.dataset, rc.id, request_ms=round(rc.request_s * 1000)))
         self._write_meta(rc, "interrupted" if cancelled else "done")
 
     def _write_meta(self, rc: RunningChunk, state: str) -> None:

@@ -64,6 +64,7 @@ class RunningChunk:
         self.started = 0  # requests started (admitted and sent)
         self.resume: dict[str, int] = {}  # conversations of this chunk started before (sample -> turns committed)
         self.meta_at = 0.0  # monotonic time of the last progress write to the RQ job's meta
+        self.request_s = 0.0  # seconds its answered requests ran, start to answer: the dataset's request time
 
     def meta(self, state: str) -> dict[str, Any]:
         """The RQ job's meta: what the producer wrote at enqueue (dataset, samples, first, last) plus progress.

@@ -163,7 +163,9 @@ class RequestContext:
                                f"SGLANG_API_KEY is {'wrong' if self.config.api_key else 'not set'}; {_GIVING_BACK}",
                            {"server": url, "status": err.status})
             return None
-        self.length_models.rates.observe(gen.completion_tokens, time.monotonic() - flight.started)
+        ran = time.monotonic() - flight.started
+        self.length_models.rates.observe(gen.completion_tokens, ran)
+        rc.request_s += ran
         return gen
 
     def give_back(self, rc: RunningChunk, fault: str, log_extra: Mapping[str, Any] | None = None) -> None:

@@ -66,3 +66,4 @@ def test_a_mix_lands_on_its_total_and_a_dry_dataset_passes_its_rest_on(
     manifest = json.loads((out / "small" / "manifest.json").read_text())
     assert manifest["extra"]["mix"] == {"total": total, "weights": {"code_instruct": "1", "glaive_fc": "1", "small": "2"},
                                "weight": "2", "share": got["small"], "got": got["small"], "ran_dry": True}
+    assert manifest["extra"]["request_seconds"] > 0  # its requests' time, summed: the cost in view

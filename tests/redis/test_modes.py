@@ -107,6 +107,15 @@ def test_finish_chunk_drops_its_reservation_row(r: "redis.Redis") -> None:
     assert r.hlen(keys.DatasetKeys("ds").resv) == 0 and r.zcard(keys.DatasetKeys("ds").chunks) == 0
 
 
+def test_a_chunks_request_time_is_counted_once(r: "redis.Redis") -> None:
+    """The cost in view (docs/mix.md): a chunk's summed request time goes to the stats when it finishes, and a
+    resend of that finish (a lost reply) adds nothing."""
+    ledger, (cid,) = setup(r, "predict", 1000)
+    ledger.finish_chunk("ds", cid, request_ms=12_500)
+    ledger.finish_chunk("ds", cid, request_ms=12_500)
+    assert r.hget(keys.DatasetKeys("ds").stats, "request_ms") == b"12500"
+
+
 def test_lowering_and_raising_the_budget(r: "redis.Redis") -> None:
     ledger, (cid,) = setup(r, "predict", 1000)
     ledger.commit("ds", "s0-0", 300, {}, chunk=cid, finish_reason="stop")
