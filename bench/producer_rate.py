@@ -19,9 +19,11 @@ Ratio = produce's prompts/s / rendering's prompts/s; also rendering's CPU second
 same comparison, less sensitive to other work on the shared machine).
 
 ``--turns last`` by default, because that is the work the baseline does: each conversation rendered once, whole.
-``--turns all`` (produce's default since issue 14) renders each multi-turn conversation twice, whole (to check
-the template on every turn's shape) and as turn 0's prompt, and puts its messages in the payload for the workers:
-more work than the baseline's, reported as such (docs/performance.md, figure 4).
+``--turns all`` (produce's default since issue 14) checks each multi-turn conversation whole (its template
+rendered to text only, to check every turn's shape: ``Renderer.check_many``), renders turn 0's prompt, and puts
+its messages in the payload for the workers (docs/performance.md, figure 4; before issue 28 the check was a whole
+render, ids and all). ``--check-cost N`` prints only what that costs, per conversation, on N of the dataset's
+multi-turn conversations (docs/multiturn.md).
 """
 from __future__ import annotations
 
@@ -124,6 +126,33 @@ def render_only(data: Path, tok: Path) -> dict[str, Any]:
     t_render, c_render = time.perf_counter() - t1, time.process_time() - c1
     return {"prompts": len(conversations), "render_s": t_render, "render_cpu_s": c_render,
             "tokenizer_load_s": t_load, "prompt_tokens": n_tokens, "prompts_per_s": len(conversations) / t_render}
+
+
+def check_cost(data: Path, tok: Path, n: int, rounds: int = 3) -> dict[str, Any]:
+    """CPU ms per multi-turn conversation of ``data`` (its first ``n``), in batches of 256 as produce makes them:
+    rendered whole (the check before issue 28), checked whole (text only: the check now), turn 0 rendered (what
+    is sent); ``rounds`` rounds, the three interleaved in each; median and every round."""
+    import statistics
+
+    from budget.history import plan
+    from render.chat import Renderer, load_tokenizer
+    renderer = Renderer(load_tokenizer(tok))
+    with open(data) as fh:
+        convs = [m for m in (json.loads(line)["messages"] for line in fh) if len(plan(m)) > 1][:n]
+    firsts = [plan(m)[0].context for m in convs]
+
+    def cpu_ms(fn: Any, items: list[Any]) -> float:
+        c0 = time.process_time()
+        for i in range(0, len(items), 256):
+            fn(items[i:i + 256])
+        return (time.process_time() - c0) / len(items) * 1000
+
+    runs: dict[str, list[float]] = {"render whole": [], "check whole": [], "render turn 0": []}
+    for _ in range(rounds):
+        runs["render whole"].append(cpu_ms(renderer.render_many, convs))
+        runs["check whole"].append(cpu_ms(renderer.check_many, convs))
+        runs["render turn 0"].append(cpu_ms(renderer.render_many, firsts))
+    return {"conversations": len(convs), **{k: {"median_ms": statistics.median(v), "ms": v} for k, v in runs.items()}}
 
 
 def run_child(argv: list[str], env: dict[str, str] | None = None, watch: list[int] | None = None
@@ -282,13 +311,20 @@ def main() -> None:
     ap.add_argument("--profile-prompts", type=int, default=20_000,
                     help="profile produce with py-spy on this many prompts (0: skip)")
     ap.add_argument("--turns", choices=["last", "all"], default="last",
-                    help="produce --turns: last is the baseline's work; all adds turn 0's render (see above)")
+                    help="produce --turns: last is the baseline's work; all renders turn 0 and checks the whole (see above)")
+    ap.add_argument("--check-cost", type=int, metavar="N", default=0,
+                    help="print only the CPU cost of the --turns all check on N multi-turn conversations")
     ap.add_argument("--render-only", nargs=2, metavar=("DATA", "TOKENIZER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.render_only:
         print(json.dumps(render_only(Path(args.render_only[0]), Path(args.render_only[1]))))
         return
     tok, train_s = tokenizer(args.vocab, args.corpus_bytes)
+    if args.check_cost:
+        with scratch("producer") as work:
+            write_dataset(work / "prompts.jsonl", args.prompts)
+            print(json.dumps(check_cost(work / "prompts.jsonl", tok, args.check_cost)))
+        return
     from tokenizers import Tokenizer
     vocab_size = Tokenizer.from_file(str(tok / "tokenizer.json")).get_vocab_size()
     with scratch("producer") as work:

@@ -128,22 +128,30 @@ class Prepared:
 def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_invalid: bool,
                  invalid: list[Problem],
                  messages_of: Callable[[Sample], Sequence[Any]] = lambda s: s.messages,
+                 check_of: Callable[[Sample], Sequence[Any] | None] = lambda s: None,
                  ) -> list[tuple[Sample, Rendered]]:
-    """Render a batch (``messages_of`` each sample: its whole messages, or turn 0's); a sample the template refuses
-    is a bad line of the file, named by its line."""
+    """Render a batch (``messages_of`` each sample: its whole messages, or turn 0's), after checking the template on
+    ``check_of`` each sample (None: nothing more to check) without encoding it; a sample the template refuses in
+    either is a bad line of the file, named by its line (the first of the batch at fault)."""
     try:
+        checked = [s for s in part if check_of(s) is not None]
+        if checked:
+            renderer.check_many([check_of(s) or () for s in checked], [s.tools for s in checked])
         return list(zip(part, renderer.render_many([messages_of(s) for s in part], [s.tools for s in part]),
                         strict=True))
     except RenderError as exc:
         if exc.index is None:
             raise
-        if not skip_invalid:
-            raise RenderError(str(part[exc.index].problem(str(exc.__cause__ or exc)))) from exc
     good = []
-    for sample in part:
+    for sample in part:  # one by one, in the file's order, only after a batch found a sample at fault
         try:
+            whole = check_of(sample)
+            if whole is not None:
+                renderer.check(whole, sample.tools)
             good.append((sample, renderer.render(messages_of(sample), sample.tools)))
         except RenderError as exc:
+            if not skip_invalid:
+                raise RenderError(str(sample.problem(str(exc)))) from exc
             invalid.append(sample.problem(str(exc)))
     return good
 
@@ -154,40 +162,22 @@ def first_turn(messages: Sequence[Any]) -> list[dict[str, Any]]:
     return plan(messages)[0].context
 
 
-def _first_turns(read: ReadResult, renderer: Renderer, rendered: list[tuple[Sample, Rendered]], skip_invalid: bool,
-                 invalid: list[Problem]) -> tuple[list[tuple[Sample, Rendered]], dict[str, int]]:
-    """``--turns all``: each multi-turn sample of ``rendered`` (its whole conversation rendered, which checks the
-    template on every later turn's shape before Redis is touched) with turn 0's prompt instead, and the turns of
-    each. One-turn samples stay as they are: exactly what ``--turns last`` sends."""
-    turns: dict[str, int] = {}
-    for sample, _out in rendered:
-        k = len(plan(sample.messages))
-        if k > 1:
-            turns[sample.id] = k
-    if not turns:
-        return rendered, turns
-    multi = [sample for sample, _out in rendered if sample.id in turns]
-    first = dict((s.id, out) for s, out in _render_part(read, renderer, multi, skip_invalid, invalid,
-                                                        lambda s: first_turn(s.messages)))
-    out: list[tuple[Sample, Rendered]] = []
-    for sample, whole in rendered:
-        if sample.id not in turns:
-            out.append((sample, whole))
-        elif sample.id in first:
-            out.append((sample, first[sample.id]))
-        else:  # turn 0 refused by the template (skip_invalid): the sample is invalid, named in ``invalid``
-            del turns[sample.id]
-    return out, turns
-
-
 def _render_batch(read: ReadResult, renderer: Renderer, part: list[Sample], skip_invalid: bool,
                   invalid: list[Problem], turns: str) -> tuple[list[tuple[Sample, Rendered]], dict[str, int]]:
     """A batch rendered for enqueueing: each sample's prompt (turn 0's for a conversation under ``--turns all``)
-    and the turns of each multi-turn conversation."""
-    rendered = _render_part(read, renderer, part, skip_invalid, invalid)
-    if turns == ALL:
-        return _first_turns(read, renderer, rendered, skip_invalid, invalid)
-    return rendered, {}
+    and the turns of each multi-turn conversation.
+
+    ``--turns all``: a multi-turn conversation is also checked whole, with the dataset's answers, so that a
+    template refusing a later turn's shape is found before Redis is touched. That check renders the template to
+    text only (``Renderer.check_many``): its ids would never be sent, and encoding is most of a render's cost
+    (docs/performance.md, figure 4). One-turn samples are rendered exactly as ``--turns last`` renders them."""
+    if turns != ALL:
+        return _render_part(read, renderer, part, skip_invalid, invalid), {}
+    steps = {s.id: plan(s.messages) for s in part}
+    rendered = _render_part(read, renderer, part, skip_invalid, invalid,
+                            lambda s: steps[s.id][0].context if len(steps[s.id]) > 1 else s.messages,
+                            lambda s: s.messages if len(steps[s.id]) > 1 else None)
+    return rendered, {s.id: len(steps[s.id]) for s, _out in rendered if len(steps[s.id]) > 1}
 
 
 def _render_variants(read: ReadResult, variants: Variants, part: list[Sample], skip_invalid: bool,

@@ -245,6 +245,11 @@ class Renderer:
         none) go to the template. Template errors raise RenderError."""
         return self._rendered(self._apply(_checked(messages), tools, generation_prompt))
 
+    def check(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None) -> None:
+        """Raise what `render` (with the generation prompt) would raise for ``messages``, without making ids:
+        `check_many` for one conversation."""
+        self._apply(_checked(messages), tools, tokenize=False)
+
     def render_many(self, conversations: Sequence[Sequence[Mapping[str, Any]]],
                     tools: Sequence[Tools] | None = None) -> list[Rendered]:
         """Render several conversations in one call: the same ids as `render`, faster on several cores.
@@ -254,6 +259,21 @@ class Renderer:
         one ``tools`` per batch, so the conversations are batched by their tools. When one conversation fails,
         it is rendered one by one, so the RenderError names the index of the first conversation at fault.
         """
+        return [self._rendered(row) for row in self._batched(conversations, tools, tokenize=True)]
+
+    def check_many(self, conversations: Sequence[Sequence[Mapping[str, Any]]],
+                   tools: Sequence[Tools] | None = None) -> None:
+        """Raise what `render_many` would raise for these conversations, without making their ids: the chat
+        template is rendered to text only. A template error (``raise_exception``, an undefined name, content of
+        the wrong type) happens while the text is made; encoding text cannot fail, and is ~4/5 of a render's
+        time (docs/performance.md, figure 4). For conversations whose ids are never sent (``produce --turns
+        all`` checks each conversation whole, then sends its turn 0)."""
+        self._batched(conversations, tools, tokenize=False)
+
+    def _batched(self, conversations: Sequence[Sequence[Mapping[str, Any]]], tools: Sequence[Tools] | None,
+                 *, tokenize: bool) -> list[Any]:
+        """apply_chat_template's rows (ids, or texts without ``tokenize``) in the order given, one call per set
+        of tools; on a RenderError, the conversations one by one, raising for the first at fault with its index."""
         if not conversations:
             return []
         batch = [_checked(messages) for messages in conversations]
@@ -266,24 +286,25 @@ class Renderer:
         rows: list[Any] = [None] * len(batch)
         try:
             for indexes in groups.values():
-                out = self._apply([batch[i] for i in indexes], each[indexes[0]])
+                out = self._apply([batch[i] for i in indexes], each[indexes[0]], tokenize=tokenize)
                 for i, row in zip(indexes, out if isinstance(out, list) else list(out["input_ids"]), strict=True):
                     rows[i] = row
         except RenderError:
             for index, messages in enumerate(batch):
                 try:
-                    self.render(messages, each[index])
+                    self._apply(messages, each[index], tokenize=tokenize)
                 except RenderError as exc:
                     raise RenderError(f"conversation {index}: {exc}", index=index) from exc
             raise
-        return [self._rendered(row) for row in rows]
+        return rows
 
     def _apply(self, conversation: list[dict[str, Any]] | list[list[dict[str, Any]]], tools: Tools,
-               generation_prompt: bool = True) -> Any:
+               generation_prompt: bool = True, *, tokenize: bool = True) -> Any:
         kwargs = self._kwargs if not tools else {**self._kwargs, "tools": [dict(t) for t in tools]}
         try:
             return self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False, **kwargs
+                conversation, add_generation_prompt=generation_prompt, tokenize=tokenize, return_dict=False,
+                **kwargs
             )
         except jinja2.TemplateError as exc:  # raise_exception() in the template, undefined names, syntax errors
             raise RenderError(f"chat template error: {exc}") from exc

@@ -20,7 +20,7 @@ from producer.errors import ProduceError
 from producer.export.manifest import Stats
 from producer.ops.status import all_status, status_table
 from producer.plan import plan_dataset, sequential_eta
-from producer.prepare import Inputs, load_inputs
+from producer.prepare import Inputs, first_turn, load_inputs
 from producer.results import RESULTS, RUN
 from producer.runjson import ALL, LAST
 from producer.session.loop import Producer
@@ -98,6 +98,37 @@ def test_a_template_refusing_a_later_turn_is_found_before_redis(tmp_path: Path, 
     with pytest.raises(ProduceError) as err:
         inputs_for(tmp_path, tok, ALL)
     assert err.value.exit_code == 2 and f"{DS}.jsonl:2" in str(err.value) and "no assistant turns" in str(err.value)
+
+
+def refusing_template(tokenizer_dir: Path, tmp_path: Path, refused: str) -> Path:
+    """The tokenizer with a chat template that refuses any assistant message holding ``refused``: only a later
+    turn's shape of that conversation (with the dataset's answers) fails; every turn 0 renders."""
+    tok = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, tok)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if m.role == 'assistant' and '" + refused + "' in m.content %}"
+                               "{{ raise_exception('refused answer') }}{% endif %}{{ m.content }}{% endfor %}")
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok
+
+
+def test_every_conversation_is_checked_whole_and_a_refused_one_is_named_by_its_line(tmp_path: Path,
+                                                                                    tokenizer_dir: Path) -> None:
+    """The check is not a sample: the last conversation of the file is the only one refused (its second answer),
+    and it is the one named; --skip-invalid skips it alone and sends the others' prompts as without the check."""
+    tok = refusing_template(tokenizer_dir, tmp_path, "Second answer")
+    with pytest.raises(ProduceError) as err:
+        inputs_for(tmp_path, tok, ALL)
+    assert err.value.exit_code == 2 and f"{DS}.jsonl:3" in str(err.value) and "refused answer" in str(err.value)
+    args = [str(write_dataset(tmp_path)), "--tokenizer", str(tok), "--max-tokens", "16", "--order", "file",
+            "--reasoning-parser", "qwen3", "--turns", ALL, "--skip-invalid"]
+    [p] = load_inputs(run_settings(*args), echo=lambda m: None, warn=lambda m: None).prepared
+    assert list(p.prompts) == ["one", "two"] and p.turns == {"two": 2}
+    [bad] = p.invalid
+    assert bad.line == 3 and "refused answer" in bad.reason
+    renderer = Renderer(load_tokenizer(str(tok)))
+    assert list(p.prompts["two"].input_ids) == renderer.render(first_turn(p.prompts["two"].sample.messages)).input_ids
+    assert list(p.prompts["one"].input_ids) == renderer.render(p.prompts["one"].sample.messages).input_ids
 
 
 def test_a_chunk_of_conversations_carries_messages_turns_and_the_conversation_block(

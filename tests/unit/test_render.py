@@ -188,6 +188,26 @@ def test_render_many_matches_render(tokenizers: dict[str, Any]) -> None:
     assert info.value.index == 1
 
 
+def test_check_raises_what_render_raises_without_encoding(tokenizers: dict[str, Any]) -> None:
+    """check/check_many render the template to text only: what renders passes, and what render refuses they refuse
+    with the same message, check_many naming the index of the first conversation at fault."""
+    renderer = Renderer(tokenizers["open"])
+    good: list[list[dict[str, Any]]] = [USER, TOOL_CALL, [{"role": "user", "content": "x" * 300}]]
+    assert renderer.check_many(good) is None and renderer.check_many([]) is None
+    assert renderer.check(TOOL_CALL, [{"type": "function", "function": {"name": "get_weather"}}]) is None
+    bard = [{"role": "user", "content": "a"}, {"role": "bard", "content": "b"}]
+    with pytest.raises(RenderError) as rendered:
+        renderer.render(bard)
+    with pytest.raises(RenderError) as checked:
+        renderer.check(bard)
+    assert str(checked.value) == str(rendered.value) and "Unexpected message role: bard" in str(checked.value)
+    with pytest.raises(RenderError, match="conversation 2: chat template error: Unexpected message role") as info:
+        renderer.check_many([USER, TOOL_CALL, bard, USER], [None, [{"type": "function"}], None, None])
+    assert info.value.index == 2
+    with pytest.raises(RenderError, match="non-empty list of message objects"):
+        renderer.check_many([USER, []])
+
+
 def test_fingerprint(tokenizer_dirs: dict[str, Path], tmp_path: Path) -> None:
     first = Renderer(load_tokenizer(tokenizer_dirs["hybrid"])).fingerprint()
     again = load_tokenizer(tokenizer_dirs["hybrid"])
