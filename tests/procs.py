@@ -21,7 +21,7 @@ wait_for = wait_until
 
 #: What running workers write on their own (registrations, registry cleaning, their servers' info and health):
 #: it changes under a test whenever a worker heartbeats or looks at its server.
-WORKER_OWNED = ("rq:worker", "rq:clean_registries", keys.SERVER_INFO, keys.SERVER_HEALTH)
+WORKER_OWNED = ("rq:worker", "rq:clean_registries", keys.SERVER_INFO, keys.SERVER_HEALTH, keys.WINDOW)
 
 
 def run_keys(r: "redis.Redis") -> set[bytes]:
