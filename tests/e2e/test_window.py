@@ -119,3 +119,12 @@ def test_a_server_restarted_with_another_limit_is_followed(redis_url: str, token
         first.stop()
         if second is not None:
             second.stop()
+
+
+def test_behind_the_router_the_capacity_is_the_sum_of_its_servers(tmp_path: Path, sim_factory: Any) -> None:
+    from demo.smg import Router
+    from worker.window import Prober
+    sims = [sim_factory("--max-running", str(n)) for n in (12, 20)]
+    with Router([s.url for s in sims], tmp_path / "smg", policy="round_robin") as router:
+        load = Prober(router.url, api_key=None, timeout=5).probe()  # the router's own /server_info has no limit
+        assert load is not None and (load.capacity, load.running, load.waiting) == (32, 0, 0)
