@@ -107,7 +107,9 @@ def main() -> None:
                               "best_concurrency": best["concurrency"], "ratio": ratio})
                 print(f"size {size:5d} workers {n}: auto / best hand-tuned ({best['concurrency']}) = {ratio:.3f}",
                       flush=True)
-    path = save_results(args.name, {"args": vars(args), "cells": cells, "min_ratio": min(c["ratio"] for c in cells)})
+                # after every cell: a grid cut short keeps what it measured
+                path = save_results(args.name, {"args": vars(args), "cells": cells,
+                                                "min_ratio": min(c["ratio"] for c in cells)})
     print("\n| max running | workers | auto tok/s | best hand-tuned (per worker) | its tok/s | ratio | auto running / queued |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for c in cells:
