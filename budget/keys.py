@@ -15,6 +15,11 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 |                             |        |                          | (budget/health.py); rewritten every 10 s while    |
 |                             |        |                          | any is down, deleted when all answer; entries     |
 |                             |        |                          | older than 30 s are dead workers': pruned         |
+| ``bq:window``               | zset   | worker (window)          | "<server>SEP<worker id>" -> Redis time (ms) when  |
+|                             |        |                          | it lapses: the live workers with an automatic     |
+|                             |        |                          | window on each SGLang server (budget/window.py);  |
+|                             |        |                          | renewed every second, lapsed after 10 s; expires  |
+|                             |        |                          | with the last worker                              |
 | ``bq:tok:{fp}``             | hash   | producer (tokstore)      | file name -> zlib bytes: the tokenizer files of   |
 |                             |        |                          | the run whose Renderer fingerprint is fp, for the |
 |                             |        |                          | workers that render later turns; HSETNX, never    |
@@ -95,7 +100,7 @@ The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default):
 |                    |                                         | budget ``produce budget`` set since; unset: none     |
 
 Who may send commands on these keys: budget/ alone (ledger.py and its scripts, runstate.py, serverinfo.py,
-tokstore.py, health.py).
+tokstore.py, health.py, window.py).
 producer/, render/, worker/ and demo/ call those and never name a key; tests/redis/test_key_ownership.py enforces it. RQ's keys
 are RQ's: read or written through RQ's API, or by our scripts where a decision needs them (below).
 
@@ -118,6 +123,9 @@ EPOCH = PREFIX + "epoch"
 SERVER_INFO = PREFIX + "server_info"
 #: Which servers each worker finds down (budget/health.py): field = the RQ worker's name, value = JSON.
 SERVER_HEALTH = PREFIX + "server_health"
+#: Which workers share each SGLang server, for their automatic windows (budget/window.py): member
+#: ``"<server>SEP<worker id>"``, score = when that registration lapses (Redis' clock, ms).
+WINDOW = PREFIX + "window"
 
 
 def mix(mix_id: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from datetime import datetime, timezone
 from typing import Any, Mapping
 
 from sglang_sim.config import SimConfig
@@ -109,9 +110,41 @@ def server_info(cfg: SimConfig, stats: EngineStats) -> dict[str, Any]:
         "max_req_input_len": cfg.context_length - 6,
         "tp_size": 1, "dp_size": 1, "random_seed": cfg.seed, "reasoning_parser": None, "tool_call_parser": None,
         "enable_deterministic_inference": False, "page_size": 1, "chunked_prefill_size": 8192, "device": "cuda",
-        "internal_states": [{"last_gen_throughput": stats.last_gen_throughput}],
+        # The scheduler's own limit, per data-parallel rank (0.5.23 reports it here; the top-level
+        # max_running_requests is the --max-running-requests argument, null unless set)
+        "internal_states": [{"last_gen_throughput": stats.last_gen_throughput,
+                             "effective_max_running_requests_per_dp": cfg.max_running}],
         "version": VERSION,
     }
+
+
+def loads_body(cfg: SimConfig, stats: EngineStats) -> dict[str, Any]:
+    """/v1/loads (SGLang 0.5.23, sglang/srt/entrypoints/v1_loads.py): one entry per data-parallel rank of the
+    scheduler's LoadSnapshot core keys. Only the request counts and the limits mean anything: no KV cache is
+    modelled, so the token counts are 0."""
+    return {
+        "timestamp": datetime.now(timezone.utc).isoformat(),
+        "version": VERSION,
+        "accelerator": None,
+        "num_accelerators": 1,
+        "loads": [{
+            "timestamp": time.time(), "dp_rank": 0,
+            "num_running_reqs": stats.running, "num_waiting_reqs": stats.queued,
+            "num_waiting_uncached_tokens": 0, "num_used_tokens": 0, "num_total_tokens": 0, "num_active_tokens": 0,
+            "num_prealloc_ready_tokens": 0,
+            "max_total_num_tokens": cfg.context_length * cfg.max_running, "max_running_requests": cfg.max_running,
+            "token_usage": 0.0, "gen_throughput": stats.last_gen_throughput, "cache_hit_rate": 0.0,
+            "utilization": stats.running / cfg.max_running,
+            "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0,
+        }],
+    }
+
+
+def get_load_body(stats: EngineStats) -> list[dict[str, Any]]:
+    """/get_load: the legacy shape (SGLang before /v1/loads, and the deprecated shim after it): per rank,
+    ``num_reqs`` = running + waiting, ``num_waiting_reqs`` = waiting."""
+    return [{"dp_rank": 0, "num_reqs": stats.running + stats.queued, "num_waiting_reqs": stats.queued,
+             "num_tokens": 0, "num_pending_tokens": 0, "ts_tic": time.perf_counter()}]
 
 
 def stats_body(cfg: SimConfig, stats: EngineStats, faults: Mapping[str, Any] | None = None) -> dict[str, Any]:

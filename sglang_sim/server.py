@@ -31,7 +31,15 @@ from sglang_sim.fault_http import ABORT_INJECTED_MESSAGE, FaultState, mangled_re
 from sglang_sim.faults import Fault, FaultSettings, OutageMode
 from sglang_sim.prefix_cache import PrefixCache
 from sglang_sim.request_log import RequestLog
-from sglang_sim.responses import generate_body, metrics_text, model_info, server_info, stats_body
+from sglang_sim.responses import (
+    generate_body,
+    get_load_body,
+    loads_body,
+    metrics_text,
+    model_info,
+    server_info,
+    stats_body,
+)
 from sglang_sim.textgen import (
     Lexicon,
     OutputPlan,
@@ -248,6 +256,17 @@ async def get_server_info(request: web.Request) -> web.Response:
     return web.json_response(server_info(st.cfg, st.engine.stats()))
 
 
+async def v1_loads(request: web.Request) -> web.Response:
+    """GET /v1/loads: running and waiting requests, and the limits (SGLang 0.5.23's load endpoint)."""
+    st = request.app[STATE]
+    return web.json_response(loads_body(st.cfg, st.engine.stats()))
+
+
+async def get_load(request: web.Request) -> web.Response:
+    """GET /get_load: the same counts in the legacy shape (older SGLang; the router's power_of_two asks it)."""
+    return web.json_response(get_load_body(request.app[STATE].engine.stats()))
+
+
 async def metrics(request: web.Request) -> web.Response:
     """GET /metrics (Prometheus text)."""
     return web.Response(text=metrics_text(request.app[STATE].engine.stats()), content_type="text/plain")
@@ -335,6 +354,8 @@ def make_app(cfg: SimConfig) -> web.Application:
     for prefix in ("/", "/get_"):
         app.router.add_get(prefix + "model_info", get_model_info)
         app.router.add_get(prefix + "server_info", get_server_info)
+    app.router.add_get("/v1/loads", v1_loads)
+    app.router.add_get("/get_load", get_load)
     app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/flush_cache", flush_cache)
     app.router.add_get("/sim/stats", sim_stats)

@@ -21,7 +21,7 @@ wait_for = wait_until
 
 #: What running workers write on their own: their servers' info and health, and every RQ key but the queue's and
 #: the jobs' (registrations, registry and group cleaning, which change under a test whenever a worker heartbeats).
-WORKER_OWNED = (keys.SERVER_INFO, keys.SERVER_HEALTH)
+WORKER_OWNED = (keys.SERVER_INFO, keys.SERVER_HEALTH, keys.WINDOW)
 PRODUCE_RQ = ("rq:queue:", "rq:queues", "rq:job:", "rq:canceled:")
 
 

@@ -33,6 +33,11 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
+def _optional_int(env: Mapping[str, str], name: str) -> int | None:
+    value = _number(env, name, int, zero_ok=False, what="a whole number")
+    return None if value is None else int(value)
+
+
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
     value = _number(env, name, float, zero_ok=False, what="a number of seconds")
     return default if value is None else value
@@ -58,7 +63,9 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 class WorkerConfig:
     servers: tuple[str, ...] = (DEFAULT_SGLANG_URL,)
     api_key: str | None = field(default=None, repr=False)
-    concurrency: int = 64  # requests in flight per worker process
+    # requests in flight per worker process; None (BUDGETQ_CONCURRENCY unset): the automatic window, its share of
+    # what its SGLang servers run at once, following their load (worker/window.py)
+    concurrency: int | None = None
     max_attempts: int = 5  # per sample: unusable answers (aborts, broken bodies) tolerated
     retry_for: float = 600.0  # seconds a sample keeps retrying an unavailable server (5xx, 429, resets, timeouts)
     connect_timeout: float = 10.0
@@ -84,7 +91,7 @@ class WorkerConfig:
         return cls(
             servers=server_urls(env.get("SGLANG_URL", DEFAULT_SGLANG_URL), "SGLANG_URL"),
             api_key=env.get("SGLANG_API_KEY") or None,
-            concurrency=_int(env, "BUDGETQ_CONCURRENCY", cls.concurrency),
+            concurrency=_optional_int(env, "BUDGETQ_CONCURRENCY"),
             max_attempts=_int(env, "BUDGETQ_MAX_ATTEMPTS", cls.max_attempts),
             retry_for=_nonneg(env, "BUDGETQ_RETRY_FOR", cls.retry_for),
             connect_timeout=_float(env, "BUDGETQ_CONNECT_TIMEOUT", cls.connect_timeout),

@@ -1,4 +1,5 @@
-"""The worker's window: up to BUDGETQ_CONCURRENCY requests in flight, fed by one chunk after another.
+"""The worker's window: up to BUDGETQ_CONCURRENCY requests in flight (unset: as many as its servers can take,
+worker/window.py), fed by one chunk after another.
 
 Why not "run a chunk, wait for its last request, take the next": completion lengths are long-tailed (the
 longest of 64 lognormal requests is several times the mean), so a chunk that waits for its slowest request
@@ -43,6 +44,7 @@ from rq.serializers import JSONSerializer
 from budget.ledger import LEASE_MS, Ledger
 from budget.outcomes import TURN_BUCKETS, Admission, Admit, turn_bucket
 from budget.payload import ChunkPayload, SamplePayload, sampling_params_of
+from worker import window
 from worker.batch import Batcher, in_thread_until_answered
 from worker.config import WorkerConfig
 from worker.estimate import LengthModels, TurnModels
@@ -50,6 +52,7 @@ from worker.running import ChunkReport, Flight, RunningChunk
 from worker.sglang import GenerateError, Generation, SGLangClient
 from worker.trip import CLOSE_REASON, RequestContext, result_record
 from worker.turns import run_conversation
+from worker.window import Slots
 
 log = logging.getLogger("budgetq.worker")
 
@@ -82,7 +85,14 @@ class Dispatcher:
             lambda dataset: self.batcher.call_until_answered("length model", ledger.length_sample_call(dataset)),
             refresh_s=5 * config.reserve_interval, model_error=config.predict_model_error,
             reserve_interval=config.reserve_interval)
-        self.slots = asyncio.Semaphore(config.concurrency)
+        #: The window: BUDGETQ_CONCURRENCY slots, or, when it is unset, as many as worker/window.py says.
+        self.slots = Slots(config.concurrency or window.START)
+        self.window: window.WindowKeeper | None = None
+        if config.concurrency is None:
+            loop = asyncio.get_running_loop()
+            self.window = window.WindowKeeper(
+                ledger.r, config, usage=self.slots.usage,
+                on_window=lambda size: loop.call_soon_threadsafe(self.slots.resize, size)).start()
         self.ended = asyncio.Event()  # set whenever any request of this worker ends
         self.running: dict[str, RunningChunk] = {}
         self.finishers: set[asyncio.Task[None]] = set()
@@ -480,5 +490,7 @@ class Dispatcher:
         while self.finishers:
             await asyncio.gather(*list(self.finishers), return_exceptions=True)
         self.length_models.close()
+        if self.window is not None:
+            await asyncio.to_thread(self.window.close)
         if self._beat is not None:
             self._beat.cancel()

@@ -101,8 +101,8 @@ class Worker(SimpleWorker):
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._stop_before_work)
             signal.signal(signal.SIGINT, self._stop_before_work)
-        log.info("budgetq worker: %d server(s), %d requests in flight per worker, pid %d",
-                 len(self.config.servers), self.config.concurrency, os.getpid())
+        log.info("budgetq worker: %d server(s), %s requests in flight per worker, pid %d",
+                 len(self.config.servers), self.config.concurrency or "an automatic number of", os.getpid())
 
     def _stop_before_work(self, signum: Any, frame: Any) -> None:
         self._stop_requested = True

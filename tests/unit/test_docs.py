@@ -402,8 +402,8 @@ def built_keys() -> set[str]:
         for key in value if isinstance(value, list) else [value]:
             built.add(re.sub(r":lengths:\d+$", ":lengths:{j}", key))
     fp = "0" * 64
-    built |= {keys.DATASETS, keys.EPOCH, keys.SERVER_INFO, keys.SERVER_HEALTH, keys.tokenizer_files(fp).replace(fp, "{fp}"),
-              keys.mix("id")}
+    built |= {keys.DATASETS, keys.EPOCH, keys.SERVER_INFO, keys.SERVER_HEALTH, keys.WINDOW,
+              keys.tokenizer_files(fp).replace(fp, "{fp}"), keys.mix("id")}
     return built
 
 
