@@ -224,7 +224,7 @@ def main() -> None:
      help="With --dry-run: completion tokens per second of the deployment, for the ETA.")
 @opt("--in-flight", type=click.IntRange(1), default=None, metavar="N",
      help="With --dry-run and multi-turn conversations: requests the deployment runs at once (workers x "
-          "BUDGETQ_CONCURRENCY, default 64), for the ETA: a conversation's turns run one after another.")
+          "BUDGETQ_CONCURRENCY, or what the servers run at once; default 64), for the ETA: a conversation's turns run one after another.")
 @opt("--json", "as_json", is_flag=True, envvar="BUDGETQ_PLAN_JSON", help="With --dry-run: print the plan as JSON.")
 @opt("--chunk-size", type=click.IntRange(1, 10_000), default=256, show_default=True, help="Samples per RQ job.")
 @opt("--queue-depth", type=click.IntRange(1), default=16, show_default=True,

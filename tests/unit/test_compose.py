@@ -219,7 +219,8 @@ def test_worker_service(services: dict[str, dict[str, Any]]) -> None:
     assert interpolate(env["REDIS_URL"]) == "redis://redis:6379/0"
     assert env["SGLANG_URL"] == "${SGLANG_URL:-http://sglang:30000}"
     assert interpolate(env["SGLANG_URL"], {"SGLANG_URL": "http://sim:30000"}) == "http://sim:30000"
-    assert interpolate(env["BUDGETQ_CONCURRENCY"]) == "64"
+    assert interpolate(env["BUDGETQ_CONCURRENCY"]) == ""  # the automatic window
+    assert interpolate(env["BUDGETQ_CONCURRENCY"], {"BUDGETQ_CONCURRENCY": "32"}) == "32"
     deps = depends_on(worker)
     assert deps["redis"]["condition"] == "service_healthy" and deps["redis"].get("required", True) is True
     for profiled in ("sglang", "sim"):
