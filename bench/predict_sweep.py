@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.budget_modes import RESULTS, build_tokenizer, run_mode
-from bench.harness import scratch, write_prompts
+from bench.harness import scratch
+from demo.synthetic import write_prompts
 
 #: median -> (mean, max_new_tokens) of a lognormal of sigma 0.8: 300 is issue 24's; 2.8K is the reference's 3.8K mean.
 LENGTHS = {300: (413.0, 2048), 2800: (3800.0, 16384)}
