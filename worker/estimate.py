@@ -38,17 +38,17 @@ running, which near a close is most of them.
 
 Before the first lengths (issue 24). Without ``--expect-mean`` or an existing output nothing says how long a
 dataset's answers are, and a made-up prior is wrong by as much as the data is unlike it: max_new_tokens / 4 capped
-at 1,024 was 3.7x short of the reference workload's 3,800, and at a budget of 1-2x what is in flight the first
-waves of admissions, priced by it, were the whole budget (+8% to +46% over). So an uninformed model has no prior:
-until it has ``MIN_OBSERVED`` completed lengths it is *young* and reserves max_new_tokens per request, which is
-strict's price (nothing can outgrow it, so the first waves cannot overshoot). After that it is the Kaplan-Meier
-model of what was seen, running requests censored, with no pseudo-observations: the tail beyond the longest length
-seen is priced at the cap, and the model's own error (large while it is small) rides in each reservation. The
-first lengths are the short ones, so until it has ``FAST_REFRESH_LENGTHS`` it is rebuilt at every restatement
-instead of every few seconds: it leaves the young state as soon as the lengths are in Redis, and the short first
-lengths do not price the run for long. The cost is only at budgets under in flight x max_new_tokens, for the first MIN_OBSERVED
-lengths: fewer requests start then, as in strict. A given mean (``--expect-mean``, an output's) is a prior of
-PRIOR_POINTS pseudo-observations, as before.
+at 1,024 was 3.7x short of the reference workload's 3,800, and at a budget of 1-2x what is in flight the first waves
+of admissions, priced by it, were the whole budget (+8% to +46% over). So an uninformed model has no prior: until it
+has ``MIN_OBSERVED`` completed lengths, and twice as many as are running, it is *young* and reserves max_new_tokens
+per request, which is strict's price (nothing can outgrow it, so the first waves cannot overshoot). After that it is
+the Kaplan-Meier model of what was seen, running requests censored, with no pseudo-observations: the tail beyond the
+longest length seen is priced at the cap, and the model's own error (large while it is small) rides in each
+reservation. The first lengths are the short ones, so until it has ``FAST_REFRESH_LENGTHS`` it is rebuilt at every
+restatement instead of every few seconds: it leaves the young state as soon as the lengths are in Redis, and the
+short first lengths do not price the run for long. The cost is only at budgets under in flight x max_new_tokens, for
+the first MIN_OBSERVED (and twice the running) lengths: fewer requests start then, as in strict. A given mean
+(``--expect-mean``, an output's) is a prior of PRIOR_POINTS pseudo-observations, as before.
 
 The worker keeps one model per dataset (``LengthModels``: the pooled model and the per-turn ones), rebuilt from
 Redis every few seconds (at every restatement while it has few lengths) without ever making its event loop wait.
@@ -72,14 +72,18 @@ log = logging.getLogger("budgetq.worker")
 #: enough that a few dozen real lengths outweigh it.
 PRIOR_POINTS = 32
 PRIOR_SIGMA = 0.8
-#: Completed lengths an uninformed model (no prior mean) needs before it prices requests below max_new_tokens: the
-#: first results are the short ones, and this many with the running requests censored put the model's own error
-#: within a few percent (the offline sweep, tests/close_sim.py ``--learn``; docs/budget.md "Before the first lengths").
+#: Completed lengths an uninformed model (no prior mean) needs before it prices requests below max_new_tokens: at
+#: least MIN_OBSERVED, and YOUNG_PER_RUNNING x the requests running (censored) in its sample. The first lengths are
+#: the short part of the first wave, and the running ones, whose progress says how long they are, are read short
+#: early (a worker without results publishes 0): offline (tests/close_sim.py ``--learn none``), 1024 in flight of
+#: the reference lengths at 1x, young until 64 lengths: 0 of 2 in the bound (+55K, +292K); until 2 x running: 2 of 2.
+#: A model can turn young again if many more start than have ended: conservative, and only in a run's first waves.
 MIN_OBSERVED = 64
-#: ... and until it has this many it is rebuilt at every restatement, not every few seconds: the first lengths are
-#: the short ones, so a model built on them and kept for 5 s is short (offline, issue 24's setup: 3 of 6 runs in
-#: the bound, worst +11,158, with the 5 s refresh from the 64th length on; 6 of 6 with this). A cheap read.
-FAST_REFRESH_LENGTHS = 1024
+YOUNG_PER_RUNNING = 2
+#: ... and until it has this many it is rebuilt at every restatement, not every few seconds: a model built on the
+#: first lengths and kept for 5 s is short (offline, issue 24's setup: 3 of 6 runs in the bound, worst +11,158, with
+#: the 5 s refresh from the 64th length on; 6 of 6 with this). At most this many lengths: a cheap read.
+FAST_REFRESH_LENGTHS = 2048
 
 
 def prior_sample(mean: float, max_new: int, points: int = PRIOR_POINTS, sigma: float = PRIOR_SIGMA) -> list[int]:
@@ -113,8 +117,8 @@ class LengthModel:
     out would bias the model short early in a run, when the completed requests are mostly the short ones
     (exactly when the first reservations are made). A given ``prior_mean`` adds a small lognormal prior
     (PRIOR_POINTS observations) that keeps the first estimates sensible. Without one the model is ``young`` until
-    it has MIN_OBSERVED lengths, and a young model reserves max_new_tokens (the module's "Before the first
-    lengths"): a prior made up from max_new_tokens alone was several times short at the reference lengths.
+    it has MIN_OBSERVED lengths and YOUNG_PER_RUNNING x the running ones, and a young model reserves
+    max_new_tokens (the module's "Before the first lengths"): a prior made up from max_new_tokens alone was several times short at the reference lengths.
     """
 
     def __init__(self, lengths: Sequence[int], prior_mean: float | None, max_new: int,
@@ -126,7 +130,7 @@ class LengthModel:
         self.observed = len(lengths)
         #: too few of its own lengths to go on: reserve() prices every request at max_new_tokens
         self.uninformed = not prior  # no prior mean: only its own lengths to go on
-        self.young = self.uninformed and self.observed < MIN_OBSERVED
+        self.young = self.uninformed and self.observed < max(MIN_OBSERVED, YOUNG_PER_RUNNING * len(censored))
         # Survival S(t) = P(L > t) as a step function: knots[i] with S just after knots[i] = surv[i].
         self.knots: list[float] = [0.0]
         self.surv: list[float] = [1.0]
@@ -409,8 +413,9 @@ class LengthModels:
     def refresh_after(self, model: LengthModel) -> float:
         """Seconds a model stands before it is rebuilt from Redis: ``refresh_s``, or one restatement interval while
         an uninformed model has fewer than FAST_REFRESH_LENGTHS lengths: a young one reserves max_new_tokens until it
-        has MIN_OBSERVED, so it should see them as soon as they are in Redis, and the next ones correct the first,
-        which are the short ones (the module's "Before the first lengths"). At most that many lengths: a cheap read."""
+        has enough (MIN_OBSERVED, YOUNG_PER_RUNNING), so it should see them as soon as they are in Redis, and the
+        next ones correct the first, which are the short ones (the module's "Before the first lengths"). At most that
+        many lengths: a cheap read."""
         if model.young or (model.uninformed and model.observed < FAST_REFRESH_LENGTHS):
             return self.restate_interval()
         return self.REFRESH_S
