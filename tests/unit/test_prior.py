@@ -1,7 +1,8 @@
 """Predict before the first lengths (issue 24, worker/estimate.py "Before the first lengths"): without --expect-mean
-the worker's model reserves max_new_tokens until it has MIN_OBSERVED lengths, then prices by what it saw, rebuilt at
-every restatement until FAST_REFRESH_LENGTHS. Before, a prior of max_new_tokens / 4 (at most 1,024) priced the first
-waves, 3.7x short of the reference lengths, and a budget of 1x what is in flight was overshot by a quarter.
+the worker's model reserves max_new_tokens until it has MIN_OBSERVED lengths (and twice the running), then prices by
+what it saw, rebuilt at every restatement until FAST_REFRESH_LENGTHS. Before, a prior of max_new_tokens / 4 (at most
+1,024) priced the first waves, 3.7x short of the reference lengths, and a budget of 1x what is in flight was
+overshot by a quarter.
 
 The landings run tests/close_sim.py's offline model with ``learn``: the worker's own LengthModel, LengthModels and
 admission rule, the model learned from the run's own lengths; no Redis, no clock."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.close_sim import run
-from worker.estimate import FAST_REFRESH_LENGTHS, MIN_OBSERVED, LengthModel, LengthModels, TurnModels
+from worker.estimate import FAST_REFRESH_LENGTHS, MIN_OBSERVED, YOUNG_PER_RUNNING, LengthModel, LengthModels, TurnModels
 
 #: The reference lengths (mean 3,800, sigma 0.8, cap 16,384), 64 in flight on one worker, requests of ~0.5 s.
 REFERENCE = dict(slots=64, workers=1, mean=3800.0, cap=16384, tps=7600.0)
@@ -23,6 +24,14 @@ def test_a_small_budget_lands_in_the_bound_without_expect_mean(budget: int, seed
     max_new_tokens."""
     over, _ = run(seed, budget=budget, learn="none", **REFERENCE)  # type: ignore[arg-type]
     assert 0 <= over <= 16_384
+
+
+def test_a_wide_first_wave_waits_for_twice_the_running_lengths() -> None:
+    """1024 in flight of ~60 s requests at 1x: the first 64 lengths are the short 6% of the first wave, and a model
+    that trusted them landed +55K and +292K over (offline, seeds 0-1) against a bound of 19,456."""
+    over, _ = run(1, budget=3_891_200, slots=1024, workers=4, mean=3800.0, cap=16384, tps=63.3, overhead=0.5,
+                  learn="none")
+    assert 0 <= over <= 19_456
 
 
 def test_the_old_default_prior_overshoots_the_same_run() -> None:
@@ -43,6 +52,9 @@ def test_a_young_model_reserves_max_new_tokens() -> None:
     assert young.young and young.reserve(0.0, 1.0) == young.reserve(500.0, 0.0) == 2048
     grown = LengthModel([300] * MIN_OBSERVED, None, 2048)
     assert not grown.young and grown.reserve(0.0, 1.0) < 400
+    # and twice as many lengths as requests running
+    assert LengthModel([300] * 100, None, 2048, running=[100.0] * (100 // YOUNG_PER_RUNNING + 1)).young
+    assert not LengthModel([300] * 100, None, 2048, running=[100.0] * (100 // YOUNG_PER_RUNNING)).young
     # a given mean (--expect-mean, an existing output's) is a prior: never young
     assert not LengthModel([], 300.0, 2048).young
     assert LengthModel([], 300.0, 2048).reserve(0.0, 0.0) < 400
