@@ -97,7 +97,7 @@ def main() -> None:
                          "6,000 prompts, --speed-tps tok/s per request, time scale 1, 1 s interval")
     ap.add_argument("--speed-tps", default="3000,300", help="with --issue-cell: per-request decode speeds")
     ap.add_argument("--expect-mean", action="store_true",
-                    help="give produce --expect-mean (the true mean) instead of leaving the prior to max_new_tokens / 4")
+                    help="give produce --expect-mean (the true mean) instead of no prior (max_new_tokens until lengths)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--history-dir", default="")
     ap.add_argument("--results", default="predict_sweep.json", help="file name under bench/results/")
