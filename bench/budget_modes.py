@@ -231,7 +231,7 @@ def main() -> None:
                     help="BUDGETQ_RESERVE_INTERVAL in real seconds (default: 2 simulated s, 2 / --time-scale); "
                          "1 is the worker's own default, what a user who sets nothing runs")
     ap.add_argument("--no-expect-mean", action="store_true",
-                    help="run produce without --expect-mean (the prior is then max_new_tokens / 4, at most 1024)")
+                    help="run produce without --expect-mean (no prior: the worker reserves max_new_tokens until it has lengths)")
     ap.add_argument("--history-dir", default="", help="keep each run's (t, used, reserved, in flight) series here")
     ap.add_argument("--prompts", type=int, default=0, help="dataset size (default: 1.6 x the largest budget / mean)")
     ap.add_argument("--modes", default="drain,predict,strict")

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.budget_modes import RESULTS, build_tokenizer, run_mode
-from bench.harness import scratch, write_prompts
+from bench.harness import scratch
+from demo.synthetic import write_prompts
 
 #: median -> (mean, max_new_tokens) of a lognormal of sigma 0.8: 300 is issue 24's; 2.8K is the reference's 3.8K mean.
 LENGTHS = {300: (413.0, 2048), 2800: (3800.0, 16384)}
@@ -96,7 +97,7 @@ def main() -> None:
                          "6,000 prompts, --speed-tps tok/s per request, time scale 1, 1 s interval")
     ap.add_argument("--speed-tps", default="3000,300", help="with --issue-cell: per-request decode speeds")
     ap.add_argument("--expect-mean", action="store_true",
-                    help="give produce --expect-mean (the true mean) instead of leaving the prior to max_new_tokens / 4")
+                    help="give produce --expect-mean (the true mean) instead of no prior (max_new_tokens until lengths)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--history-dir", default="")
     ap.add_argument("--results", default="predict_sweep.json", help="file name under bench/results/")

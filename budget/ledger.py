@@ -50,8 +50,11 @@ REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 
 def default_prior_mean(max_new_tokens: int) -> float:
-    """Expected completion length before a dataset has results or an --expect-mean: a quarter of the cap,
-    at most 1024. Only the first few dozen admissions of a predict run rely on it."""
+    """The producer's guess of a completion's length before a dataset has results or an --expect-mean, for sizing
+    what it enqueues just in time (producer/session/loop.py): a quarter of the cap, at most 1024. Short is safe
+    there (it enqueues more). Predict does not price with it: it was 3.7x short of the reference lengths, and the
+    first waves of a small budget overshot by it; an uninformed worker model reserves max_new_tokens until it has
+    seen lengths (worker/estimate.py MIN_OBSERVED, docs/budget.md "Before the first lengths")."""
     return min(max_new_tokens / 4, 1024.0)
 
 

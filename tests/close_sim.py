@@ -20,6 +20,13 @@ restated every BUDGETQ_RESERVE_INTERVAL (``--interval``), a request priced at it
 LengthModels (a request priced where it will be when the next restatement replaces its price, the interval a
 quarter of a request, progress net of the fitted overhead). ``--timer-late`` makes each restatement fire late by an
 exponential delay of that mean, as a loaded machine's event loop does.
+
+``--learn none|default|true``: the model is not given but learned as the worker learns it (issue 24's prior): each
+worker rebuilds its LengthModel from the lengths completed so far (the last 4096) and the running requests' progress
+as last published (censored), every ``LengthModels.refresh_after`` (5 intervals, or one while the model is young),
+starting from no lengths at all. ``none``: no prior mean (the code now: a young model reserves max_new_tokens until
+it has MIN_OBSERVED lengths); ``default``: the prior the worker used before, max_new_tokens / 4 capped at 1,024
+(budget/ledger.py default_prior_mean, 32 pseudo-observations); ``true``: ``--expect-mean`` (the true mean).
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from budget.ledger import default_prior_mean
 from budget.outcomes import LengthSample
 from worker.estimate import LengthModel, LengthModels, RateTracker, predict_admits
 
@@ -43,9 +51,11 @@ async def _no_fetch(dataset: str) -> LengthSample:
 class _Worker:
     models: LengthModels
     free: int
-    flights: dict[int, list[float]] = field(default_factory=dict)  # id -> [started, reserved]
+    flights: dict[int, list[float]] = field(default_factory=dict)  # id -> [started, reserved, published progress]
     retry_at: float = math.inf  # after a refusal: when it asks again if no request of its own ends first
     priced_at: float = 0.0  # when its standing prices were computed (LengthModels.restated)
+    model: LengthModel | None = None  # with ``learn``: this worker's own model, and when it was built
+    built_at: float = -math.inf
 
     def interval(self, pricing: str) -> float:
         return self.models.restate_interval() if pricing == "new" else self.models.reserve_interval
@@ -60,15 +70,17 @@ class _Worker:
 def run(seed: int, budget: int = 600_000, slots: int = 192, workers: int = 3, mean: float = 413.0,  # noqa: C901
         sigma: float = 0.8, cap: int = 2048, tps: float = 3000.0, overhead: float = 0.04, interval: float = 1.0,
         taper: float = 2.0, margin: float = 1.0, z: float = 1.0, pricing: str = "new",
-        timer_late: float = 0.0) -> tuple[int, float]:
+        timer_late: float = 0.0, learn: str = "") -> tuple[int, float]:
     """One run: (final - budget, seconds from 90% of the budget to the close). ``timer_late``: each restatement
-    fires that many seconds late on average (exponential), as on a loaded machine."""
+    fires that many seconds late on average (exponential), as on a loaded machine. ``learn``: the model is learned
+    from the run's own lengths with this prior (none, default, true: the module's docstring), not given."""
     rng = np.random.default_rng(seed)
     late = np.random.default_rng(seed + 10_000)
     mu = math.log(mean) - sigma ** 2 / 2
     draw = lambda: int(min(cap, max(1, round(rng.lognormal(mu, sigma)))))  # noqa: E731
-    model = LengthModel([draw() for _ in range(4096)], mean, cap)
-    sd = model.sd()
+    given = LengthModel([draw() for _ in range(4096)], mean, cap)
+    prior = {"": None, "none": None, "default": default_prior_mean(cap), "true": mean}[learn]
+    seen: list[int] = []  # completed lengths, in order (the lengths list)
     clock = [0.0]  # the simulated time, which the worker's LengthModels read as their clock
     ws = [_Worker(LengthModels(_no_fetch, model_error=z, reserve_interval=interval, clock=lambda: clock[0]),
                   slots // workers) for _ in range(workers)]
@@ -84,10 +96,20 @@ def run(seed: int, budget: int = 600_000, slots: int = 192, workers: int = 3, me
     def in_flight() -> int:
         return sum(len(w.flights) for w in ws)
 
+    def model_of(w: _Worker, now: float) -> LengthModel:
+        if not learn:
+            return given
+        if w.model is None or now - w.built_at > w.models.refresh_after(w.model):
+            running = [f[2] for v in ws for f in v.flights.values()]
+            w.model, w.built_at = LengthModel(seen[-4096:], prior, cap, running=running), now
+        return w.model
+
     def admit(wi: int, now: float) -> None:
         nonlocal next_id
         w = ws[wi]
         while w.free > 0 and not closed:
+            model = model_of(w, now)
+            sd = model.sd()
             price = w.price(model, 0.0, pricing, z)
             if not predict_admits(used, reserved(), price, in_flight(), budget, margin * sd, taper * sd):
                 if in_flight():
@@ -96,7 +118,7 @@ def run(seed: int, budget: int = 600_000, slots: int = 192, workers: int = 3, me
                 return
             length = draw()
             lengths[next_id] = length
-            w.flights[next_id] = [now, float(price)]
+            w.flights[next_id] = [now, float(price), 0.0]
             w.free -= 1
             heapq.heappush(events, (now + overhead + length / tps, 0, wi, next_id))
             next_id += 1
@@ -114,8 +136,10 @@ def run(seed: int, budget: int = 600_000, slots: int = 192, workers: int = 3, me
             if w.flights:
                 w.models.restated(now - w.priced_at)
             w.priced_at = now
+            model = model_of(w, now)
             for f in w.flights.values():
                 f[1] = w.price(model, now - f[0], pricing, z)
+                f[2] = w.models.rates.progress(now - f[0])
             delay = late.exponential(timer_late) if timer_late > 0 else 0.0
             heapq.heappush(events, (now + w.interval(pricing) + delay, 1, wi, -1))
             continue
@@ -127,6 +151,7 @@ def run(seed: int, budget: int = 600_000, slots: int = 192, workers: int = 3, me
         started = w.flights.pop(rid)[0]
         length = lengths.pop(rid)
         w.models.rates.observe(length, now - started)
+        seen.append(length)
         used += length
         w.free += 1
         if t90 is None and used >= 0.9 * budget:
@@ -158,17 +183,22 @@ def main() -> None:
                     help="mean seconds each restatement fires late (exponential): a loaded machine's event loop")
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--pricing", default="old,new")
+    ap.add_argument("--learn", default="", help="comma list of none, default, true: learn the model from the run "
+                    "with that prior (the module's docstring) instead of giving it")
     args = ap.parse_args()
     bound = max(0.005 * args.budget, args.cap)
-    print("| pricing | in [0, bound] | median over | worst over | bound | median 90% -> close |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| pricing | prior | in [0, bound] | median over | worst over | bound | median 90% -> close |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for pricing in args.pricing.split(","):
-        res = [run(s, args.budget, args.slots, args.workers, args.mean, args.sigma, args.cap, args.tps, args.overhead,
-                   args.interval, args.taper, 1.0, args.z, pricing, args.timer_late) for s in range(args.seeds)]
-        over = sorted(o for o, _ in res)
-        worst = over[-1] if over[-1] > bound or over[0] >= 0 else over[0]
-        print(f"| {pricing} | {sum(0 <= o <= bound for o in over)}/{len(over)} | {statistics.median(over):+,.0f} | "
-              f"{worst:+,} | {bound:,.0f} | {statistics.median(t for _, t in res):.2f} s |")
+        for learn in args.learn.split(","):
+            res = [run(s, args.budget, args.slots, args.workers, args.mean, args.sigma, args.cap, args.tps,
+                       args.overhead, args.interval, args.taper, 1.0, args.z, pricing, args.timer_late, learn)
+                   for s in range(args.seeds)]
+            over = sorted(o for o, _ in res)
+            worst = over[-1] if over[-1] > bound or over[0] >= 0 else over[0]
+            print(f"| {pricing} | {learn or 'given'} | {sum(0 <= o <= bound for o in over)}/{len(over)} | "
+                  f"{statistics.median(over):+,.0f} | {worst:+,} | {bound:,.0f} | "
+                  f"{statistics.median(t for _, t in res):.2f} s |")
 
 
 if __name__ == "__main__":

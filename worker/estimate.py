@@ -36,8 +36,22 @@ the pooled model counts every running request: the worker restates their progres
 hash's fields ``{chunk}\x1f{j}``), so a model is not biased short while the long turns it will see are still
 running, which near a close is most of them.
 
+Before the first lengths (issue 24). Without ``--expect-mean`` or an existing output nothing says how long a
+dataset's answers are, and a made-up prior is wrong by as much as the data is unlike it: max_new_tokens / 4 capped
+at 1,024 was 3.7x short of the reference workload's 3,800, and at a budget of 1-2x what is in flight the first waves
+of admissions, priced by it, were the whole budget (+8% to +46% over). So an uninformed model has no prior: until it
+has ``MIN_OBSERVED`` completed lengths, and twice as many as are running, it is *young* and reserves max_new_tokens
+per request, which is strict's price (nothing can outgrow it, so the first waves cannot overshoot). After that it is
+the Kaplan-Meier model of what was seen, running requests censored, with no pseudo-observations: the tail beyond the
+longest length seen is priced at the cap, and the model's own error (large while it is small) rides in each
+reservation. The first lengths are the short ones, so until it has ``FAST_REFRESH_LENGTHS`` it is rebuilt at every
+restatement instead of every few seconds: it leaves the young state as soon as the lengths are in Redis, and the
+short first lengths do not price the run for long. The cost is only at budgets under in flight x max_new_tokens, for
+the first MIN_OBSERVED (and twice the running) lengths: fewer requests start then, as in strict. A given mean
+(``--expect-mean``, an output's) is a prior of PRIOR_POINTS pseudo-observations, as before.
+
 The worker keeps one model per dataset (``LengthModels``: the pooled model and the per-turn ones), rebuilt from
-Redis every few seconds without ever making its event loop wait.
+Redis every few seconds (at every restatement while it has few lengths) without ever making its event loop wait.
 """
 from __future__ import annotations
 
@@ -50,7 +64,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Final, Mapping, Sequence
 
-from budget.ledger import default_prior_mean
 from budget.outcomes import TURN_BUCKETS, LengthSample, turn_bucket
 
 log = logging.getLogger("budgetq.worker")
@@ -59,6 +72,18 @@ log = logging.getLogger("budgetq.worker")
 #: enough that a few dozen real lengths outweigh it.
 PRIOR_POINTS = 32
 PRIOR_SIGMA = 0.8
+#: Completed lengths an uninformed model (no prior mean) needs before it prices requests below max_new_tokens: at
+#: least MIN_OBSERVED, and YOUNG_PER_RUNNING x the requests running (censored) in its sample. The first lengths are
+#: the short part of the first wave, and the running ones, whose progress says how long they are, are read short
+#: early (a worker without results publishes 0): offline (tests/close_sim.py ``--learn none``), 1024 in flight of
+#: the reference lengths at 1x, young until 64 lengths: 0 of 2 in the bound (+55K, +292K); until 2 x running: 2 of 2.
+#: A model can turn young again if many more start than have ended: conservative, and only in a run's first waves.
+MIN_OBSERVED = 64
+YOUNG_PER_RUNNING = 2
+#: ... and until it has this many it is rebuilt at every restatement, not every few seconds: a model built on the
+#: first lengths and kept for 5 s is short (offline, issue 24's setup: 3 of 6 runs in the bound, worst +11,158, with
+#: the 5 s refresh from the 64th length on; 6 of 6 with this). At most this many lengths: a cheap read.
+FAST_REFRESH_LENGTHS = 2048
 
 
 def prior_sample(mean: float, max_new: int, points: int = PRIOR_POINTS, sigma: float = PRIOR_SIGMA) -> list[int]:
@@ -90,17 +115,22 @@ class LengthModel:
     Built with the Kaplan-Meier estimator: completed requests are observed lengths; requests still running are
     *censored* observations (their length is only known to exceed their progress). Leaving the running ones
     out would bias the model short early in a run, when the completed requests are mostly the short ones
-    (exactly when the first reservations are made). A small lognormal prior (PRIOR_POINTS observations) keeps
-    the first estimates sensible.
+    (exactly when the first reservations are made). A given ``prior_mean`` adds a small lognormal prior
+    (PRIOR_POINTS observations) that keeps the first estimates sensible. Without one the model is ``young`` until
+    it has MIN_OBSERVED lengths and YOUNG_PER_RUNNING x the running ones, and a young model reserves
+    max_new_tokens (the module's "Before the first lengths"): a prior made up from max_new_tokens alone was several times short at the reference lengths.
     """
 
     def __init__(self, lengths: Sequence[int], prior_mean: float | None, max_new: int,
                  running: Sequence[float] = ()) -> None:
         self.max_new = max(1, max_new)
-        prior = prior_mean if prior_mean else default_prior_mean(self.max_new)
-        events = sorted(min(self.max_new, max(0, int(x))) for x in [*lengths, *prior_sample(prior, self.max_new)])
+        prior = prior_sample(prior_mean, self.max_new) if prior_mean else []
+        events = sorted(min(self.max_new, max(0, int(x))) for x in [*lengths, *prior])
         censored = sorted(min(float(self.max_new), max(0.0, float(x))) for x in running)
         self.observed = len(lengths)
+        #: too few of its own lengths to go on: reserve() prices every request at max_new_tokens
+        self.uninformed = not prior  # no prior mean: only its own lengths to go on
+        self.young = self.uninformed and self.observed < max(MIN_OBSERVED, YOUNG_PER_RUNNING * len(censored))
         # Survival S(t) = P(L > t) as a step function: knots[i] with S just after knots[i] = surv[i].
         self.knots: list[float] = [0.0]
         self.surv: list[float] = [1.0]
@@ -183,7 +213,10 @@ class LengthModel:
         return math.sqrt(self.tail_var[bisect_right(self.knots, progress)]) / s
 
     def reserve(self, progress: float, z: float) -> int:
-        """What a request reserves: ``expected(progress)`` plus z standard errors of the model, capped."""
+        """What a request reserves: ``expected(progress)`` plus z standard errors of the model, capped; max_new_tokens
+        while the model is ``young`` (strict's price: before a model has lengths, no estimate is safe)."""
+        if self.young:
+            return self.max_new
         base = self.expected(progress)
         if z <= 0:
             return base
@@ -208,7 +241,7 @@ class TurnModels:
         """From the pooled model (the prior), each bucket's recent lengths (missing buckets: none yet), the
         stats hash's ``reached:{j}`` / ``offered:{j}`` counts, and each bucket's running turns' progress (censored
         observations: "at least this long")."""
-        prior = pooled.mean()
+        prior = None if pooled.young else pooled.mean()  # a young pooled model makes every turn young too
         models = tuple(LengthModel(list(per_turn[j]) if j < len(per_turn) else [], prior, pooled.max_new,
                                    running=list(running[j]) if j < len(running) else [])
                        for j in range(TURN_BUCKETS))
@@ -386,9 +419,19 @@ class LengthModels:
                 pooled, sample.per_turn, sample.turn_counts, self.model_error, sample.turn_running))
         return built[1]
 
+    def refresh_after(self, model: LengthModel) -> float:
+        """Seconds a model stands before it is rebuilt from Redis: ``refresh_s``, or one restatement interval while
+        an uninformed model has fewer than FAST_REFRESH_LENGTHS lengths: a young one reserves max_new_tokens until it
+        has enough (MIN_OBSERVED, YOUNG_PER_RUNNING), so it should see them as soon as they are in Redis, and the
+        next ones correct the first, which are the short ones (the module's "Before the first lengths"). At most that
+        many lengths: a cheap read."""
+        if model.young or (model.uninformed and model.observed < FAST_REFRESH_LENGTHS):
+            return self.restate_interval()
+        return self.REFRESH_S
+
     async def _cached(self, dataset: str) -> tuple[float, str, LengthModel, LengthSample]:
         cached = self._models.get(dataset)
-        if cached is None or time.monotonic() - cached[0] > self.REFRESH_S:
+        if cached is None or time.monotonic() - cached[0] > self.refresh_after(cached[2]):
             task = self._refreshing.get(dataset)
             if task is None:
                 task = self._refreshing[dataset] = asyncio.create_task(self._refresh(dataset))

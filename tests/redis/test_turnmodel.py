@@ -68,7 +68,7 @@ def test_the_running_turn_is_priced_as_a_request_that_has_run_that_long() -> Non
 
 
 def test_the_model_error_is_added_per_turn() -> None:
-    per_turn = [[1000] * 10, [3000] * 10]
+    per_turn = [[1000] * 40, [3000] * 40]  # 80 lengths: past the young model's max_new_tokens (MIN_OBSERVED)
     pooled = LengthModel(per_turn[0] + per_turn[1], None, MAX_NEW)
     plain, careful = TurnModels.build(pooled, per_turn, {}), TurnModels.build(pooled, per_turn, {}, z=2.0)
     assert careful.conversation(2) > plain.conversation(2)
