@@ -27,19 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import save_results, scratch, sim_args, sim_stats_url, window_rate
+from bench.harness import save_results, scratch, sim_args, sim_stats_url, wait_first_request, window_rate
 from budget.keys import DatasetKeys
 from demo.stack import Stack, produce_cmd
 from demo.synthetic import write_prompts
-
-
-def wait_first_request(url: str, timeout: float = 120.0) -> float:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sim_stats_url(url)["submitted"] > 0:
-            return time.time()
-        time.sleep(0.05)
-    raise RuntimeError("no request reached the simulator")
 
 
 def run_one(args: argparse.Namespace, work: Path, tok: Path, size: int, n_workers: int,

@@ -35,6 +35,7 @@ from bench.harness import (
     scratch,
     sim_args,
     sim_stats_url,
+    wait_first_request,
     window_rate,
 )
 from budget.keys import DatasetKeys
@@ -50,15 +51,6 @@ def render_bodies(tok: Path, data: Path) -> list[list[int]]:
     ids = [r.input_ids for i in range(0, len(conversations), 256)
            for r in renderer.render_many(conversations[i:i + 256])]
     return ids
-
-
-def wait_first_request(url: str, timeout: float = 120.0) -> float:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sim_stats_url(url)["submitted"] > 0:
-            return time.time()
-        time.sleep(0.05)
-    raise RuntimeError("no request reached the simulator")
 
 
 def sleep_until(t: float) -> None:

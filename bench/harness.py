@@ -126,6 +126,16 @@ def sim_stats_url(url: str) -> dict[str, Any]:
         return dict(json.loads(resp.read()))
 
 
+def wait_first_request(url: str, timeout: float = 120.0) -> float:
+    """Wall time when the simulator at ``url`` first saw a request (polled: it is another process)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sim_stats_url(url)["submitted"] > 0:
+            return time.time()
+        time.sleep(0.05)
+    raise RuntimeError("no request reached the simulator")
+
+
 class SimProbe(threading.Thread):
     """Polls /sim/stats of each server every ``interval`` s, keeping (wall time, stats) samples."""
 
