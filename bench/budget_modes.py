@@ -83,6 +83,11 @@ class Watch(threading.Thread):
             time.sleep(0.02)
 
 
+def _text_hash(raw: Any) -> dict[str, str]:
+    """A hash read by a client that does not decode responses, as text."""
+    return {bytes(k).decode(): bytes(v).decode() for k, v in dict(raw).items()}
+
+
 def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: Path, budget: int | None = None,
              seed: int | None = None, taper: str | None = None, model_error: str | None = None,
              turns: int = 1) -> dict[str, Any]:
@@ -126,8 +131,8 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
             raise RuntimeError(f"{mode}: produce failed: {res.stderr[-2000:]}")
         recs = [json.loads(line) for line in (out / name / "raw_responses.jsonl").read_text().splitlines()]
         r = stack.client()
-        meta = {k.decode(): v.decode() for k, v in r.hgetall(f"bq:ds:{{{name}}}").items()}
-        stats = {k.decode(): v.decode() for k, v in r.hgetall(f"bq:ds:{{{name}}}:stats").items()}
+        meta = _text_hash(r.hgetall(f"bq:ds:{{{name}}}"))
+        stats = _text_hash(r.hgetall(f"bq:ds:{{{name}}}:stats"))
         used = int(r.get(f"bq:ds:{{{name}}}:used") or 0)
         unwritten = sum(int(v) for v in r.hvals(f"bq:ds:{{{name}}}:turns"))
         total = sum(x["completion_tokens"] for x in recs)

@@ -74,7 +74,7 @@ from demo.stack import RedisServer
 
 srv = RedisServer(Path(tempfile.mkdtemp())); srv.start()
 try:
-    r = redis.Redis.from_url(srv.url); L = Ledger(r); L.set_budget("m", None)
+    rds = redis.Redis.from_url(srv.url); L = Ledger(rds); L.set_budget("m", None)
     ans = "A turn is committed once by a Lua script keyed by sample and turn. " * 40
     n_tok = 1361
     rec = {"response": ans, "content": ans, "reasoning": "", "output_ids": list(range(1000, 1000 + n_tok)),
@@ -85,7 +85,7 @@ try:
         for t in range(2):
             assert L.commit_turn("m", f"conversation-{c:06d}", t, n_tok, rec).committed
     k = keys.DatasetKeys("m")
-    mem = {name: r.memory_usage(getattr(k, name), samples=0) for name in ("turns", "turnrec", "convs")}
+    mem = {name: rds.memory_usage(getattr(k, name), samples=0) or 0 for name in ("turns", "turnrec", "convs")}
     print("record JSON bytes", len(json.dumps(rec, separators=(",", ":"))), "per conversation of 2 committed turns:",
           {a: round(b / N) for a, b in mem.items()}, "total", round(sum(mem.values()) / N))
 finally:

@@ -259,7 +259,7 @@ def serialization_options(data: Path, tok: Path, chunks: int = 20, size: int = 6
             if i >= chunks * size:
                 break
             convs.append(json.loads(line)["messages"])
-    payloads = []
+    payloads: list[dict[str, Any]] = []
     for c in range(chunks):
         rendered = renderer.render_many(convs[c * size:(c + 1) * size])
         payloads.append({"v": 1, "dataset": "prompts", "chunk": f"bq-prompts-{c:07d}",

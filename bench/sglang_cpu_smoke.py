@@ -219,9 +219,8 @@ def start_server(env: Env, procs: Procs, model: Path, port: int) -> tuple[subpro
 def start_sim(procs: Procs, work: Path, port: int) -> tuple[Path, subprocess.Popen[bytes], dict[str, Any]]:
     """--sim: sglang-sim with the demo tokenizer and a config.json naming its vocabulary."""
     sys.path.insert(0, str(ROOT))
-    from producer.render import load_tokenizer
-
     from demo.tokenizer import build_tokenizer
+    from render.chat import load_tokenizer
     model = build_tokenizer(work / "model", thinking="open", model_max_length=CONTEXT)
     vocab = len(load_tokenizer(str(model)))
     (model / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": vocab,
@@ -472,20 +471,24 @@ def check_server_ids(name: str, recs: list[dict[str, Any]], log_path: Path) -> N
 
 
 def export_all(out: Path, model: Path) -> dict[str, int]:
-    from producer.export.writer import FORMATS
+    """Every format; the conversation formats once per trainer, which decides the rows of multi-turn data."""
+    from producer.export.writer import CONVERSATION_FORMATS, FORMATS
     rows = {}
     for fmt in FORMATS:
-        for name in ("code_instruct", "tool_chats"):
-            dest = out / "export" / f"{name}.{fmt}.jsonl"
-            dest.parent.mkdir(exist_ok=True)
-            done = subprocess.run(produce_argv("export", name, "--out", str(out), "--format", fmt, "--dest",
-                                               str(dest), "--tokenizer", str(model), "--truncated", "keep"),
-                                  capture_output=True, text=True, cwd=ROOT, env=worker_env("", ""))
-            if done.returncode != 0:
-                raise SmokeError(f"produce export {name} --format {fmt} exited {done.returncode}: {done.stderr}")
-            rows[f"{name} {fmt}"] = len(read_jsonl(dest))
-            if rows[f"{name} {fmt}"] == 0:
-                raise SmokeError(f"produce export {name} --format {fmt} wrote no row")
+        for trainer in ("specforge", "speculators") if fmt in CONVERSATION_FORMATS else (None,):
+            for name in ("code_instruct", "tool_chats"):
+                label = " ".join(x for x in (name, fmt, trainer) if x)
+                dest = out / "export" / f"{label.replace(' ', '.')}.jsonl"
+                dest.parent.mkdir(exist_ok=True)
+                argv = ["export", name, "--out", str(out), "--format", fmt, "--dest", str(dest), "--tokenizer",
+                        str(model), "--truncated", "keep", *(("--for", trainer) if trainer else ())]
+                done = subprocess.run(produce_argv(*argv), capture_output=True, text=True, cwd=ROOT,
+                                      env=worker_env("", ""))
+                if done.returncode != 0:
+                    raise SmokeError(f"produce {' '.join(argv[:2])} {label} exited {done.returncode}: {done.stderr}")
+                rows[label] = len(read_jsonl(dest))
+                if rows[label] == 0:
+                    raise SmokeError(f"produce export {label} wrote no row")
     return rows
 
 
