@@ -20,7 +20,7 @@ DS = "ds"
 
 
 def record(sid: str, tokens: int, **extra: Any) -> dict[str, Any]:
-    turn = {"response": "ok", "reasoning": None, "content": "ok", "tool_calls": [], "prompt_tokens": 3,
+    turn: dict[str, Any] = {"response": "ok", "reasoning": None, "content": "ok", "tool_calls": [], "prompt_tokens": 3,
             "completion_tokens": tokens, "finish_reason": "stop"}
     return {"record_version": RECORD_VERSION, "id": sid, "dataset": DS,
             "messages": [{"role": "user", "content": f"question {sid}"}], "turns": [turn],
