@@ -159,4 +159,4 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     servers = write_run_manifests(client, s.out_dir, [x.name for x in summaries], warn=warn)
     if servers:
         check_seed(client, params, warn=warn, servers=servers)
-    return summary_table(summaries) + "\n" + length_pictures(summaries)
+    return summary_table(summaries) + "\n\n" + length_pictures(summaries)

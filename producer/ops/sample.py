@@ -73,7 +73,7 @@ def shorten(text: str, chars: int) -> str:
     if chars == 0:
         return text
     flat = re.sub(r"\s+", " ", text).strip()
-    return flat if len(flat) <= chars else f"{flat[:chars]}… (+{len(flat) - chars:,} chars)"
+    return flat if len(flat) <= chars else f"{flat[:chars].rstrip()}… (+{len(flat) - chars:,} chars)"
 
 
 def _last_user(messages: Any) -> tuple[str, int]:
