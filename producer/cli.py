@@ -296,7 +296,7 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
         return
 
 
-@main.command("sample", help="Show a few committed records of dataset NAME (OUT/NAME/raw_responses.jsonl), while the "
+@main.command("sample", short_help="Show a few committed records of NAME and its length distribution.", help="Show a few committed records of dataset NAME (OUT/NAME/raw_responses.jsonl), while the "
               "run goes or after it: each record's last user turn, every turn's reasoning, content, tool calls, "
               "completion tokens and finish reason; then the length distribution of all its responses. A random "
               "pick (the tail of the file is biased towards short answers while a run goes); --latest for the "
