@@ -299,8 +299,8 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
 @main.command("sample", short_help="Show a few committed records of NAME and its length distribution.", help="Show a few committed records of dataset NAME (OUT/NAME/raw_responses.jsonl), while the "
               "run goes or after it: each record's last user turn, every turn's reasoning, content, tool calls, "
               "completion tokens and finish reason; then the length distribution of all its responses. A random "
-              "pick (the tail of the file is biased towards short answers while a run goes); --latest for the "
-              "newest. Read-only: no Redis, nothing written.\n\n"
+              "pick over the whole file (its tail is one moment of the run: the answers that finished together, short "
+              "ones early on, the longest at the end); --latest for the newest. Read-only: no Redis, nothing written.\n\n"
               "\b\nExamples:\n  produce sample code_instruct --out out/ -n 5\n  produce sample code_instruct -n 0")
 @click.argument("name")
 @opt("-n", "--count", type=click.IntRange(0), default=3, show_default=True, envvar="BUDGETQ_SAMPLE_COUNT",

@@ -4,8 +4,9 @@ after it.
 It reads ``OUT/<dataset>/raw_responses.jsonl`` as every reader does (producer/results.py ``iter_results``: up to a
 torn last line, which the collector may be writing), and nothing else: no Redis, no write. The records are a
 uniform random pick of those committed so far (reservoir sampling, one pass, N records in memory), not the
-latest: the file is in commit order, and while a run goes the short answers are committed first, so its tail
-would show mostly short ones. ``--latest`` shows the tail, for what is arriving now.
+latest: the file is in commit order, so its tail is one moment of the run (the answers that finished together,
+from the same few chunks; soon after the start the short ones, at the end the longest), where a random pick
+spreads over all of it. ``--latest`` shows the tail, for what is arriving now.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import re
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Mapping
+from typing import Any, Mapping
 
 from producer.errors import UsageError
 from producer.generations import record_key
@@ -22,10 +23,6 @@ from producer.inputs.reader import valid_name
 from producer.ops.lengths import Lengths, picture
 from producer.results import RESULTS, RUN, ReadEnd, Result, iter_results
 from producer.session.report import sample_name
-
-DEFAULT_COUNT: Final = 3
-DEFAULT_CHARS: Final = 300  # of each text shown; 0: all of it
-
 
 def results_of(out_dir: Path, name: str) -> Path:
     """``OUT/<name>/raw_responses.jsonl``, of a dataset's output folder (one with the run.json its run wrote at
@@ -96,7 +93,7 @@ def _field(label: str, text: str | None, chars: int) -> str:
     return f"    {label} ({len(text):,} chars): {body}"
 
 
-def show(result: Result, chars: int = DEFAULT_CHARS) -> list[str]:
+def show(result: Result, chars: int) -> list[str]:
     """One record as a person reads it: a rule naming it, the prompt's last user turn, then each turn's
     reasoning, content, tool calls, completion tokens and finish reason."""
     rec = result.record
@@ -120,7 +117,7 @@ def show(result: Result, chars: int = DEFAULT_CHARS) -> list[str]:
     return lines
 
 
-def report(name: str, path: Path, picked: Picked, chars: int = DEFAULT_CHARS) -> str:
+def report(name: str, path: Path, picked: Picked, chars: int) -> str:
     """The records shown, then a line saying what was read."""
     lines = [line for result in picked.results for line in show(result, chars)]
     how = f"{len(picked.results)} of {picked.read:,} records" if picked.results else f"{picked.read:,} records"

@@ -96,7 +96,7 @@ def test_a_run_still_writing_is_read_up_to_its_torn_last_line(tmp_path: Path) ->
     path = dataset(tmp_path, [record("a", 5), record("b", 7)], tail='{"id": "c", "completion_tok')
     picked = pick(path, 5, seed=0)
     assert [r.key for r in picked.results] == ["a", "b"] and picked.end.torn
-    text = report(DS, path, picked)
+    text = report(DS, path, picked, 300)
     assert f"2 of 2 records of {path}; the last line is being written (or was torn by a crash), not read" in text
     assert path.read_text(encoding="utf-8").endswith('"completion_tok')  # read-only: the tail is left as it is
 
@@ -105,7 +105,7 @@ def test_a_dataset_that_has_no_results_yet_shows_none(tmp_path: Path) -> None:
     (tmp_path / DS).mkdir()
     (tmp_path / DS / RUN).write_text("{}", encoding="utf-8")
     path = results_of(tmp_path, DS)
-    assert report(DS, path, pick(path, 3)).splitlines() == [f"0 records of {path}", "ds: no responses yet"]
+    assert report(DS, path, pick(path, 3), 300).splitlines() == [f"0 records of {path}", "ds: no responses yet"]
 
 
 @pytest.mark.parametrize("name", ["nope", "../ds", "ds.previous-20260101-000000"])
