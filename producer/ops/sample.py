@@ -24,6 +24,7 @@ from producer.ops.lengths import Lengths, picture
 from producer.results import RESULTS, RUN, ReadEnd, Result, iter_results
 from producer.session.report import sample_name
 
+
 def results_of(out_dir: Path, name: str) -> Path:
     """``OUT/<name>/raw_responses.jsonl``, of a dataset's output folder (one with the run.json its run wrote at
     attach: the results file may not exist yet), or a UsageError naming the datasets that ``out_dir`` has."""
