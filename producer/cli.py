@@ -296,6 +296,37 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
         return
 
 
+@main.command("sample", short_help="Show a few committed records of NAME and its length distribution.", help="Show a few committed records of dataset NAME (OUT/NAME/raw_responses.jsonl), while the "
+              "run goes or after it: each record's last user turn, every turn's reasoning, content, tool calls, "
+              "completion tokens and finish reason; then the length distribution of all its responses. A random "
+              "pick over the whole file (its tail is one moment of the run: the answers that finished together, short "
+              "ones early on, the longest at the end); --latest for the newest. Read-only: no Redis, nothing written.\n\n"
+              "\b\nExamples:\n  produce sample code_instruct --out out/ -n 5\n  produce sample code_instruct -n 0")
+@click.argument("name")
+@opt("-n", "--count", type=click.IntRange(0), default=3, show_default=True, envvar="BUDGETQ_SAMPLE_COUNT",
+     help="Records to show; 0: only the length distribution.")
+@opt("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"), show_default=True,
+     help="The run's output directory (holding <dataset>/raw_responses.jsonl).")
+@opt("--seed", type=int, default=None, envvar="BUDGETQ_SAMPLE_SEED",
+     help="Seed of the random pick: the same seed over the same records shows the same ones. Default: another "
+          "pick each time.")
+@opt("--latest", is_flag=True, envvar="BUDGETQ_SAMPLE_LATEST", help="The last records committed, not a random pick.")
+@opt("--chars", type=click.IntRange(0), default=300, show_default=True, envvar="BUDGETQ_SAMPLE_CHARS",
+     help="Characters shown of each text (on one line); 0: every text whole, as written.")
+@opt("--json", "as_json", is_flag=True, envvar="BUDGETQ_SAMPLE_JSON",
+     help="Print the chosen records as written, one JSON line each, and nothing else.")
+def sample_cmd(name: str, count: int, out_dir: Path, seed: int | None, latest: bool, chars: int,
+               as_json: bool) -> None:
+    from producer.ops.sample import pick, report, results_of
+    path = results_of(out_dir, name)
+    picked = pick(path, count, seed=seed, latest=latest)
+    if as_json:
+        for result in picked.results:
+            click.echo(result.text)
+        return
+    click.echo(report(name, path, picked, chars))
+
+
 @main.command("budget", help="Set dataset NAME's budget to AMOUNT (12M, 500k, or unlimited) while it runs: raising "
               "reopens it (the attached produce tops up its queue; with none attached, run produce again), "
               "lowering to what is used closes it at once. For a mix (docs/mix.md): --mix with every member's "

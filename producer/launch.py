@@ -120,7 +120,7 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     from producer.session.attach import check_out_dir
     from producer.session.enqueue import JobSettings
     from producer.session.loop import Producer
-    from producer.session.report import summary_table
+    from producer.session.report import length_pictures, summary_table
     from producer.session.state import RunOptions
     from producer.vocab import check_servers as check_vocab_servers
     s = settings
@@ -154,8 +154,9 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
         summaries = producer.run(detach=s.detach)
     except redis.RedisError as exc:
         raise ProduceError(f"Redis error: {exc}") from None
-    if not s.detach:
-        servers = write_run_manifests(client, s.out_dir, [x.name for x in summaries], warn=warn)
-        if servers:
-            check_seed(client, params, warn=warn, servers=servers)
-    return summary_table(summaries, detached=s.detach)
+    if s.detach:
+        return summary_table(summaries, detached=True)
+    servers = write_run_manifests(client, s.out_dir, [x.name for x in summaries], warn=warn)
+    if servers:
+        check_seed(client, params, warn=warn, servers=servers)
+    return summary_table(summaries) + "\n\n" + length_pictures(summaries)
