@@ -195,10 +195,15 @@ def workers_line(view: ServersView) -> str:
             f"{len(hosts)} host{'s' if len(hosts) != 1 else ''} ({', '.join(hosts)})")
 
 
+def _names(workers: list[str], most: int = 3) -> str:
+    """The workers by name while they are few, else how many (--json lists them all)."""
+    return ",".join(workers) if len(workers) <= most else f"{len(workers)} ({','.join(workers[:2])},...)"
+
+
 def servers_table(view: ServersView) -> str:
     """The first line says who listens on the queue; then one row per server, or a line saying none is recorded."""
     head = ("server", "hosts", "workers", "state", "in flight", "window", "max running", "tok/s", "last error")
-    body = [(r.server, ",".join(r.hosts), str(len(r.workers)), state_text(r), f"{r.in_flight:,}",
+    body = [(r.server, ",".join(r.hosts), _names(r.workers), state_text(r), f"{r.in_flight:,}",
              "-" if r.window is None else f"{r.window:,}",
              "-" if r.max_running_requests is None else f"{r.max_running_requests:,}",
              "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}",
