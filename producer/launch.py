@@ -3,7 +3,7 @@
 1. Read, validate and render every file (producer/prepare.py), before Redis is touched.
 2. ``--dry-run``: plan each dataset (producer/plan.py; ``--pilot`` asks SGLang for real lengths) and stop.
 3. Otherwise: check the output folders, Redis and what the workers recorded of their servers
-   (producer/preflight.py), say who listens on the queue and how the servers are (producer/ops/servers.py), attach and run (producer/session/loop.py), then write each dataset's manifest
+   (producer/preflight.py), attach, say who listens on the queue and how the servers are (producer/ops/servers.py) and run (producer/session/loop.py), then write each dataset's manifest
    (producer/export/manifest.py).
 
 `launch` returns what the command prints (the plan or the summary table); progress and warnings go to the log as
@@ -143,7 +143,6 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     check_redis(client, allow_eviction=s.allow_eviction, require_aof=s.require_aof, warn=warn)
     check_server_parsers(client, inputs.settings.reasoning_parser, warn=warn)
     check_seed(client, params, warn=warn)
-    check_workers(client, echo=log.info, warn=warn)  # who listens on the queue, the servers' state: warnings only
     options = RunOptions(out_dir=s.out_dir, budgets=budgets, modes=s.modes_for(names), expect_mean=s.expect_mean,
                          chunk_size=s.chunk_size, queue_depth=s.queue_depth, new_run=s.new_run,
                          job=JobSettings(job_timeout=s.job_timeout), show_progress=s.show_progress,
@@ -152,7 +151,9 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     check_vocab_servers(client, inputs, s.tokenizer, options.conversation)  # producer/vocab.py; sets vocab_size
     producer = Producer(client, inputs.prepared, options, echo=log.info)
     try:
-        producer.attach()
+        producer.attach()  # enqueues nothing yet
+        # who listens on the queue, how the servers are: warnings only, and only with work to wait for them
+        check_workers(client, echo=log.info, warn=warn, to_enqueue=producer.to_enqueue())
         summaries = producer.run(detach=s.detach)
     except redis.RedisError as exc:
         raise ProduceError(f"Redis error: {exc}") from None

@@ -218,24 +218,27 @@ def servers_table(view: ServersView) -> str:
     return first + "\n" + "\n".join(lines)
 
 
-def preflight(client: "redis.Redis", *, echo: Callable[[str], None], warn: Callable[[str], None]) -> None:
+def preflight(client: "redis.Redis", *, echo: Callable[[str], None], warn: Callable[[str], None],
+              to_enqueue: int) -> None:
     """What ``produce run`` says before it enqueues: one line of who listens and how the recorded servers are; a
     warning when no worker listens (the work waits queued: a warning, workers may start later) and one when every
-    recorded server is down. Best effort: a Redis error here is the run's to report."""
+    recorded server is down. Both only when there is work for the workers (``to_enqueue`` samples, or chunks in
+    the queue): a rerun of a finished run needs none. Best effort: a Redis error here is the run's to report."""
     try:
         view = read_view(client)
+        waiting = to_enqueue > 0 or Queue(keys.QUEUE_NAME, connection=client).count > 0
     except redis.RedisError:
         return
     counts: dict[str, int] = {}
     for row in view.rows:
         counts[row.state] = counts.get(row.state, 0) + 1
     servers = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none recorded yet"
-    if view.rq_workers:
+    if view.rq_workers or not waiting:
         echo(f"{workers_line(view)}; SGLang servers as the workers record them: {servers}")
     else:
         warn(f"warning: no rq worker listens on queue {keys.QUEUE_NAME}: start one with `{WORKER_COMMAND}` "
              "(REDIS_URL and SGLANG_URL set); the work waits queued")
-    if view.rows and all(r.state == "down" for r in view.rows):
+    if waiting and view.rows and all(r.state == "down" for r in view.rows):
         named = "; ".join(f"{r.server} on {','.join(r.hosts)} ({r.last_error})" for r in view.rows)
         warn(f"warning: every SGLang server the workers recorded is down: {named}; their workers take no chunk "
              "until one answers /health (produce servers)")

@@ -97,10 +97,10 @@ def test_a_dead_workers_stale_load_is_left_out(r: "redis.Redis") -> None:
     assert "no worker has recorded an SGLang server" in servers_table(read_view(r))
 
 
-def _preflight(r: "redis.Redis") -> tuple[list[str], list[str]]:
+def _preflight(r: "redis.Redis", to_enqueue: int = 16) -> tuple[list[str], list[str]]:
     said: list[str] = []
     warned: list[str] = []
-    preflight(r, echo=said.append, warn=warned.append)
+    preflight(r, echo=said.append, warn=warned.append, to_enqueue=to_enqueue)
     return said, warned
 
 
@@ -110,6 +110,11 @@ def test_preflight_warns_once_when_no_worker_listens(r: "redis.Redis") -> None:
     assert warned == [f"warning: no rq worker listens on queue {keys.QUEUE_NAME}: start one with "
                       "`rq worker -w worker.Worker -c worker.settings` (REDIS_URL and SGLANG_URL set); the work "
                       "waits queued"]
+    said, warned = _preflight(r, to_enqueue=0)
+    assert warned == [] and said == [f"no rq worker listens on queue {keys.QUEUE_NAME}; SGLang servers as the "
+                                     "workers record them: none recorded yet"], "nothing to do: nothing to warn of"
+    Queue(keys.QUEUE_NAME, connection=r).enqueue_call("worker.jobs.run_chunk", args=({},))
+    assert _preflight(r, to_enqueue=0)[1] != [], "chunks already queued wait for a worker too"
 
 
 def test_preflight_counts_the_workers_and_names_every_server_when_all_are_down(r: "redis.Redis") -> None:
