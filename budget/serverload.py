@@ -26,6 +26,8 @@ from budget.serverinfo import public_url
 REFRESH_S: Final = 5.0
 #: An entry older than this is its worker's last word before it died: not shown, pruned.
 TTL_S: Final = 30.0
+#: A worker prunes dead workers' entries once in this many writes (once a minute): readers skip them meanwhile.
+PRUNE_EVERY: Final = 12
 #: A server that timed out, or answered 5xx or 429, within this long is "slow" (unless down).
 SLOW_S: Final = 60.0
 #: Each server's fields in an entry. ``window``, ``capacity`` (the server's max_running_requests, all DP ranks) and
@@ -52,9 +54,9 @@ def _now(r: "redis.Redis") -> float:
 
 
 def store(r: "redis.Redis", worker: str, host: str, pid: int, servers: Mapping[str, Mapping[str, Any]], *,
-          concurrency: int | None, window: int) -> None:
-    """Record what ``worker`` (on ``host``) does with each of ``servers`` (url -> SERVER_FIELDS); prune dead
-    workers' entries."""
+          concurrency: int | None, window: int, prune: bool = True) -> None:
+    """Record what ``worker`` (on ``host``) does with each of ``servers`` (url -> SERVER_FIELDS); with ``prune``,
+    delete dead workers' entries (it reads the whole hash: a worker prunes once in PRUNE_EVERY writes)."""
     now = _now(r)
     kept: dict[str, dict[str, Any]] = {}
     for url, fields in sorted(servers.items()):
@@ -67,6 +69,8 @@ def store(r: "redis.Redis", worker: str, host: str, pid: int, servers: Mapping[s
     pipe.hset(keys.SERVER_LOAD, worker, json.dumps(entry, sort_keys=True))
     pipe.expire(keys.SERVER_LOAD, int(TTL_S))
     pipe.execute()
+    if not prune:
+        return
     stale = [f for f, e in _entries(r).items() if e is None or now - float(e.get("at", 0)) > TTL_S]
     if stale:
         r.hdel(keys.SERVER_LOAD, *stale)

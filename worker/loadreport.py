@@ -99,5 +99,6 @@ class LoadReporter:
     def report(self) -> None:
         servers = self.snapshot()
         serverload.store(self.r, self.worker, self.host, os.getpid(), servers,
-                         concurrency=self.config.concurrency, window=self.dispatcher.slots.size)
+                         concurrency=self.config.concurrency, window=self.dispatcher.slots.size,
+                         prune=self.reported % serverload.PRUNE_EVERY == 0)
         self.reported += 1

@@ -91,6 +91,8 @@ def test_a_dead_workers_stale_load_is_left_out(r: "redis.Redis") -> None:
              "window": 4, "servers": {"http://10.0.0.9:30000": _fields(in_flight=7)}}
     r.hset(keys.SERVER_LOAD, "gone", json.dumps(stale))
     assert [row.server for row in read_view(r).rows] == [SHARED]
+    serverload.store(r, "live", "gpu1", 1, {SHARED: _fields(in_flight=1)}, concurrency=4, window=4, prune=False)
+    assert r.hexists(keys.SERVER_LOAD, "gone")
     serverload.store(r, "live", "gpu1", 1, {SHARED: _fields(in_flight=1)}, concurrency=4, window=4)
     assert not r.hexists(keys.SERVER_LOAD, "gone"), "a write prunes dead workers' entries"
     serverload.clear(r, "live")
