@@ -3,8 +3,8 @@
 1. Read, validate and render every file (producer/prepare.py), before Redis is touched.
 2. ``--dry-run``: plan each dataset (producer/plan.py; ``--pilot`` asks SGLang for real lengths) and stop.
 3. Otherwise: check the output folders, Redis and what the workers recorded of their servers
-   (producer/preflight.py), attach, say who listens on the queue and how the servers are (producer/ops/servers.py) and run (producer/session/loop.py), then write each dataset's manifest
-   (producer/export/manifest.py).
+   (producer/preflight.py), attach, say who listens on the queue and how the servers are (producer/ops/servers.py),
+   run (producer/session/loop.py), then write each dataset's manifest (producer/export/manifest.py).
 
 `launch` returns what the command prints (the plan or the summary table); progress and warnings go to the log as
 they happen. Errors are producer/errors.py exceptions, with the exit code the command ends with.
