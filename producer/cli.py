@@ -327,6 +327,24 @@ def sample_cmd(name: str, count: int, out_dir: Path, seed: int | None, latest: b
     click.echo(report(name, path, picked, chars))
 
 
+@main.command("servers", help="Show one row per SGLang server, read from what the workers record in Redis: the hosts "
+              "and workers using it, its state (ok, slow, down since when), requests in flight against the windows "
+              "its workers keep, its max_running_requests, tok/s and last error; first, how many rq workers listen on "
+              "the queue, on which hosts.\n\n"
+              "\b\nExample:\n  produce servers --redis-url redis://redis-host:6379/0")
+@redis_url_option
+@opt("--json", "as_json", is_flag=True, envvar="BUDGETQ_SERVERS_JSON", help="Print JSON for scripts.")
+def servers_cmd(redis_url: str, as_json: bool) -> None:
+    import redis
+
+    from producer.ops.servers import read_view, servers_table
+    try:
+        view = read_view(connect(redis_url))
+    except redis.RedisError as exc:
+        raise ProduceError(f"Redis at {logs.redact(redis_url)}: {exc}") from None
+    click.echo(json.dumps(view.as_dict(), indent=2) if as_json else servers_table(view))
+
+
 @main.command("budget", help="Set dataset NAME's budget to AMOUNT (12M, 500k, or unlimited) while it runs: raising "
               "reopens it (the attached produce tops up its queue; with none attached, run produce again), "
               "lowering to what is used closes it at once. For a mix (docs/mix.md): --mix with every member's "
