@@ -299,23 +299,24 @@ def test_requests_total_counts_bad_requests_too() -> None:
 
 def test_configured_outage_windows_start_and_end_on_time() -> None:
     """--outage windows on virtual time (tests/virtual_time.py), so their edges are exact: each starts at its start
-    and ends after its duration by itself; an overlapping window extends the one running, as one outage."""
-    windows = ((0.0, 0.3), (1.0, 0.5), (1.2, 0.6))
+    and ends after its duration by itself; an overlapping window merges with the one running, as one outage that ends
+    with the later of the two (here the first: (1.1, 0.2) lies inside (1.0, 0.5))."""
+    windows = ((0.0, 0.3), (1.0, 0.5), (1.1, 0.2))
 
     async def go() -> list[tuple[float, bool, float]]:
         loop = asyncio.get_running_loop()
         faults = FaultState(FaultSettings.from_config(INSTANT), windows, clock=loop.time)
         faults.start()
         seen = []
-        for t in (0.0001, 0.2999, 0.3001, 0.9999, 1.0001, 1.7999, 1.8001):
+        for t in (0.0001, 0.2999, 0.3001, 0.9999, 1.0001, 1.1001, 1.4999, 1.5001):
             await asyncio.sleep(t - loop.time())
             seen.append((round(loop.time(), 4), faults.in_outage, round(faults.outage_remaining(), 4)))
         assert faults.counters.outages_started == 2
         return seen
 
     assert run_virtual(go()) == [(0.0001, True, 0.2999), (0.2999, True, 0.0001), (0.3001, False, 0.0),
-                                 (0.9999, False, 0.0), (1.0001, True, 0.4999), (1.7999, True, 0.0001),
-                                 (1.8001, False, 0.0)]
+                                 (0.9999, False, 0.0), (1.0001, True, 0.4999), (1.1001, True, 0.3999),
+                                 (1.4999, True, 0.0001), (1.5001, False, 0.0)]
 
 
 def test_configured_outage_window_then_normal() -> None:
