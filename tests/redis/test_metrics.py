@@ -184,17 +184,15 @@ def test_binds_loopback_by_default(r: "redis.Redis") -> None:
 
 def test_serve_metrics_serves_until_shut_down(r: "redis.Redis") -> None:
     ready: list[metrics.MetricsServer] = []
-    done = threading.Event()
+    bound, done = threading.Event(), threading.Event()
 
     def run() -> None:
-        metrics.serve_metrics(r, port=0, on_ready=ready.append)
+        metrics.serve_metrics(r, port=0, on_ready=lambda server: (ready.append(server), bound.set()))
         done.set()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 5
-    while not ready and time.monotonic() < deadline:
-        time.sleep(0.01)  # the bind happens in the other thread: nothing to await
+    assert bound.wait(60), "the metrics server never bound its port"
     host, port = ready[0].server_address[:2]
     assert host == "127.0.0.1"
     assert "budgetq_redis_up 1" in scrape(f"http://{host}:{port}")[1]
