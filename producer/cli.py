@@ -267,13 +267,13 @@ def run_cmd(**options: Any) -> None:
 def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: float, as_json: bool) -> None:
     import redis
 
-    from producer.ops.status import all_status, deadline_lines, down_servers, mix_lines, status_table
+    from producer.ops.status import all_status, status_text
     client = connect(redis_url)
     try:
         while True:
             try:
                 rows = all_status(client, list(names))
-                down = mix_lines(client, [r.name for r in rows]) + deadline_lines(client, rows) + down_servers(client)
+                screen = status_text(client, rows)
             except redis.RedisError as exc:  # --watch outlives a Redis restart; a single look reports it
                 if not watch:
                     raise ProduceError(f"Redis at {logs.redact(redis_url)}: {exc}") from None
@@ -284,7 +284,7 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
             if as_json:
                 text = json.dumps([r.as_dict() for r in rows], indent=2)
             else:
-                text = status_table(rows) + down
+                text = screen
             if watch and not as_json:
                 click.echo("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + logs.redact(redis_url) + "\n" + text)
             else:

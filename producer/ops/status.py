@@ -262,6 +262,13 @@ def deadline_lines(client: "redis.Redis", rows: list[DatasetStatus], now: float 
     return "".join(f"\n{line}" for line in lines)
 
 
+def status_text(client: "redis.Redis", rows: list[DatasetStatus]) -> str:
+    """``produce status``'s screen: the table, then the mixes, the deadlines and the workers whose servers are down.
+    The dashboard's budget page shows the same text, so the two never disagree."""
+    return (status_table(rows) + mix_lines(client, [r.name for r in rows]) + deadline_lines(client, rows)
+            + down_servers(client))
+
+
 def down_servers(client: "redis.Redis") -> str:
     """The lines naming each worker whose SGLang servers are down (budget/health.py), after the table; '' if none."""
     lines = health.describe(health.load(client))
