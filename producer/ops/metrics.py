@@ -62,8 +62,8 @@ PER_DATASET: tuple[Gauge, ...] = (
           lambda s: s.unwritten),
     Gauge("budgetq_late_commits", "Responses committed after their chunk had lost its lease (kept, counted).",
           lambda s: s.late),
-    Gauge("budgetq_completion_tokens_per_second", "Completion tokens committed per second over the last full "
-          "minute (10-second buckets; the running bucket is left out).", lambda s: s.tokens_per_s),
+    Gauge("budgetq_completion_tokens_per_second", "Completion tokens committed per second over the full "
+          "10-second buckets of the last minute, from the first with tokens (the running bucket is left out).", lambda s: s.tokens_per_s),
     Gauge("budgetq_open", "1 while the dataset admits requests, 0 once it is closed or complete.",
           lambda s: 1 if s.status == "open" else 0),
     Gauge("budgetq_complete", "1 once every selected sample ran and nothing is left queued, running or unwritten.",

@@ -77,7 +77,8 @@ def two_datasets(r: "redis.Redis") -> Iterator[None]:
                          finish_reason="stop").committed
     assert ledger.admit("alpha", "alpha-0-1", alpha[0], expected=40).verdict is Admit.START  # stays in flight
     assert ledger.fail("alpha", "alpha-1-0", alpha[1], {"id": "alpha-1-0", "reason": "400"})
-    # 1200 tokens in a full 10-second bucket inside the last minute: 20 tokens/s (the commit script's layout)
+    # 1200 tokens in the full 10-second bucket before last, none since: 60 tokens/s over those 20 s (the commit
+    # script's layout)
     r.hset(keys.DatasetKeys("alpha").stats, f"t:{int(time.time() // 10) - 2}", 1200)
 
     ledger.set_budget("beta", None)
@@ -123,7 +124,7 @@ def test_scrape_reports_each_dataset(r: "redis.Redis", two_datasets: None, expor
     assert get(s, "budgetq_failed_samples", dataset="alpha") == 1
     assert get(s, "budgetq_queued_chunks", dataset="alpha") == 2  # the third one is running
     assert get(s, "budgetq_unwritten_results", dataset="alpha") == 1
-    assert get(s, "budgetq_completion_tokens_per_second", dataset="alpha") == 20.0
+    assert get(s, "budgetq_completion_tokens_per_second", dataset="alpha") == 60.0
     assert get(s, "budgetq_responses", dataset="alpha", finish_reason="stop") == 1
     assert get(s, "budgetq_responses", dataset="alpha", finish_reason="length") == 0
     assert get(s, "budgetq_open", dataset="alpha") == 1
