@@ -440,7 +440,8 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
      help="The run's output directory (holding <dataset>/raw_responses.jsonl).")
 @opt("--format", "fmt", type=click.Choice(["sharegpt", "openai-messages", "tokens"]), default="sharegpt",
      show_default=True, help="Conversation format, or tokens: one row per regenerated turn of input_ids (prompt ids "
-                             "+ the server's output ids) and loss_mask (1 on the output ids); needs --tokenizer.")
+                             "+ the server's output ids) and loss_mask (1 on the output ids), with --tokenizer or else the run's "
+                             "(run.json tokenizer_path).")
 @opt("--dest", type=click.Path(path_type=Path), default=None,
      help="Output file when one dataset is exported to a path with a suffix (train/b1.jsonl); otherwise a "
           "directory getting <dataset>.jsonl each. Default: OUT/<dataset>/<format>.jsonl.")
@@ -462,10 +463,12 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
           "with --tokenizer, rendered as the trainer renders them): left out, or kept with inexact: true. Counted "
           "either way.")
 @opt("--token-ids", is_flag=True,
-     help="Add input_ids (the prompt, checked id by id) and the server's output_ids (needs --tokenizer).")
+     help="Add input_ids (the prompt, checked id by id) and the server's output_ids (with --tokenizer or else the "
+          "run's).")
 @opt("--tokenizer", default=None,
-     help="The run's tokenizer directory: needed by --token-ids and --format tokens; with a conversation format, "
-          "every row is checked as its trainer renders it (--inexact).")
+     help="The run's tokenizer directory. --token-ids and --format tokens without it use the one the run was "
+          "started with (run.json tokenizer_path); with a conversation format, every row is checked as its trainer "
+          "renders it (--inexact), and without it the rows are written unchecked.")
 @opt("--redis-url", envvar="REDIS_URL", show_envvar=True, default=None, callback=_redis_url,
      help="Optional (REDIS_URL, as every command reads): record the dataset's budget, mode and usage from this Redis in the manifest, and the SGLang "
           "servers' version and model the workers recorded there if the manifest has none yet.")
