@@ -157,6 +157,19 @@ def test_unlimited_budget_has_no_budget_sample(r: "redis.Redis", exporter: str) 
     assert get(s, "budgetq_queued_chunks", dataset="gamma") == 1
 
 
+def test_a_finished_dataset_scrapes_as_complete(r: "redis.Redis", exporter: str) -> None:
+    """Every selected sample handed out, nothing queued, running or unwritten: complete, not open (status says
+    the same: tests/redis/test_status.py)."""
+    from budget.runstate import RunState
+    RunState(r).register("done_ds", "{}", time.time())
+    Ledger(r).set_budget("done_ds", 1000)
+    RunState(r).set_progress("done_ds", selected=3, todo=0)
+    s = parse(scrape(exporter)[1])
+    assert get(s, "budgetq_complete", dataset="done_ds") == 1 and get(s, "budgetq_open", dataset="done_ds") == 0
+    info = [dict(labels) for name, labels in s if name == "budgetq_dataset_info"]
+    assert [x["status"] for x in info if x["dataset"] == "done_ds"] == ["complete"]
+
+
 def test_empty_redis_and_unknown_paths(exporter: str) -> None:
     s = parse(scrape(exporter)[1])
     assert get(s, "budgetq_redis_up") == 1 and get(s, "budgetq_datasets") == 0
