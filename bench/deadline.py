@@ -18,8 +18,14 @@ Reported for the deadline run:
 - ``thrown_away``: the simulator's aborted requests during the run, and the tokens it generated (its
   ``completion_tokens_total``) that budgetq did not commit (sum of ``bq:ds:{n}:used``); the calibration run gives
   the same two figures as the control (what differs between the counters when nothing is thrown away);
+- ``calibration_at_same_time``: what the calibration run had committed as long after its start (the control);
+  ``committed_after_deadline``: what the requests running at the deadline added;
 - ``past_deadline_s``: how far past the deadline the simulator's last request ended (its running and queued
   counts polled every 0.1 s: the first poll from which both stay 0), and when ``produce`` exited;
+  ``live_at_deadline`` requests were running then, 90% of them had ended ``p90_of_them_ended_after_s`` later;
+  ``mean_live_last_10s``: the requests running over the 10 s before the deadline (the occupancy the closes
+  leave; --workers x 16 is full);
+- ``closed_before_deadline_s``: how long before the deadline each dataset closed (its ``closed_by`` first seen);
 - ``closed_by``: each dataset's ``closed_by`` (``deadline`` expected);
 - ``final_pp`` / ``at_deadline_pp``: the worst deviation of a, b, c's shares of the committed tokens from their
   weights' shares, in percentage points, at the end and at the deadline.
@@ -32,7 +38,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from bench.harness import save_results, scratch, sim_args
 from bench.mix_proportion import Mix, Trace, build_mix, deviation, length_sim_args, run_produce
@@ -41,15 +47,18 @@ from demo.stack import Stack
 
 
 class SimPoll(threading.Thread):
-    """(wall time, running + queued, completion tokens, aborted) of the simulator every ``interval`` s."""
+    """(wall time, running + queued, completion tokens, aborted) of the simulator every ``interval`` s, and the
+    wall time each dataset's ``closed_by`` was first seen set."""
 
-    def __init__(self, stack: Stack, interval: float = 0.1) -> None:
+    def __init__(self, stack: Stack, names: Sequence[str], interval: float = 0.1) -> None:
         super().__init__(daemon=True)
-        self.stack, self.interval = stack, interval
+        self.stack, self.names, self.interval = stack, list(names), interval
         self.stop_flag = threading.Event()
         self.samples: list[tuple[float, int, int, int]] = []
+        self.closed_at: dict[str, float] = {}
 
     def run(self) -> None:
+        r = self.stack.client()
         while not self.stop_flag.is_set():
             try:
                 s = self.stack.sim_stats()
@@ -57,7 +66,14 @@ class SimPoll(threading.Thread):
                                      int(s["completion_tokens_total"]), int(s["aborted"])))
             except OSError:
                 pass
+            for n in self.names:
+                if n not in self.closed_at and r.hget(DatasetKeys(n).meta, "closed_by"):
+                    self.closed_at[n] = time.time()
             self.stop_flag.wait(self.interval)
+
+    def live_at(self, when: float) -> int:
+        before = [live for t, live, _, _ in self.samples if t <= when]
+        return before[-1] if before else 0
 
 
 def sim_counters(stack: Stack) -> tuple[int, int]:
@@ -91,7 +107,7 @@ def _text(value: bytes | str | None) -> str:
 
 
 def run_once(stack: Stack, work: Path, tok: Path, base: Mix, prefix: str, args: argparse.Namespace,
-             deadline_in: float | None) -> dict[str, Any]:
+             deadline_in: float | None) -> tuple[dict[str, Any], Trace]:
     """One produce of the mix named with ``prefix``; with ``deadline_in`` seconds, a --deadline that far ahead."""
     m = base.named(prefix)
     extra: list[str] = []
@@ -100,7 +116,7 @@ def run_once(stack: Stack, work: Path, tok: Path, base: Mix, prefix: str, args: 
         deadline = time.time() + deadline_in
         extra = ["--deadline", datetime.datetime.fromtimestamp(deadline, datetime.timezone.utc).isoformat()]
     tokens0, aborted0 = sim_counters(stack)
-    poll = SimPoll(stack)
+    poll = SimPoll(stack, list(m.files))
     poll.start()
     _, trace, t0, t1 = run_produce(stack, m, tok, work / "out" / prefix, args, extra)
     # produce exits once every chunk is settled; the simulator is idle by then unless something was left running
@@ -129,8 +145,16 @@ def run_once(stack: Stack, work: Path, tok: Path, base: Mix, prefix: str, args: 
             "at_deadline_pp": round(deviation(at, m.weights), 3) if at else None,
             "past_deadline_s": None if not busy else round(busy[-1] + poll.interval - deadline, 2),
             "produce_exit_after_deadline_s": round(t1 - deadline, 2),
+            "committed_after_deadline": sum(used.values()) - used_at(trace, deadline),
+            "closed_before_deadline_s": {n: round(deadline - t, 2) for n, t in sorted(poll.closed_at.items())},
         })
-    return row
+        live = poll.live_at(deadline)
+        last10 = [x for t, x, _, _ in poll.samples if deadline - 10 <= t <= deadline]
+        tail = [t for t, x, _, _ in poll.samples if t > deadline and x <= 0.1 * live]
+        row.update({"live_at_deadline": live,
+                    "mean_live_last_10s": round(sum(last10) / len(last10), 1) if last10 else None,
+                    "p90_of_them_ended_after_s": round(tail[0] - deadline, 2) if tail else None})
+    return row, trace
 
 
 def main() -> None:
@@ -139,7 +163,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--total", type=int, default=600_000, help="the mix's total budget (default %(default)s)")
     ap.add_argument("--fraction", type=float, default=0.6,
-                    help="the deadline, as a fraction of the calibration run's time (default %(default)s)")
+                    help="the deadline, as a fraction of the time the budget needs at the calibration run's steady "
+                         "throughput (default %(default)s)")
     ap.add_argument("--mean", type=float, default=150, help="the simulator's mean length, factor 1 (default %(default)s)")
     ap.add_argument("--lengths", default="1,4,8", help="a, b, c's mean length factors (default %(default)s)")
     ap.add_argument("--expect-mean", type=float, default=None, help="produce --expect-mean (default: --mean)")
@@ -164,12 +189,14 @@ def main() -> None:
                    worker_env={"BUDGETQ_CONCURRENCY": "16"}) as stack:
             stack.wait_for_workers()
             for rep in range(args.repeats):
-                cal = run_once(stack, work, tok, base, f"cal{rep}", args, None)
+                cal, cal_trace = run_once(stack, work, tok, base, f"cal{rep}", args, None)
                 tps = cal["steady_tokens_per_s"]
                 cal["needs_s"] = round(args.total / tps, 2)
                 print(json.dumps(cal), flush=True)
-                row = run_once(stack, work, tok, base, f"dl{rep}", args, args.fraction * cal["needs_s"])
+                row, _ = run_once(stack, work, tok, base, f"dl{rep}", args, args.fraction * cal["needs_s"])
                 row["predicted_at_deadline"] = round(tps * row["deadline_after_s"])
+                # the control: what the run without a deadline had committed as long after its start
+                row["calibration_at_same_time"] = used_at(cal_trace, cal["t0"] + row["deadline_after_s"])
                 row["at_deadline_vs_predicted"] = round(row["tokens_at_deadline"] / row["predicted_at_deadline"], 4)
                 row["calibration"] = {k: cal[k] for k in ("run", "seconds", "total_used", "steady_tokens_per_s", "needs_s",
                                                           "thrown_away", "final_pp")}
