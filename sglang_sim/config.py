@@ -62,6 +62,10 @@ class SimConfig:
     # earlier assistant turns (a conversation's turn k): answers whose length depends on their place in the
     # conversation, as in real multi-turn data. Needs --tokenizer (the prompt is decoded to count them). () = off.
     turn_length_scale: tuple[float, ...] = ()
+    # --length-scale-by-text: (TEXT, F) pairs; a request whose decoded prompt contains TEXT answers with the drawn
+    # length times F (the first pair that matches; none: 1). Datasets whose answers differ in length, as real ones
+    # do (~5x), told apart by what their prompts say. Needs --tokenizer (the prompt is decoded). () = off.
+    length_scale_by_text: tuple[tuple[str, float], ...] = ()
     # Speed model (simulated seconds; all divided by time_scale on the wall clock)
     tokens_per_second_per_request: float = 1000.0
     saturation_batch: int = 64
@@ -136,6 +140,10 @@ def _style_problems(cfg: SimConfig) -> list[str]:
         problems.append("turn_length_scale needs --tokenizer (the prompt is decoded to count its assistant turns)")
     if any(not x > 0 for x in cfg.turn_length_scale):
         problems.append("turn_length_scale entries must be > 0")
+    if cfg.length_scale_by_text and cfg.tokenizer is None:
+        problems.append("length_scale_by_text needs --tokenizer (the prompt is decoded to find the text)")
+    if any(not text or not f > 0 for text, f in cfg.length_scale_by_text):
+        problems.append("length_scale_by_text needs a non-empty TEXT and a factor > 0")
     return problems
 
 
@@ -213,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiply the drawn length by entry k (the last entry beyond) when the prompt holds k earlier "
                         "assistant turns: a conversation's turn k (needs --tokenizer; ChatML, GLM and harmony "
                         "assistant headers are counted)")
+    p.add_argument("--length-scale-by-text", dest="length_scale_by_text", type=_text_scale, action="append",
+                   metavar="TEXT=F",
+                   help="multiply the drawn length by F when the decoded prompt contains TEXT (repeatable; the first "
+                        "that matches wins): datasets with lengths of their own, told apart by their prompts "
+                        "(needs --tokenizer)")
     p.add_argument("--tokenizer", default=d.tokenizer, metavar="DIR",
                    help="tokenizer directory: output_ids are the real ids of the text, and skip_special_tokens "
                         "decides whether special tokens stay in text (default: pseudo-word ids)")
@@ -282,6 +295,16 @@ def _scales(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of numbers") from None
 
 
+def _text_scale(entry: str) -> tuple[str, float]:
+    text, sep, factor = entry.rpartition("=")
+    try:
+        if not sep or not text:
+            raise ValueError
+        return text, float(factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{entry!r}: TEXT=F, F a number") from None
+
+
 def from_argv(argv: Sequence[str] | None = None) -> SimConfig:
     """Parse a command line into a SimConfig; bad values exit with argparse's usage error."""
     parser = build_parser()
@@ -294,6 +317,7 @@ def from_argv(argv: Sequence[str] | None = None) -> SimConfig:
     values["error_rates"] = tuple(dict(ns.error_rates or ()).items())
     values["outages"] = tuple(ns.outages or ())
     values["hang_rid_prefixes"] = tuple(ns.hang_rid_prefixes or ())
+    values["length_scale_by_text"] = tuple(ns.length_scale_by_text or ())
     kinds = [k for group in ns.malformed_kinds or () for k in group]
     values["malformed_kinds"] = tuple(dict.fromkeys(kinds)) or MALFORMED_KINDS
     try:

@@ -149,6 +149,11 @@ def earlier_assistant_turns(prompt_text: str) -> int:
     return max(0, max(prompt_text.count(h) for h in ASSISTANT_HEADERS) - 1)
 
 
+def text_length_scale(cfg: SimConfig, prompt_text: str) -> float:
+    """--length-scale-by-text: the factor of the first TEXT the prompt contains, 1 when none does."""
+    return next((f for text, f in cfg.length_scale_by_text if text in prompt_text), 1.0)
+
+
 def plan_with_tokenizer(cfg: SimConfig, lexicon: Lexicon, plan: OutputPlan, rng: random.Random, tok: Any,
                         prompt: Sequence[int] | Sequence[str]) -> OutputPlan:
     """The plan's text in its family's format (sglang_sim/families.py), tokenized: about the drawn length (the
@@ -157,9 +162,9 @@ def plan_with_tokenizer(cfg: SimConfig, lexicon: Lexicon, plan: OutputPlan, rng:
     style = {"open": "qwen3-thinking", "full": "qwen3"}.get(plan.style, plan.style)
     prompt_text = (tok.decode(prompt, skip_special_tokens=False) if prompt and isinstance(prompt[0], int)
                    else " ".join(str(p) for p in prompt))
-    scale = 1.0
+    scale = text_length_scale(cfg, prompt_text)
     if cfg.turn_length_scale:  # the conversation's turn k answers with lengths of their own (--turn-length-scale)
-        scale = cfg.turn_length_scale[min(earlier_assistant_turns(prompt_text), len(cfg.turn_length_scale) - 1)]
+        scale *= cfg.turn_length_scale[min(earlier_assistant_turns(prompt_text), len(cfg.turn_length_scale) - 1)]
     n_words = max(2, round(plan.body_len() * scale / tok.tokens_per_word))
     n_reason = 0 if style in ("none", "deepseek-v3") else int(round(cfg.reasoning_fraction * n_words))
     words, _ = lexicon.take(plan.offset, n_words)
