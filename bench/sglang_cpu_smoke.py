@@ -471,7 +471,9 @@ def check_server_ids(name: str, recs: list[dict[str, Any]], log_path: Path) -> N
 
 
 def export_all(out: Path, model: Path) -> dict[str, int]:
-    """Every format; the conversation formats once per trainer, which decides the rows of multi-turn data."""
+    """Every format; the conversation formats once per trainer, which decides the rows of multi-turn data, with
+    ``--inexact keep``: a random model's answers seldom survive decode and re-encode (the row check's business,
+    tests/e2e/test_trainers.py), and this exercises the export path; each export's summary line is logged."""
     from producer.export.writer import CONVERSATION_FORMATS, FORMATS
     rows = {}
     for fmt in FORMATS:
@@ -481,11 +483,12 @@ def export_all(out: Path, model: Path) -> dict[str, int]:
                 dest = out / "export" / f"{label.replace(' ', '.')}.jsonl"
                 dest.parent.mkdir(exist_ok=True)
                 argv = ["export", name, "--out", str(out), "--format", fmt, "--dest", str(dest), "--tokenizer",
-                        str(model), "--truncated", "keep", *(("--for", trainer) if trainer else ())]
+                        str(model), "--truncated", "keep", *(("--for", trainer, "--inexact", "keep") if trainer else ())]
                 done = subprocess.run(produce_argv(*argv), capture_output=True, text=True, cwd=ROOT,
                                       env=worker_env("", ""))
                 if done.returncode != 0:
                     raise SmokeError(f"produce {' '.join(argv[:2])} {label} exited {done.returncode}: {done.stderr}")
+                log(f"{label}: {done.stdout.strip().splitlines()[0] if done.stdout.strip() else '(no summary)'}")
                 rows[label] = len(read_jsonl(dest))
                 if rows[label] == 0:
                     raise SmokeError(f"produce export {label} wrote no row")

@@ -150,8 +150,9 @@ def main() -> None:
      help="With --mix: queue each dataset's chunks so that its tokens keep to its weight while the run goes, so a "
           "run stopped early is in proportion; --no-mix-pacing lets them progress as their chunks are pulled.")
 @opt("--deadline", default=None, metavar="WHEN",
-     help="Every request ends by WHEN (2026-12-05T08:00, local time, or with an offset): as it nears, workers start "
-          "no request their measured speed says cannot finish in time, and what runs finishes. Stored with the "
+     help="Stop by WHEN (2026-12-05T08:00, local time, or with an offset): as it nears, workers start no request "
+          "whose expected duration at their measured speed ends after it; what runs finishes (a long one may end "
+          "past WHEN, by at most --max-tokens at the per-request speed). Stored with the "
           "run; a rerun after it passed sends nothing unless given a new one. docs/mix.md.")
 @opt("--for", "for_", default=None, metavar="DURATION", help="A deadline this long from now: 20h, 90m, 1h30m, 2d.")
 @opt("--budget-mode", "modes", multiple=True, metavar="MODE|NAME=MODE",
