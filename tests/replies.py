@@ -1,7 +1,7 @@
-"""Redis replies as the tests' clients give them. Every client the tests open (the ``r`` fixture, the workers',
-produce's) leaves decode_responses off, so a reply's strings are bytes; redis-py types them ``bytes | str``
-because it cannot tell. These helpers narrow a reply to what the test knows it is, failing on anything else
-(a missing key's None included) instead of passing a wrong value on."""
+"""Redis replies as the tests' clients give them. The ``r`` fixture (tests/conftest.py) and ChaosStack.client leave
+decode_responses off, so a reply's strings are bytes; redis-py types them ``bytes | str`` because it cannot tell.
+These helpers narrow a reply to what the test knows it is, and fail on anything else (a missing key's None
+included) rather than pass a wrong value on."""
 from __future__ import annotations
 
 from typing import Iterable

@@ -93,6 +93,7 @@ def exporter(r: "redis.Redis") -> Iterator[str]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     host, port = server.server_address[:2]
+    assert isinstance(host, str)  # an AF_INET server's: typeshed allows bytes for other families
     yield f"http://{host}:{port}"
     server.shutdown()
     server.server_close()
