@@ -267,13 +267,13 @@ def run_cmd(**options: Any) -> None:
 def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: float, as_json: bool) -> None:
     import redis
 
-    from producer.ops.status import all_status, deadline_lines, down_servers, mix_lines, status_table
+    from producer.ops.status import all_status, status_text
     client = connect(redis_url)
     try:
         while True:
             try:
                 rows = all_status(client, list(names))
-                down = mix_lines(client, [r.name for r in rows]) + deadline_lines(client, rows) + down_servers(client)
+                screen = status_text(client, rows)
             except redis.RedisError as exc:  # --watch outlives a Redis restart; a single look reports it
                 if not watch:
                     raise ProduceError(f"Redis at {logs.redact(redis_url)}: {exc}") from None
@@ -284,7 +284,7 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
             if as_json:
                 text = json.dumps([r.as_dict() for r in rows], indent=2)
             else:
-                text = status_table(rows) + down
+                text = screen
             if watch and not as_json:
                 click.echo("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + logs.redact(redis_url) + "\n" + text)
             else:
@@ -294,6 +294,55 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
             time.sleep(interval)
     except KeyboardInterrupt:
         return
+
+
+@main.command("sample", short_help="Show a few committed records of NAME and its length distribution.", help="Show a few committed records of dataset NAME (OUT/NAME/raw_responses.jsonl), while the "
+              "run goes or after it: each record's last user turn, every turn's reasoning, content, tool calls, "
+              "completion tokens and finish reason; then the length distribution of all its responses. A random "
+              "pick over the whole file (its tail is one moment of the run: the answers that finished together, short "
+              "ones early on, the longest at the end); --latest for the newest. Read-only: no Redis, nothing written.\n\n"
+              "\b\nExamples:\n  produce sample code_instruct --out out/ -n 5\n  produce sample code_instruct -n 0")
+@click.argument("name")
+@opt("-n", "--count", type=click.IntRange(0), default=3, show_default=True, envvar="BUDGETQ_SAMPLE_COUNT",
+     help="Records to show; 0: only the length distribution.")
+@opt("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out"), show_default=True,
+     help="The run's output directory (holding <dataset>/raw_responses.jsonl).")
+@opt("--seed", type=int, default=None, envvar="BUDGETQ_SAMPLE_SEED",
+     help="Seed of the random pick: the same seed over the same records shows the same ones. Default: another "
+          "pick each time.")
+@opt("--latest", is_flag=True, envvar="BUDGETQ_SAMPLE_LATEST", help="The last records committed, not a random pick.")
+@opt("--chars", type=click.IntRange(0), default=300, show_default=True, envvar="BUDGETQ_SAMPLE_CHARS",
+     help="Characters shown of each text (on one line); 0: every text whole, as written.")
+@opt("--json", "as_json", is_flag=True, envvar="BUDGETQ_SAMPLE_JSON",
+     help="Print the chosen records as written, one JSON line each, and nothing else.")
+def sample_cmd(name: str, count: int, out_dir: Path, seed: int | None, latest: bool, chars: int,
+               as_json: bool) -> None:
+    from producer.ops.sample import pick, report, results_of
+    path = results_of(out_dir, name)
+    picked = pick(path, count, seed=seed, latest=latest)
+    if as_json:
+        for result in picked.results:
+            click.echo(result.text)
+        return
+    click.echo(report(name, path, picked, chars))
+
+
+@main.command("servers", help="Show one row per SGLang server, read from what the workers record in Redis: the hosts "
+              "and workers using it, its state (ok, slow, down since when), requests in flight against the windows "
+              "its workers keep, its max_running_requests, tok/s and last error; first, how many rq workers listen on "
+              "the queue, on which hosts.\n\n"
+              "\b\nExample:\n  produce servers --redis-url redis://redis-host:6379/0")
+@redis_url_option
+@opt("--json", "as_json", is_flag=True, envvar="BUDGETQ_SERVERS_JSON", help="Print JSON for scripts.")
+def servers_cmd(redis_url: str, as_json: bool) -> None:
+    import redis
+
+    from producer.ops.servers import read_view, servers_table
+    try:
+        view = read_view(connect(redis_url))
+    except redis.RedisError as exc:
+        raise ProduceError(f"Redis at {logs.redact(redis_url)}: {exc}") from None
+    click.echo(json.dumps(view.as_dict(), indent=2) if as_json else servers_table(view))
 
 
 @main.command("budget", help="Set dataset NAME's budget to AMOUNT (12M, 500k, or unlimited) while it runs: raising "
@@ -391,7 +440,8 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
      help="The run's output directory (holding <dataset>/raw_responses.jsonl).")
 @opt("--format", "fmt", type=click.Choice(["sharegpt", "openai-messages", "tokens"]), default="sharegpt",
      show_default=True, help="Conversation format, or tokens: one row per regenerated turn of input_ids (prompt ids "
-                             "+ the server's output ids) and loss_mask (1 on the output ids); needs --tokenizer.")
+                             "+ the server's output ids) and loss_mask (1 on the output ids), with --tokenizer or else the run's "
+                             "(run.json tokenizer_path).")
 @opt("--dest", type=click.Path(path_type=Path), default=None,
      help="Output file when one dataset is exported to a path with a suffix (train/b1.jsonl); otherwise a "
           "directory getting <dataset>.jsonl each. Default: OUT/<dataset>/<format>.jsonl.")
@@ -413,10 +463,12 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
           "with --tokenizer, rendered as the trainer renders them): left out, or kept with inexact: true. Counted "
           "either way.")
 @opt("--token-ids", is_flag=True,
-     help="Add input_ids (the prompt, checked id by id) and the server's output_ids (needs --tokenizer).")
+     help="Add input_ids (the prompt, checked id by id) and the server's output_ids (with --tokenizer or else the "
+          "run's).")
 @opt("--tokenizer", default=None,
-     help="The run's tokenizer directory: needed by --token-ids and --format tokens; with a conversation format, "
-          "every row is checked as its trainer renders it (--inexact).")
+     help="The run's tokenizer directory. --token-ids and --format tokens without it use the one the run was "
+          "started with (run.json tokenizer_path); with a conversation format, every row is checked as its trainer "
+          "renders it (--inexact), and without it the rows are written unchecked.")
 @opt("--redis-url", envvar="REDIS_URL", show_envvar=True, default=None, callback=_redis_url,
      help="Optional (REDIS_URL, as every command reads): record the dataset's budget, mode and usage from this Redis in the manifest, and the SGLang "
           "servers' version and model the workers recorded there if the manifest has none yet.")

@@ -3,8 +3,8 @@
 1. Read, validate and render every file (producer/prepare.py), before Redis is touched.
 2. ``--dry-run``: plan each dataset (producer/plan.py; ``--pilot`` asks SGLang for real lengths) and stop.
 3. Otherwise: check the output folders, Redis and what the workers recorded of their servers
-   (producer/preflight.py), attach and run (producer/session/loop.py), then write each dataset's manifest
-   (producer/export/manifest.py).
+   (producer/preflight.py), attach, say who listens on the queue and how the servers are (producer/ops/servers.py),
+   run (producer/session/loop.py), then write each dataset's manifest (producer/export/manifest.py).
 
 `launch` returns what the command prints (the plan or the summary table); progress and warnings go to the log as
 they happen. Errors are producer/errors.py exceptions, with the exit code the command ends with.
@@ -109,6 +109,7 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     summary table (or, for a rerun after its deadline, the line saying nothing was sent)."""
     from budget.runstate import RunState
     from producer.export.manifest import write_run_manifests
+    from producer.ops.servers import preflight as check_workers
     from producer.preflight import (
         check_out_dirs,
         check_redis,
@@ -120,7 +121,7 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     from producer.session.attach import check_out_dir
     from producer.session.enqueue import JobSettings
     from producer.session.loop import Producer
-    from producer.session.report import summary_table
+    from producer.session.report import length_pictures, summary_table
     from producer.session.state import RunOptions
     from producer.vocab import check_servers as check_vocab_servers
     s = settings
@@ -150,12 +151,15 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     check_vocab_servers(client, inputs, s.tokenizer, options.conversation)  # producer/vocab.py; sets vocab_size
     producer = Producer(client, inputs.prepared, options, echo=log.info)
     try:
-        producer.attach()
+        producer.attach()  # enqueues nothing yet
+        # who listens on the queue, how the servers are: warnings only, and only with work to wait for them
+        check_workers(client, echo=log.info, warn=warn, to_enqueue=producer.to_enqueue())
         summaries = producer.run(detach=s.detach)
     except redis.RedisError as exc:
         raise ProduceError(f"Redis error: {exc}") from None
-    if not s.detach:
-        servers = write_run_manifests(client, s.out_dir, [x.name for x in summaries], warn=warn)
-        if servers:
-            check_seed(client, params, warn=warn, servers=servers)
-    return summary_table(summaries, detached=s.detach)
+    if s.detach:
+        return summary_table(summaries, detached=True)
+    servers = write_run_manifests(client, s.out_dir, [x.name for x in summaries], warn=warn)
+    if servers:
+        check_seed(client, params, warn=warn, servers=servers)
+    return summary_table(summaries) + "\n\n" + length_pictures(summaries)

@@ -391,7 +391,9 @@ def load_inputs(s: RunSettings, *, echo: Callable[[str], None], warn: Callable[[
             warn(str(ignored))
         conversations = (f"; turns: all, {p.conversations} multi-turn conversations ({p.turns_total} requests at "
                          "most)" if settings.turns == ALL else "")
-        echo(f"{p.name}: {len(p.prompts)} samples ready ({p.prompt_tokens} prompt tokens), "
+        n = p.settings.generations.n  # the conversations and requests below count every generation: so do samples
+        prompts = f"{len(p.prompts)} prompts x {n} generations, " if n > 1 else ""
+        echo(f"{p.name}: {p.selected} samples ready ({prompts}{p.prompt_tokens} prompt tokens), "
              f"{len(p.invalid)} invalid, {len(p.duplicates)} duplicate ids, {len(p.over_context)} over context; "
              f"order: {settings.order.describe()}{conversations}")
     return Inputs(prepared, renderer, settings, context, variants)

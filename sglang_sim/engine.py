@@ -109,7 +109,11 @@ class _Heaps:
 
 
 class Engine:
-    """The batch scheduler. Use from one event loop; every public method is synchronous and cheap."""
+    """The batch scheduler. Use from one event loop; every public method is synchronous and cheap.
+
+    ``clock`` must tell the time that loop's timers run on (the finish timer is the loop's ``call_later``): the
+    default, time.monotonic, is what asyncio's loops use; tests pass a virtual-time loop's ``loop.time``
+    (tests/virtual_time.py), so the model's times come out exact."""
 
     def __init__(self, cfg: SimConfig, cache: PrefixCache, clock: Callable[[], float] = time.monotonic) -> None:
         self._cfg = cfg

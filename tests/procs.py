@@ -19,9 +19,9 @@ __all__ = ["Workers", "complete_lines", "produce", "produce_cmd", "read_jsonl", 
 wait_for = wait_until
 
 
-#: What running workers write on their own: their servers' info and health, and every RQ key but the queue's and
+#: What running workers write on their own: their servers' info, health and load, and every RQ key but the queue's and
 #: the jobs' (registrations, registry and group cleaning, which change under a test whenever a worker heartbeats).
-WORKER_OWNED = (keys.SERVER_INFO, keys.SERVER_HEALTH, keys.WINDOW)
+WORKER_OWNED = (keys.SERVER_INFO, keys.SERVER_HEALTH, keys.SERVER_LOAD, keys.WINDOW)
 PRODUCE_RQ = ("rq:queue:", "rq:queues", "rq:job:", "rq:canceled:")
 
 

@@ -18,7 +18,7 @@ commit closes the dataset, the worker discards the dataset's queued chunks at on
 and are committed (GPU work is never thrown away), but no new request of the dataset starts.
 
 A 401/403 from SGLang (``SGLANG_API_KEY`` wrong or missing) is the worker's own misconfiguration, not the
-sample's: every request it sends would be refused alike, and five attempts per sample used to mark a whole
+sample's: every request it sends would be refused alike, and five attempts per sample would mark a whole
 dataset failed in seconds. The first one sets ``fault``, logs one error naming the server and the variable, and
 stops the dispatcher as a warm stop does: nothing more starts, the refused samples and the unstarted rest are
 given back uncounted and unfailed (the producer re-enqueues them once the chunk ends), requests already running

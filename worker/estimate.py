@@ -18,7 +18,7 @@ BUDGETQ_PREDICT_MODEL_ERROR): large while the model is young, nearly nothing onc
 
 Conversations (``TurnModels``, docs/budget.md "The per-turn length model"). A conversation's turns are not alike:
 in real multi-turn data a follow-up answer is often shorter than the first, an agent's later step longer. A reservation that prices every turn at the pooled mean of all completion lengths
-(what predict did before this model) is biased as soon as they differ, and the bias lands where it hurts: near the
+is biased as soon as they differ, and the bias lands where it hurts: near the
 close the conversations still running are the ones in their later turns. So each turn index j (0, 1, 2, and 3 for
 every turn from the fourth on) has a length model of its own, built from the recent lengths of that turn
 (``bq:ds:{n}:lengths:{j}``), with the pooled model's mean as its prior: until a turn has answers of its own it is

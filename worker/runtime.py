@@ -24,6 +24,7 @@ from budget.payload import ChunkPayload
 from worker.config import WorkerConfig
 from worker.dispatch import Dispatcher
 from worker.health import HealthMonitor
+from worker.loadreport import LoadReporter
 from worker.running import ChunkReport
 from worker.serverinfo import ServerInfoReporter
 from worker.sglang import SGLangClient
@@ -60,10 +61,12 @@ class Runtime:
         def on_health(down: bool) -> None:  # from the health thread to the request loop
             self.loop.call_soon_threadsafe(dispatcher.set_servers_down, down)
 
-        self.health = HealthMonitor(self.redis, config, worker=name or f"{socket.gethostname()}.{os.getpid()}",
-                                    on_change=on_health)
+        worker = name or f"{socket.gethostname()}.{os.getpid()}"
+        self.health = HealthMonitor(self.redis, config, worker=worker, on_change=on_health)
         client.on_unreachable = self.health.suspect
         self.health.start()
+        # What it does with each server, for `produce servers` (bq:server_load), on a thread of its own too.
+        self.load = LoadReporter(self.redis, config, self.dispatcher, worker=worker).start()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -100,6 +103,7 @@ class Runtime:
         try:
             self.health.thread.join(2)  # it deletes this worker's entry in bq:server_health as it ends
             self._call(self.dispatcher.drain())
+            self.load.stop()  # after the drain: the view shows the requests a stopping worker finishes
             self._call(self.session.close())
             self._call(self.dispatcher.batcher.aclose())
         finally:

@@ -148,6 +148,11 @@ class SGLangClient:
         self.down_until = {url: 0.0 for url in config.servers}
         self.cooldown = {url: 0.0 for url in config.servers}
         self.probing = {url: False for url in config.servers}
+        #: For worker/loadreport.py: completion tokens each server answered, and its last failed request (why, and
+        #: the monotonic time), and when it last timed out, answered 5xx/429 or lost the connection.
+        self.tokens = {url: 0 for url in config.servers}
+        self.last_error: dict[str, tuple[str, float]] = {}
+        self.unavailable_at: dict[str, float] = {}
         self.changed = asyncio.Event()  # set whenever a server's health changes
         self._turn = 0
         self._headers = {"Content-Type": "application/json"}
@@ -285,6 +290,12 @@ class SGLangClient:
                 self.probing[server] = False
                 self.changed.set()
 
+    def _note_error(self, server: str, why: str, unavailable: bool) -> None:
+        now = time.monotonic()
+        self.last_error[server] = (why, now)
+        if unavailable:
+            self.unavailable_at[server] = now
+
     async def _send(self, server: str, payload: dict[str, Any], max_new_tokens: int, probe: bool) -> Generation:
         timeout = self._timeouts.get(max_new_tokens)
         if timeout is None:
@@ -301,6 +312,7 @@ class SGLangClient:
                 retry_after = _retry_after(resp.headers)
         except asyncio.TimeoutError as exc:
             self._mark(server, False, probe)
+            self._note_error(server, "timeout", True)
             if isinstance(exc, aiohttp.ConnectionTimeoutError) and self.on_unreachable is not None:
                 self.on_unreachable(server)  # no connection within BUDGETQ_CONNECT_TIMEOUT: maybe gone
             raise GenerateError(f"timeout from {server}", retryable=True, unavailable=True) from None
@@ -308,12 +320,14 @@ class SGLangClient:
             # Not connected, or closed before any answer: maybe the server is gone. worker/health.py asks its
             # /health and decides; a slow server (the timeout above) or an error answer is not this.
             self._mark(server, False, probe)
+            self._note_error(server, f"{type(exc).__name__}: {exc}", True)
             if self.on_unreachable is not None:
                 self.on_unreachable(server)
             raise GenerateError(f"{type(exc).__name__} from {server}: {exc}", retryable=True,
                                 unavailable=True) from None
         except (aiohttp.ClientError, OSError) as exc:
             self._mark(server, False, probe)
+            self._note_error(server, f"{type(exc).__name__}: {exc}", True)
             raise GenerateError(f"{type(exc).__name__} from {server}: {exc}", retryable=True,
                                 unavailable=True) from None
         finally:
@@ -323,9 +337,13 @@ class SGLangClient:
             try:
                 body = orjson.loads(raw)
             except ValueError:
+                self._note_error(server, "malformed response: body is not JSON", False)
                 raise GenerateError("malformed response: body is not JSON", retryable=True) from None
-            return parse_generation(body, max_new_tokens, server)
+            gen = parse_generation(body, max_new_tokens, server)
+            self.tokens[server] = self.tokens.get(server, 0) + gen.completion_tokens
+            return gen
         message = _error_message(raw)
+        self._note_error(server, f"HTTP {status}: {message}", status >= 500 or status in (408, 429))
         if status in (401, 403):
             raise GenerateError(f"{status}: {message}", retryable=False, status=status, auth=True, server=server)
         if status == 400:

@@ -50,6 +50,7 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 
+from budget import serverload
 from budget import window as window_record
 from budget.serverinfo import is_router, public_url
 from worker.config import WorkerConfig
@@ -65,7 +66,6 @@ INFO_REFRESH_S: Final = 10.0
 #: The share of a server's gap each look closes: under 1, so that peers acting on the same reading do not overshoot.
 GAIN: Final = 0.5
 _MAX_BODY: Final = 4 << 20
-_LOOPBACK: Final = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 
 
 def headroom(capacity: int) -> int:
@@ -291,10 +291,7 @@ class ServerWindow:
         self.window = min(max(self.window, 1.0), float(self.capacity + 2 * h))
 
 
-def server_name(url: str, host: str) -> str:
-    """What names a server among workers: its public URL, prefixed with this host when it is a loopback one."""
-    public = public_url(url)
-    return f"{host} {public}" if (urlsplit(public).hostname or "") in _LOOPBACK else public
+server_name = serverload.server_name  # one naming for bq:window and bq:server_load
 
 
 # -- the thread ------------------------------------------------------------------------------------------------

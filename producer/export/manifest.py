@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from budget.urls import server_urls
 from producer.errors import ProduceError, UsageError
 from producer.export.files import MANIFEST, ExportError, Results, atomic, failed_ids, read_run_json
 from producer.export.rows import is_truncated
+from producer.ops.lengths import nearest_rank
 from producer.results import RESULTS
 from producer.templatemix import SETTING as MIX_SETTING
 from producer.templatemix import TemplateMix, labels
@@ -232,12 +232,9 @@ class Stats:
 
     def completion_length(self) -> dict[str, float | int | None]:
         ordered = sorted(self.lengths)
-
-        def rank(q: float) -> int | None:  # nearest rank: a length that occurs, no interpolation
-            return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else None
-
         mean = round(sum(ordered) / len(ordered), 2) if ordered else None
-        return {"mean": mean, "p50": rank(0.50), "p95": rank(0.95), "max": ordered[-1] if ordered else None}
+        return {"mean": mean, "p50": nearest_rank(ordered, 0.50), "p95": nearest_rank(ordered, 0.95),
+                "max": ordered[-1] if ordered else None}
 
 
 def _budgetq_version() -> str:

@@ -142,7 +142,33 @@ def make_app(redis_url: str, *, username: str | None, password: str | None, url_
     if username and password:
         _require_basic_auth(app, username, password)
     setup_rq_connection(app)
+    _add_budget_page(app, redis_url, url_prefix, (poll_interval_ms or 5000) / 1000)
     return app
+
+
+def _add_budget_page(app: "Flask", redis_url: str, url_prefix: str, refresh_s: float) -> None:
+    """PREFIX/budget: ``produce status``'s screen (budget, used, reserved, in flight, tok/s, eta, the servers that
+    are down) read from Redis at each request and reloaded every ``refresh_s``: rq-dashboard shows queues and jobs,
+    which say nothing of tokens. Behind the same basic auth as every page (it is the app's)."""
+    import html
+
+    import redis
+    from flask import Response
+
+    from producer.ops.status import all_status, status_text
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+
+    @app.route(f"{url_prefix}/budget")
+    def budget_page() -> Response:
+        try:
+            text = status_text(client, all_status(client))
+        except redis.RedisError as exc:
+            text = f"Redis unreachable ({exc})"
+        page = (f'<!doctype html><html><head><meta http-equiv="refresh" content="{refresh_s:g}">'
+                f"<title>budgetq budget</title></head><body><p><a href=\"{url_prefix}/\">rq-dashboard</a></p>"
+                f"<pre>{html.escape(text)}</pre></body></html>")
+        return Response(page, 200, {"Content-Type": "text/html; charset=utf-8"})
 
 
 def _require_basic_auth(app: "Flask", username: str, password: str) -> None:

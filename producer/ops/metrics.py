@@ -1,6 +1,7 @@
 """``produce metrics``: every dataset's budget state as Prometheus text over HTTP, read-only.
 
-Each scrape reads Redis afresh (``producer.ops.status.all_status`` plus the length of the shared RQ queue), so the
+Each scrape reads Redis afresh (``producer.ops.status.all_status``, the length of the shared RQ queue, and the
+per-server view of ``produce servers``, producer/ops/servers.py), so the
 exporter holds no state: it can run anywhere that reaches Redis, several of them can run at once, and it needs no
 attached ``produce``. It binds 127.0.0.1 by default: the figures name the datasets and their progress, so expose
 it to a Prometheus on another host on purpose (``--host``), never by accident.
@@ -22,6 +23,7 @@ from rq import Queue
 
 from budget import health, keys
 from producer.errors import ProduceError
+from producer.ops.servers import ServersView, ServerUse, read_view
 from producer.ops.status import DatasetStatus, all_status
 
 DEFAULT_HOST = "127.0.0.1"
@@ -60,8 +62,8 @@ PER_DATASET: tuple[Gauge, ...] = (
           lambda s: s.unwritten),
     Gauge("budgetq_late_commits", "Responses committed after their chunk had lost its lease (kept, counted).",
           lambda s: s.late),
-    Gauge("budgetq_completion_tokens_per_second", "Completion tokens committed per second over the last full "
-          "minute (10-second buckets; the running bucket is left out).", lambda s: s.tokens_per_s),
+    Gauge("budgetq_completion_tokens_per_second", "Completion tokens committed per second over the full "
+          "10-second buckets of the last minute, from the first with tokens (the running bucket is left out).", lambda s: s.tokens_per_s),
     Gauge("budgetq_open", "1 while the dataset admits requests, 0 once it is closed or complete.",
           lambda s: 1 if s.status == "open" else 0),
     Gauge("budgetq_complete", "1 once every selected sample ran and nothing is left queued, running or unwritten.",
@@ -124,9 +126,45 @@ def render_metrics(client: "redis.Redis") -> str:
             "or /health 503); only down servers are listed (budget/health.py).",
             [(f'{{worker="{_label(str(e.get("worker")))}",host="{_label(str(e.get("host")))}",'
               f'server="{_label(url)}"}}', round(e["for_s"], 1)) for e in down for url in sorted(e["down"])])
+    try:
+        view = read_view(client)
+    except redis.RedisError:
+        view = None
+    if view is not None:
+        _server_families(lines, view)
     _family(lines, "budgetq_scrape_duration_seconds", "Time this scrape took to read Redis.",
             [("", round(time.monotonic() - started, 6))])
     return "\n".join(lines) + "\n"
+
+
+#: Per (server, host) families from ``produce servers``' view (producer/ops/servers.py): what the live workers of
+#: ``host`` do with ``server``. No sample where the value is unknown (a fixed BUDGETQ_CONCURRENCY over several
+#: servers has no per-server window; max_running_requests is known to the automatic window only).
+PER_SERVER: tuple[tuple[str, str, Callable[[ServerUse], float | int | None]], ...] = (
+    ("budgetq_server_workers", "Live workers of this host that use this SGLang server.", lambda u: len(u.workers)),
+    ("budgetq_server_up", "0 while a worker of this host finds this SGLang server down (no connection, or /health "
+     "503), else 1.", lambda u: 0 if u.down else 1),
+    ("budgetq_server_slow", "1 when a request of this host's workers to this server timed out or was answered 5xx "
+     "or 429 in the last minute (and it is not down).", lambda u: 1 if u.slow and not u.down else 0),
+    ("budgetq_server_in_flight_requests", "Requests this host's workers have in flight on this server.",
+     lambda u: u.in_flight),
+    ("budgetq_server_window_requests", "Requests this host's workers keep in flight on this server at most (their "
+     "windows).", lambda u: u.window),
+    ("budgetq_server_max_running_requests", "Requests the server runs at once, as the workers' automatic window "
+     "read it (all DP ranks).", lambda u: u.capacity),
+    ("budgetq_server_completion_tokens_per_second", "Completion tokens per second this server answered this host's "
+     "workers, over their last report (5 s).", lambda u: u.tok_s),
+)
+
+
+def _server_families(lines: list[str], view: ServersView) -> None:
+    _family(lines, "budgetq_rq_workers", "RQ workers registered on the queue (RQ's worker registry).",
+            [(f'{{queue="{_label(keys.QUEUE_NAME)}"}}', len(view.rq_workers))])
+    _family(lines, "budgetq_rq_worker_hosts", "Hosts the RQ workers registered on the queue run on.",
+            [(f'{{queue="{_label(keys.QUEUE_NAME)}"}}', len(view.rq_hosts))])
+    for name, help_text, read in PER_SERVER:
+        _family(lines, name, help_text, [(f'{{host="{_label(u.host)}",server="{_label(u.server)}"}}', value)
+                                         for u in view.uses if (value := read(u)) is not None])
 
 
 class MetricsServer(ThreadingHTTPServer):

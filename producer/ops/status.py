@@ -58,13 +58,17 @@ class DatasetStatus:
 
 def tokens_per_second(stats: dict[str, str], now: float | None = None) -> float:
     """The one tok/s of budgetq (``produce status``, its metrics and ``produce``'s progress line): completion tokens
-    committed per second, from the commit scripts' 10-second token buckets in the stats hash, over the last full
-    minute, the running bucket excluded. Every process reads the same figure, and it survives a reattach."""
+    committed per second, from the commit scripts' 10-second token buckets in the stats hash, over the full buckets
+    of the last minute, the running bucket excluded. The span starts at the first of those buckets with tokens: a
+    run that started (or resumed) 20 s ago reads its rate over those 20 s, not a third of it over a minute, and its
+    eta is not three times too long. Every process reads the same figure, and it survives a reattach."""
     now = time.time() if now is None else now
     current = int(now // 10)
-    total = sum(int(v) for k, v in stats.items()
-                if k.startswith("t:") and current - RATE_WINDOW_S // 10 <= int(k[2:]) < current)
-    return total / RATE_WINDOW_S
+    window = {int(k[2:]): int(v) for k, v in stats.items()
+              if k.startswith("t:") and current - RATE_WINDOW_S // 10 <= int(k[2:]) < current and int(v) > 0}
+    if not window:
+        return 0.0
+    return sum(window.values()) / (10 * (current - min(window)))
 
 
 def eta_seconds(budget: int | None, used: int, status: str, tps: float,
@@ -260,6 +264,13 @@ def deadline_lines(client: "redis.Redis", rows: list[DatasetStatus], now: float 
                      f"{row.tokens_per_s:,.0f} tok/s" + (f"; warning: short of its budget {row.budget:,}" if short
                                                           else ""))
     return "".join(f"\n{line}" for line in lines)
+
+
+def status_text(client: "redis.Redis", rows: list[DatasetStatus]) -> str:
+    """``produce status``'s screen: the table, then the mixes, the deadlines and the workers whose servers are down.
+    The dashboard's budget page shows the same text, so the two never disagree."""
+    return (status_table(rows) + mix_lines(client, [r.name for r in rows]) + deadline_lines(client, rows)
+            + down_servers(client))
 
 
 def down_servers(client: "redis.Redis") -> str:

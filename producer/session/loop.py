@@ -104,6 +104,10 @@ class Producer:
             raise
 
     # -- the loop --------------------------------------------------------------------------------------
+    def to_enqueue(self) -> int:
+        """Samples the attached datasets have yet to enqueue (0 for a rerun of a finished run)."""
+        return sum(len(d.todo) for d in self.runs if not d.finished)
+
     def run(self, detach: bool = False) -> list[DatasetSummary]:
         try:
             if detach:

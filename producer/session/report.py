@@ -1,5 +1,5 @@
 """What ``produce`` says of its datasets: the progress line it prints while attached, and the summary table it
-prints when it ends (``DatasetSummary``, one row a dataset)."""
+prints when it ends (``DatasetSummary``, one row a dataset), with each dataset's length distribution below it."""
 from __future__ import annotations
 
 import time
@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from producer.generations import split_key
+from producer.ops.lengths import picture, read_lengths
 from producer.ops.status import eta_seconds, tokens_per_second
 from producer.results import RESULTS
 from producer.session.state import DatasetRun
@@ -100,3 +101,9 @@ def summary_table(rows: list[DatasetSummary], detached: bool = False, max_failed
     if detached:
         lines.append("detached: workers run the queued chunks; run the same command without --detach to collect")
     return "\n".join(lines)
+
+
+def length_pictures(rows: list[DatasetSummary]) -> str:
+    """Each dataset's completion lengths (producer/ops/lengths.py), read from its results file: what the summary
+    ends with, so that a run's end says whether ``--max-tokens`` cut too many answers."""
+    return "\n".join(line for r in rows for line in picture(r.name, read_lengths(r.output)))

@@ -20,7 +20,6 @@ import pytest
 import redis
 
 from budget import health, keys
-from budget.ledger import LEASE_MS
 from producer.ops.metrics import render_metrics
 from sglang_sim.launch import SimProcess, free_port
 from tests.demo_data import GLAIVE
@@ -93,9 +92,10 @@ def test_a_worker_on_a_dead_port_takes_nothing_and_the_healthy_one_finishes_the_
 
     t1 = time.monotonic()
     dead_proc.send_signal(signal.SIGTERM)
+    # "Stops on SIGTERM within seconds" (docs/operations.md; measured 0.4 s): a timed promise, so a bound, generous
+    # against what a slip would wait for (connect timeouts, BUDGETQ_RETRY_FOR's 600 s). The time is only printed.
     assert dead_proc.wait(15) == 0
     stopped = time.monotonic() - t1
-    assert stopped < 5.0, f"SIGTERM took {stopped:.1f} s"
     assert "Traceback" not in dead.log("dead0")
     assert not health.load(r), "the stopped worker left its health entry"
     print(f"run of {N} done in {took:.1f} s beside a dead-server worker; its SIGTERM exit took {stopped:.2f} s")
@@ -123,9 +123,7 @@ def test_a_server_that_dies_mid_run_has_its_chunks_given_back_and_work_resumes_w
         t_kill = time.monotonic()
         wait_for(lambda: DOWN_LINE in w.log("w0"), 30, "the worker to find its server down")
         wait_for(lambda: _holds_nothing(r, k), 30, "the worker to give its chunks back")
-        gave_back = time.monotonic() - t_kill
-        # Given back, not reclaimed: the producer reclaims a chunk only once its 20 s lease has lapsed.
-        assert gave_back < LEASE_MS / 1000 - 5, f"{gave_back:.1f} s: was it given back or reclaimed?"
+        gave_back = time.monotonic() - t_kill  # printed; given back, not reclaimed, is checked after the run
         used = int(r.get(k.used) or 0)
         assert r.hlen(k.failed) == 0, "samples were failed for a dead server"
         _named(r, redis_url, "w0", sim.url)
@@ -149,6 +147,9 @@ def test_a_server_that_dies_mid_run_has_its_chunks_given_back_and_work_resumes_w
             back.stop()
     recs = check_exact(r, out, "glaive_fc")
     assert len(recs) == N and not read_jsonl(out / "glaive_fc" / "failed.jsonl")
+    # Given back, not reclaimed: produce reclaims a chunk only once its lease (LEASE_MS) has lapsed, and says so.
+    said = (tmp_path / "produce.out").read_text() + (tmp_path / "produce.err").read_text()
+    assert "lost its worker" not in said, said[-3000:]
     assert not health.load(r)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0
@@ -180,11 +181,11 @@ def test_sigterm_while_requests_wait_to_retry_gives_them_back_at_once(
         wait_for(lambda: "retrying" in w.log("w0"), 30, "requests retrying")
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        # A timed promise (docs/operations.md: SIGTERM within seconds), so a bound, generous against the slip it
+        # guards: waiting out the retries, the whole 120 s outage here, BUDGETQ_RETRY_FOR (600 s) in general.
+        # 1.5-4.2 s measured on a loaded 2-core machine (rq's teardown, the chunks' finish); the time is printed.
         assert proc.wait(30) == 0
         stopped = time.monotonic() - t0
-        # 1.5-4.2 s measured on a loaded 2-core machine (rq's teardown, the chunks' finish); main waits out the
-        # retries: the whole outage here, BUDGETQ_RETRY_FOR (600 s) in general
-        assert stopped < 10.0, f"SIGTERM took {stopped:.1f} s"
         assert r.hlen(k.failed) == 0
         wait_for(lambda: _holds_nothing(r, k), 30, "nothing held by the stopped worker")
         _set_faults(sim.url, '{"outage_for": 0}')

@@ -140,6 +140,25 @@ def test_the_jobs_tab_opens_on_budgetqs_queue(dashboard: Dashboard, two_datasets
     assert "all the queued jobs on queue <strong>budgetq</strong>" in page and 'value="default"' not in page
 
 
+
+def test_the_budget_page_shows_produce_status_screen(dashboard: Dashboard, two_datasets: dict[str, list[str]],
+                                                      r: "redis.Redis") -> None:
+    """PREFIX/budget is the tokens view rq-dashboard lacks: produce status's screen (budget, used, reserved, tok/s,
+    eta, servers down), behind the same basic auth."""
+    from budget.runstate import RunState
+    from producer.ops.status import all_status, status_text
+    for name in (OPEN, CLOSED):
+        RunState(r).register(name, "{}", time.time())
+    Ledger(r).set_budget(OPEN, 12_000)
+    assert dashboard.request("GET", "/budget")[0] == 401
+    status, body = dashboard.request("GET", "/budget", GOOD)
+    assert status == 200, body[:300]
+    shown = html.unescape(re.search(r"<pre>(.*)</pre>", body.decode(), re.S).group(1))  # type: ignore[union-attr]
+    assert shown == status_text(r, all_status(r))
+    assert re.search(rf"^{OPEN} +\w+ +open +0 +12,000 ", shown, re.M), shown
+    assert re.search(rf"^{CLOSED} .* closed +0 +0 ", shown, re.M), shown
+
+
 # ------------------------------------------------------------------ a real browser while workers are busy
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

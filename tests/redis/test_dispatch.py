@@ -29,8 +29,6 @@ from worker.dispatch import Dispatcher
 from worker.running import ChunkReport
 from worker.sglang import SGLangClient
 
-pytestmark = pytest.mark.serial
-
 DS = "ds"
 #: 100 tokens/s per request: a SLOW request (400 tokens) takes ~4 s, a FAST one (2 tokens) ~20 ms.
 SIM_ARGS = ("--tokens-per-second-per-request", "100", "--saturation-batch", "64", "--prefix-cache-pages", "0",

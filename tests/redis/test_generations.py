@@ -211,3 +211,23 @@ def test_dry_run_plans_generations_times_prompts(tmp_path: Path, tokenizer_dir: 
                         settings_mix=inputs.settings.generations.describe())
     assert (plan.valid, plan.samples, plan.generations, plan.samples_needed) == (6, 18, 3, 18)
     assert plan.projected_tokens == 180 and "temperature 0, 1" in plan.settings_mix
+
+
+def test_the_ready_line_counts_samples_as_its_conversations_and_requests_do(tmp_path: Path,
+                                                                           tokenizer_dir: Path) -> None:
+    """3 prompts, one a conversation of 2 user turns, x 4 generations: 12 samples, 4 conversations, 16 requests (the
+    line said '3 samples ready' beside '4 multi-turn conversations')."""
+    from click.testing import CliRunner
+
+    from producer.cli import main
+    data = tmp_path / "ds.jsonl"
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "and then?"}]
+    data.write_text("".join(json.dumps(x) + "\n" for x in
+                            ({"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two"}, {"id": "c", "messages": chat})))
+    res = CliRunner().invoke(main, [str(data), "--tokenizer", str(tokenizer_dir), "--max-tokens", "64", "--dry-run",
+                                    "--expect-mean", "10", "--generations", "4", "--temperature", "0,1"])
+    assert res.exit_code == 0, res.output
+    ready = next(line for line in res.output.splitlines() if "samples ready" in line)
+    assert ready.startswith("ds: 12 samples ready (3 prompts x 4 generations, "), ready
+    assert "4 multi-turn conversations (16 requests at most)" in ready, ready

@@ -77,7 +77,8 @@ def two_datasets(r: "redis.Redis") -> Iterator[None]:
                          finish_reason="stop").committed
     assert ledger.admit("alpha", "alpha-0-1", alpha[0], expected=40).verdict is Admit.START  # stays in flight
     assert ledger.fail("alpha", "alpha-1-0", alpha[1], {"id": "alpha-1-0", "reason": "400"})
-    # 1200 tokens in a full 10-second bucket inside the last minute: 20 tokens/s (the commit script's layout)
+    # 1200 tokens in the full 10-second bucket before last, none since: 60 tokens/s over those 20 s (the commit
+    # script's layout)
     r.hset(keys.DatasetKeys("alpha").stats, f"t:{int(time.time() // 10) - 2}", 1200)
 
     ledger.set_budget("beta", None)
@@ -124,7 +125,7 @@ def test_scrape_reports_each_dataset(r: "redis.Redis", two_datasets: None, expor
     assert get(s, "budgetq_failed_samples", dataset="alpha") == 1
     assert get(s, "budgetq_queued_chunks", dataset="alpha") == 2  # the third one is running
     assert get(s, "budgetq_unwritten_results", dataset="alpha") == 1
-    assert get(s, "budgetq_completion_tokens_per_second", dataset="alpha") == 20.0
+    assert get(s, "budgetq_completion_tokens_per_second", dataset="alpha") == 60.0
     assert get(s, "budgetq_responses", dataset="alpha", finish_reason="stop") == 1
     assert get(s, "budgetq_responses", dataset="alpha", finish_reason="length") == 0
     assert get(s, "budgetq_open", dataset="alpha") == 1
@@ -157,6 +158,19 @@ def test_unlimited_budget_has_no_budget_sample(r: "redis.Redis", exporter: str) 
     assert get(s, "budgetq_queued_chunks", dataset="gamma") == 1
 
 
+def test_a_finished_dataset_scrapes_as_complete(r: "redis.Redis", exporter: str) -> None:
+    """Every selected sample handed out, nothing queued, running or unwritten: complete, not open (status says
+    the same: tests/redis/test_status.py)."""
+    from budget.runstate import RunState
+    RunState(r).register("done_ds", "{}", time.time())
+    Ledger(r).set_budget("done_ds", 1000)
+    RunState(r).set_progress("done_ds", selected=3, todo=0)
+    s = parse(scrape(exporter)[1])
+    assert get(s, "budgetq_complete", dataset="done_ds") == 1 and get(s, "budgetq_open", dataset="done_ds") == 0
+    info = [dict(labels) for name, labels in s if name == "budgetq_dataset_info"]
+    assert [x["status"] for x in info if x["dataset"] == "done_ds"] == ["complete"]
+
+
 def test_empty_redis_and_unknown_paths(exporter: str) -> None:
     s = parse(scrape(exporter)[1])
     assert get(s, "budgetq_redis_up") == 1 and get(s, "budgetq_datasets") == 0
@@ -185,17 +199,15 @@ def test_binds_loopback_by_default(r: "redis.Redis") -> None:
 
 def test_serve_metrics_serves_until_shut_down(r: "redis.Redis") -> None:
     ready: list[metrics.MetricsServer] = []
-    done = threading.Event()
+    bound, done = threading.Event(), threading.Event()
 
     def run() -> None:
-        metrics.serve_metrics(r, port=0, on_ready=ready.append)
+        metrics.serve_metrics(r, port=0, on_ready=lambda server: (ready.append(server), bound.set()))
         done.set()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 5
-    while not ready and time.monotonic() < deadline:
-        time.sleep(0.01)  # the bind happens in the other thread: nothing to await
+    assert bound.wait(60), "the metrics server never bound its port"
     host, port = ready[0].server_address[:2]
     assert host == "127.0.0.1"
     assert "budgetq_redis_up 1" in scrape(f"http://{host}:{port}")[1]

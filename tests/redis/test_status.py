@@ -16,7 +16,7 @@ from budget.ledger import Ledger
 from budget.runstate import RunState
 from demo.stack import RedisServer
 from producer.cli import main
-from producer.ops.status import all_status, eta_seconds, status_table
+from producer.ops.status import all_status, eta_seconds, status_table, tokens_per_second
 from tests.procs import produce_cmd
 
 
@@ -53,6 +53,19 @@ def test_eta_ends_where_the_samples_run_out() -> None:
     assert eta_seconds(None, 10_000, "open", 100.0) is None  # nothing to price the rest with yet
     assert eta_seconds(20_000, 10_000, "complete", 100.0, left_tokens=0) is None
     assert eta_seconds(20_000, 10_000, "open", 0.0, left_tokens=2_000) is None
+
+
+def test_tok_s_of_a_run_younger_than_a_minute_is_its_rate_not_a_minutes_average() -> None:
+    now = 100_005.0  # bucket 10,000 is running, 9,994-9,999 are the last minute's full ones
+    def buckets(**by_age: int) -> dict[str, str]:
+        return {f"t:{10_000 - int(age[1:])}": str(v) for age, v in by_age.items()}
+    # Started (or resumed) 20 s ago at 100 tok/s: 100, not the 33 a minute's average read ("0 tok/s" while
+    # working, an eta three times too long after a resume); the run before the resume is not counted.
+    assert tokens_per_second(buckets(a2=1_000, a1=1_000, a0=700, a90=50_000), now) == 100.0
+    assert tokens_per_second(buckets(**{f"a{i}": 600 for i in range(1, 7)}), now) == 60.0  # a full minute
+    assert tokens_per_second(buckets(a6=1_200), now) == 20.0  # one burst a minute ago, nothing since
+    assert tokens_per_second(buckets(a0=500), now) == 0.0  # only the running bucket: trails by up to 10 s
+    assert tokens_per_second({}, now) == 0.0
 
 
 def test_unknown_dataset_is_an_error(r: "redis.Redis", redis_url: str) -> None:

@@ -402,7 +402,7 @@ def built_keys() -> set[str]:
         for key in value if isinstance(value, list) else [value]:
             built.add(re.sub(r":lengths:\d+$", ":lengths:{j}", key))
     fp = "0" * 64
-    built |= {keys.DATASETS, keys.EPOCH, keys.SERVER_INFO, keys.SERVER_HEALTH, keys.WINDOW,
+    built |= {keys.DATASETS, keys.EPOCH, keys.SERVER_INFO, keys.SERVER_HEALTH, keys.SERVER_LOAD, keys.WINDOW,
               keys.tokenizer_files(fp).replace(fp, "{fp}"), keys.mix("id")}
     return built
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -407,18 +406,17 @@ def test_huge_integer_is_a_bad_line_not_a_crash(tmp_path: Path) -> None:
     assert reason.startswith("not valid JSON (Exceeds the limit")
 
 
-@pytest.mark.serial
-def test_hundred_thousand_lines_read_fast(tmp_path: Path) -> None:
+def test_hundred_thousand_lines(tmp_path: Path) -> None:
+    """Every line of a large file is read, none lost or taken for a duplicate. How fast: bench/local_speed.py."""
     path = tmp_path / "big.jsonl"
     with path.open("w") as f:
         for i in range(100_000):
             f.write(json.dumps({"messages": [{"role": "system", "content": "Be brief."}, user(f"question {i}"),
                                              {"role": "assistant", "content": "old"}]}) + "\n")
-    start = time.perf_counter()
     result = read_dataset("big", path)
-    elapsed = time.perf_counter() - start
     assert len(result.samples) == 100_000 and not result.invalid and not result.duplicates
-    assert elapsed < 10, f"reading 100k lines took {elapsed:.1f}s"
+    assert [s.line for s in result.samples[::25_000]] == [1, 25_001, 50_001, 75_001]
+    assert result.samples[-1].messages[1]["content"] == "question 99999"
 
 
 # --- the fixture with every kind of bad line ---------------------------------------------------------------------

@@ -54,3 +54,29 @@ def test_a_conversation_stays_on_its_server_while_that_one_is_healthy_and_not_mu
     c.down_until[a] = 1.0
     assert c.pick_server(prefer=a) == b  # a down server is never preferred
     assert c.pick_server(prefer="http://gone:1") == b  # a server not configured here: least busy
+
+
+def test_it_counts_each_servers_tokens_and_keeps_its_last_error_for_the_load_report() -> None:
+    """What worker/loadreport.py reads (``produce servers``' tok/s, slow and last error), from real answers of the
+    simulator in-process: a 200 adds its completion tokens to its server, a 503 is its last error and "unavailable"."""
+    import aiohttp
+
+    from sglang_sim import SimConfig, serve
+    from tests.sim_inprocess import FAST, gen_body
+    from worker.sglang import GenerateError
+
+    async def run() -> None:
+        failing = SimConfig(time_scale=1000.0, error_rates=((503, 1.0),))
+        async with serve(FAST, port=0) as good, serve(failing, port=0) as bad, aiohttp.ClientSession() as session:
+            for sim in (good, bad):
+                c = SGLangClient(session, WorkerConfig(servers=(sim.url,)))
+                try:
+                    gen = await c.generate(gen_body(max_new_tokens=32), 32)
+                except GenerateError:
+                    assert c.tokens[sim.url] == 0 and c.last_error[sim.url][0].startswith("HTTP 503")
+                    assert sim.url in c.unavailable_at and sim is bad
+                else:
+                    assert c.tokens[sim.url] == gen.completion_tokens > 0 and sim is good
+                    assert sim.url not in c.last_error and sim.url not in c.unavailable_at
+
+    asyncio.run(run())

@@ -19,13 +19,14 @@ from aiohttp import web
 
 from sglang_sim import SimConfig, SimProcess, make_app
 from sglang_sim.config import from_argv
-from sglang_sim.fault_http import FAULTS
+from sglang_sim.fault_http import FAULTS, FaultState
 from sglang_sim.faults import MALFORMED_KINDS, FaultSettings, draw
 from tests.sim_inprocess import FAST, SLOW, gen_body, post, run, sim_and_client, until
+from tests.virtual_time import run_virtual
 from worker.config import WorkerConfig
 from worker.sglang import GenerateError, SGLangClient
 
-pytestmark = [pytest.mark.serial, pytest.mark.timeout(20)]
+pytestmark = pytest.mark.timeout(20)
 
 INSTANT = SimConfig(zero_latency=True)
 MAX_NEW = 300
@@ -296,8 +297,33 @@ def test_requests_total_counts_bad_requests_too() -> None:
 # -- outages ----------------------------------------------------------------------------------------
 
 
+def test_configured_outage_windows_start_and_end_on_time() -> None:
+    """--outage windows on virtual time (tests/virtual_time.py), so their edges are exact: each starts at its start
+    and ends after its duration by itself; an overlapping window merges with the one running, as one outage that ends
+    with the later of the two (here the first: (1.1, 0.2) lies inside (1.0, 0.5))."""
+    windows = ((0.0, 0.3), (1.0, 0.5), (1.1, 0.2))
+
+    async def go() -> list[tuple[float, bool, float]]:
+        loop = asyncio.get_running_loop()
+        faults = FaultState(FaultSettings.from_config(INSTANT), windows, clock=loop.time)
+        faults.start()
+        seen = []
+        for t in (0.0001, 0.2999, 0.3001, 0.9999, 1.0001, 1.1001, 1.4999, 1.5001):
+            await asyncio.sleep(t - loop.time())
+            seen.append((round(loop.time(), 4), faults.in_outage, round(faults.outage_remaining(), 4)))
+        assert faults.counters.outages_started == 2
+        return seen
+
+    assert run_virtual(go()) == [(0.0001, True, 0.2999), (0.2999, True, 0.0001), (0.3001, False, 0.0),
+                                 (0.9999, False, 0.0), (1.0001, True, 0.4999), (1.1001, True, 0.3999),
+                                 (1.4999, True, 0.0001), (1.5001, False, 0.0)]
+
+
 def test_configured_outage_window_then_normal() -> None:
-    cfg = INSTANT.replace(outages=((0.0, 0.3),), retry_after=1.0)
+    """The wire side of a configured window: 503 with Retry-After and /health 503 while it runs, normal answers
+    after. The window is long and ended live, so no request can miss it on a slow machine; that a window ends by
+    itself is test_configured_outage_windows_start_and_end_on_time's."""
+    cfg = INSTANT.replace(outages=((0.0, 60.0),), retry_after=1.0)
 
     async def go() -> None:
         async with sim_and_client(cfg) as (sim, client):
@@ -306,7 +332,7 @@ def test_configured_outage_window_then_normal() -> None:
                 assert r.status == 503 and sglang_error(await r.json(), 503) and r.headers["Retry-After"] == "1"
             async with client.get("/health") as r:
                 assert r.status == 503
-            await until(lambda: not sim.faults.in_outage)
+            sim.faults.end_outage()
             status, out = await post(client, "/generate", gen_body())
             assert status == 200 and out["meta_info"]["finish_reason"]["type"] in ("stop", "length")
             async with client.get("/health") as r:
@@ -323,7 +349,7 @@ def test_live_outage_cuts_in_flight_requests_and_ends_on_demand() -> None:
             running = asyncio.create_task(post(client, "/generate", gen_body(max_new_tokens=30000)))
             await until(lambda: sim.engine.stats().running == 1)
             state = await set_faults(client, outage_for=5)
-            assert state["in_outage"] and 4 < state["outage_remaining"] <= 5
+            assert state["in_outage"] and 0 < state["outage_remaining"] <= 5  # exact: the virtual-time test above
             status, body = await running
             assert status == 503 and sglang_error(body, 503)
             assert sim.engine.stats().running == 0 and sim.engine.stats().aborted == 1
@@ -361,11 +387,13 @@ def test_refuse_mode_closes_the_listening_socket() -> None:
 
 def test_configured_refuse_outage_from_the_start() -> None:
     async def go() -> None:
-        async with sim_and_client(INSTANT.replace(outages=((0.0, 0.3),), outage_mode="refuse")) as (sim, _):
+        # A long window, ended live: a request cannot miss it on a slow machine (the ends are the virtual-time test's).
+        async with sim_and_client(INSTANT.replace(outages=((0.0, 60.0),), outage_mode="refuse")) as (sim, _):
             await until(lambda: not sim.faults.listening)
             async with aiohttp.ClientSession(base_url=sim.url) as fresh:
                 with pytest.raises(aiohttp.ClientConnectorError):
                     await post(fresh, "/generate", gen_body())
+            sim.faults.end_outage()
             await until(lambda: sim.faults.listening and not sim.faults.in_outage)
             async with aiohttp.ClientSession(base_url=sim.url) as fresh:
                 assert (await post(fresh, "/generate", gen_body()))[0] == 200
@@ -476,7 +504,10 @@ FAULT_CONFIGS = {
 def test_worker_client_sees_each_fault_as_retryable(fault: str) -> None:
     async def go() -> None:
         async with sim_and_client(FAULT_CONFIGS[fault].replace(length_dist="fixed", mean_tokens=500)) as (sim, session):
-            client = SGLangClient(session, WorkerConfig(servers=(sim.url,), request_timeout=0.3))
+            # A short timeout ends the hang; any other fault is answered at once, and a timeout there would hide
+            # its status on a slow machine.
+            timeout = 0.3 if fault == "hang" else 10.0
+            client = SGLangClient(session, WorkerConfig(servers=(sim.url,), request_timeout=timeout))
             with pytest.raises(GenerateError) as info:
                 await client.generate({**gen_body(max_new_tokens=MAX_NEW), "rid": "r"}, MAX_NEW)
             assert info.value.retryable, info.value.reason

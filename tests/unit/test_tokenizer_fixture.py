@@ -1,9 +1,8 @@
-"""The demo fixtures: the tokenizer builds fast and byte-identically; the committed datasets match their generator."""
+"""The demo fixtures: the tokenizer builds byte-identically (how fast: bench/local_speed.py); the committed datasets match their generator."""
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +15,9 @@ from demo.sample_data import DATA_DIR, write_sample_data
 from demo.tokenizer import THINK_TOKENS, build_tokenizer
 
 
-@pytest.mark.serial
 @pytest.mark.parametrize("thinking", ["open", "hybrid", "none"])
-def test_build_is_deterministic_and_fast(tmp_path: Path, thinking: str) -> None:
-    started = time.perf_counter()
+def test_build_is_deterministic(tmp_path: Path, thinking: str) -> None:
     first = build_tokenizer(tmp_path / "a", thinking=thinking)
-    assert time.perf_counter() - started < 2.0
     second = build_tokenizer(tmp_path / "b", thinking=thinking)
     names = sorted(p.name for p in first.iterdir())
     assert names == ["tokenizer.json", "tokenizer_config.json"]
