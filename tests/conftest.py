@@ -107,6 +107,6 @@ def workers(redis_url: str, tmp_path: Path) -> Iterator[Callable[[str], "Workers
         made.append(w)
         return w
 
-    yield make  # type: ignore[misc]
+    yield make
     for w in made:
         w.stop_all()

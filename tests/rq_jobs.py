@@ -8,6 +8,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from budget import keys
+from tests.replies import texts
 
 
 def rq_reader(r: "redis.Redis") -> Queue:
@@ -19,8 +20,8 @@ def job_payloads(r: "redis.Redis") -> list[dict[str, Any]]:
     """The payload of every queued chunk job, in queue order, read as a worker reads it."""
     queue = rq_reader(r)
     out = []
-    for raw in r.lrange(keys.RQ_QUEUE, 0, -1):
-        job = queue.fetch_job(raw.decode())
+    for job_id in texts(r.lrange(keys.RQ_QUEUE, 0, -1)):
+        job = queue.fetch_job(job_id)
         assert job is not None
         out.append(job.args[0])
     return out

@@ -25,9 +25,11 @@ SAMPLE_PREFIX = 28
 
 
 class Decoder(Protocol):
-    """What a tokenizer must offer here: ``transformers`` tokenizers and ``tokenizers.Tokenizer`` both do."""
+    """What a tokenizer must offer here: ``transformers`` tokenizers and ``tokenizers.Tokenizer`` both do. A
+    transformers tokenizer is typed to return a list of strings too (its decode of a batch): one sequence of ids
+    gives one string."""
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+    def decode(self, ids: Sequence[int], /, skip_special_tokens: bool = ...) -> str | list[str]: ...
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ def exchanges(path: str | Path, tokenizer: Decoder) -> dict[str, list[Exchange]]
         ids = entry.get("input_ids")
         prompt = (tokenizer.decode(ids, skip_special_tokens=False) if ids is not None
                   else str(entry.get("input_text", "")))
+        assert isinstance(prompt, str), f"{path}:{line}: decoding one prompt gave {prompt!r}"
         out.setdefault(entry["rid"], []).append(Exchange(
             line=line, rid=entry["rid"], port=int(entry["port"]), input_ids=list(ids or []),
             output_ids=list(entry["output_ids"]), output=str(entry["text"]),

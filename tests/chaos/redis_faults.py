@@ -39,7 +39,9 @@ def redis_kill(ctx: Ctx) -> Result:
         prod = ctx.produce(st, "1")
         restarts: list[float] = []
         for k in range(3):
-            wait_until(lambda k=k: _done(st) >= s.prompts * (k + 1) // 5, 300, f"{(k + 1) * 20}% committed")
+            def committed(k: int = k) -> bool:
+                return _done(st) >= s.prompts * (k + 1) // 5
+            wait_until(committed, 300, f"{(k + 1) * 20}% committed")
             st.kill_redis()
             time.sleep(s.redis_down_s)
             st.start_redis()

@@ -36,6 +36,7 @@ from demo.synthetic import write_conversations
 from tests.chaos.audit import DATASET, Result, audit, log_files
 from tests.chaos.audit import rounded as _r
 from tests.chaos.run import KEYS, ChaosStack, Ctx, Produce, Watch, produce_argv
+from tests.replies import texts
 
 TURNS = 3
 #: Conversations per scale: about as many requests as the scale's prompts (3 turns each), ~1 min of work.
@@ -71,7 +72,7 @@ def turn_audit(res: Result, st: ChaosStack, out: Path, log: Path, n: int) -> dic
     file_tokens = sum(int(x["completion_tokens"]) for x in recs)
     stats_turns = int(r.hget(KEYS.stats, "turns") or 0)
     unwritten_turns = int(r.hlen(KEYS.turns))
-    stranded = [k.decode() for k in r.hkeys(KEYS.convs)]
+    stranded = texts(r.hkeys(KEYS.convs))
     disk_turns = sum(len(x.get("turns") or []) for x in recs)
     bad_sums = [x["id"] for x in recs if int(x["completion_tokens"]) != sum(int(t["completion_tokens"])
                                                                              for t in x.get("turns") or [])]
@@ -185,7 +186,7 @@ def _kill_run(ctx: Ctx, scenario: str, budget_share: float | None) -> Result:
         # With a budget, a conversation never sent, or whose first turn was never committed, is not lost: the
         # audit's ids are those with a committed turn (on disk, or still in Redis' convs: stranded).
         on_disk = {str(x["id"]) for x in read_jsonl(st.workdir / "out" / DATASET / "raw_responses.jsonl")}
-        ids = conv_ids(n) if budget is None else sorted(on_disk | {k.decode() for k in r.hkeys(KEYS.convs)})
+        ids = conv_ids(n) if budget is None else sorted(on_disk | set(texts(r.hkeys(KEYS.convs))))
         figures = audit(res, st, st.workdir / "out", ids, log_files(st.workdir))
         turn_audit(res, st, st.workdir / "out", log, n)
         res.figures.pop("wasted", None)  # audit's is per sample; per turn below

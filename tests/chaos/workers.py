@@ -201,8 +201,9 @@ def produce_races(ctx: Ctx) -> Result:
             if trigger == "attached":
                 _wait_attached(r, p)
             else:
-                wait_until(lambda seq0=seq0, p=p: int(r.get(KEYS.seq) or 0) != seq0 or p.proc.poll() is not None, 300,
-                           "the chunk counter moved", interval=0.001)
+                def moved(seq0: int = seq0, p: Produce = p) -> bool:
+                    return int(r.get(KEYS.seq) or 0) != seq0 or p.proc.poll() is not None
+                wait_until(moved, 300, "the chunk counter moved", interval=0.001)
             time.sleep(delay)
             p.kill()
             n_held = sum(_samples_in_queue(r).values())

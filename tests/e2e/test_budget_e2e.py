@@ -15,6 +15,7 @@ from budget import keys
 from tests.demo_data import CODE, GLAIVE, TRACES
 from tests.exactly_once import check_exact
 from tests.procs import produce, produce_cmd, read_jsonl, sim_stats, wait_for
+from tests.replies import texts
 
 
 @pytest.mark.e2e
@@ -55,11 +56,11 @@ def test_reservations_expire_after_kill9_of_a_worker(redis_url: str, r: "redis.R
     resv = keys.DatasetKeys("glaive_fc").resv
     try:
         wait_for(lambda: sum(int(v) for v in r.hvals(resv)) > 0, 60, "requests holding reservations")
-        dead_chunks = {x.decode() for x in r.hkeys(resv)}
+        dead_chunks = set(texts(r.hkeys(resv)))
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait()
         # The lease lapses and produce reclaims the chunk: its reservation is gone, so the budget is free again.
-        wait_for(lambda: not dead_chunks & {x.decode() for x in r.hkeys(resv)}, 60, "the dead chunk's reservation")
+        wait_for(lambda: not dead_chunks & set(texts(r.hkeys(resv))), 60, "the dead chunk's reservation")
         pool.start("replacement")
         _, stderr = proc.communicate(timeout=120)
     finally:

@@ -44,7 +44,7 @@ def _produce(redis_url: str, tokenizer_dir: Path, out: Path, logs: Path, *extra:
 def _holds_nothing(r: "redis.Redis", k: keys.DatasetKeys) -> bool:
     """No chunk of the dataset has a lease (a running chunk's score is its lease deadline; queued ones +inf), and
     nothing is reserved or in flight."""
-    leased = [c for c, score in r.zrange(k.chunks, 0, -1, withscores=True) if score != float("inf")]
+    leased = r.zcount(k.chunks, "-inf", "(inf")
     return not leased and not r.hgetall(k.resv) and not any(int(v) for v in r.hvals(k.inflight))
 
 
@@ -66,7 +66,7 @@ def test_a_worker_on_a_dead_port_takes_nothing_and_the_healthy_one_finishes_the_
     dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     dead = workers(dead_url, BUDGETQ_CONCURRENCY="8")
     dead_proc = dead.start("dead0")  # started first, it would be the first to take chunks
-    wait_for(lambda: r.exists("rq:worker:dead0"), 60, "the dead-server worker to register with rq")
+    wait_for(lambda: r.exists("rq:worker:dead0") == 1, 60, "the dead-server worker to register with rq")
 
     out = tmp_path / "out"
     t0 = time.monotonic()

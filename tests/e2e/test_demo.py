@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.e2e
 DATA = Path(__file__).parents[2] / "demo" / "data"
 
 
-def _records(path: Path) -> list[dict[str, object]]:
+def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
@@ -45,7 +46,7 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
         assert len(ids) == len(set(ids)), f"{name}: duplicate ids in the output"
     glaive_lines = (DATA / "glaive_fc.jsonl").read_text(encoding="utf-8").splitlines()
     assert len(results["glaive_fc"]) == len(glaive_lines) == 120
-    assert sum(int(str(r["completion_tokens"])) for r in results["code_instruct"]) >= 30_000
+    assert sum(int(r["completion_tokens"]) for r in results["code_instruct"]) >= 30_000
     assert "rq-dashboard" in text
     # The answer the demo shows is the first record's regenerated turn (record version 2 keeps it in turns).
     first = results["glaive_fc"][0]["turns"][0]

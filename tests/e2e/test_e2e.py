@@ -15,6 +15,7 @@ from budget import keys
 from tests.demo_data import CODE, GLAIVE, TRACES
 from tests.exactly_once import check_exact
 from tests.procs import produce, produce_cmd, read_jsonl, sim_stats, wait_for
+from tests.replies import raw, texts
 
 pytestmark = pytest.mark.e2e
 
@@ -286,8 +287,9 @@ def test_sigterm_right_after_start_stops_the_worker_cleanly(r: "redis.Redis", si
     for i in range(5):
         name = f"early{i}"
         proc = pool.start(name)
-        wait_for(lambda name=name, proc=proc: "budgetq worker:" in pool.log(name) or proc.poll() is not None, 60,
-                 "the worker announced itself", interval=0.001)
+        def announced(name: str = name, proc: subprocess.Popen[bytes] = proc) -> bool:
+            return "budgetq worker:" in pool.log(name) or proc.poll() is not None
+        wait_for(announced, 60, "the worker announced itself", interval=0.001)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, pool.log(name)
         assert "Traceback" not in pool.log(name, partial=True)
@@ -320,8 +322,8 @@ def test_skip_special_tokens_is_sent_stored_and_a_change_is_refused(redis_url: s
             str(out)]
     res = produce([*base, "--no-skip-special-tokens", "--detach"], redis_url)  # no worker: the chunks stay queued
     assert res.returncode == 0, res.stderr
-    payloads = [json.loads(zlib.decompress(r.hget(f"rq:job:{job.decode()}", "data") or b""))[2][0]
-                for job in r.lrange(keys.RQ_QUEUE, 0, -1)]
+    payloads = [json.loads(zlib.decompress(raw(r.hget(f"rq:job:{job}", "data"))))[2][0]
+                for job in texts(r.lrange(keys.RQ_QUEUE, 0, -1))]
     assert payloads and all(p["sampling_params"]["skip_special_tokens"] is False for p in payloads)
     settings = json.loads((out / "agent_traces" / "run.json").read_text())
     assert settings["sampling_params"]["skip_special_tokens"] is False

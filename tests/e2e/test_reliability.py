@@ -2,12 +2,13 @@
 restarted empty, SGLang outages and malformed answers, an evicting Redis, the API key kept secret."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import redis
@@ -17,6 +18,7 @@ from demo.stack import RedisServer
 from tests.demo_data import CODE, GLAIVE, TRACES
 from tests.exactly_once import check_exact
 from tests.procs import Workers, produce, produce_cmd, read_jsonl, sim_stats, wait_for
+from tests.replies import raw
 
 pytestmark = pytest.mark.e2e
 
@@ -183,10 +185,11 @@ def test_api_key_is_sent_but_never_stored_or_logged(redis_url: str, r: "redis.Re
                    "--out", str(out)], redis_url)
     assert res.returncode == 0, res.stderr
     assert len(check_exact(r, out, "agent_traces")) == 10  # the key was accepted by the server
+    value_of: dict[bytes, Callable[[bytes], object]] = {
+        b"string": r.get, b"hash": r.hgetall, b"list": lambda k: r.lrange(k, 0, -1), b"set": r.smembers,
+        b"zset": lambda k: r.zrange(k, 0, -1), b"stream": r.xrange}
     for key in r.scan_iter(count=1000):  # nothing in Redis holds the key, in any value
-        kind = r.type(key)
-        blob = repr({b"string": r.get, b"hash": r.hgetall, b"list": lambda k: r.lrange(k, 0, -1),
-                     b"set": r.smembers, b"zset": lambda k: r.zrange(k, 0, -1), b"stream": r.xrange}[kind](key))
+        blob = repr(value_of[raw(r.type(key))](raw(key)))
         assert secret not in blob, key
     assert secret not in res.stdout + res.stderr
     assert secret not in pool.log("w0", partial=True)
@@ -223,7 +226,7 @@ def test_a_sample_whose_worker_dies_three_times_is_failed(redis_url: str, r: "re
     try:
         for death in range(1, MAX_RECLAIMS + 1):
             worker = pool.start(f"w{death}")
-            wait_for(lambda death=death: poison_running(death), 120, f"the poison sample's run {death} on w{death}")
+            wait_for(functools.partial(poison_running, death), 120, f"the poison sample's run {death} on w{death}")
             if death > 1:  # only the poison sample left unfinished on this worker
                 wait_for(lambda: r.hlen(done) == len(selected) - 1 and sim_stats(sim.url)["running"] == 0, 120,
                          "every other sample committed")

@@ -58,7 +58,9 @@ def test_a_budgeted_run_through_the_router_is_exactly_once(redis_url: str, r: "r
         assert {e["via"] for e in manifest["servers"]} == {router.url}
         assert "server_unknown" not in manifest
         for name in ("w0", "w1"):
-            wait_for(lambda name=name: ROUTER_WARNING in pool.log(name), 30, f"{name}'s router timeout warning")
+            def warned(name: str = name) -> bool:
+                return ROUTER_WARNING in pool.log(name)
+            wait_for(warned, 30, f"{name}'s router timeout warning")
             assert pool.log(name).count(ROUTER_WARNING) == 1
             assert "--request-timeout-secs 2228 or more" in pool.log(name)
 

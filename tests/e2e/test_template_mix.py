@@ -205,6 +205,7 @@ def test_every_turn_is_rendered_with_the_kwargs_its_sample_drew(redis_url: str, 
             assert sent, (key, turn)
             for x in sent:
                 prompt = tok.decode(x["input_ids"], skip_special_tokens=False)
+                assert isinstance(prompt, str)  # one sequence of ids: one text (a batch would give a list)
                 assert prompt.endswith(EMPTY_THINK) == (drew[key]["enable_thinking"] is False), (key, turn, prompt)
                 checked += 1
     assert checked >= 12 + 4 + 8  # every turn of the 12 samples, later turns included

@@ -68,7 +68,9 @@ def test_two_workers_without_concurrency_fill_the_server_with_a_small_queue(
         wait_for(lambda: settled(sim.url, capacity), 90,
                  f"{capacity} running and at most {2 * headroom(capacity)} queued")
         for name in ("w0", "w1"):
-            wait_for(lambda n=name: "2 worker(s) share it" in pool.log(n), 30, f"{name} says it shares the server")
+            def shares(n: str = name) -> bool:
+                return "2 worker(s) share it" in pool.log(n)
+            wait_for(shares, 30, f"{name} says it shares the server")
     finally:
         kill(pool.procs)
 

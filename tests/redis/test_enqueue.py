@@ -30,7 +30,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from budget import keys
-from budget.payload import VERSION
+from budget.payload import VERSION, ThinkPayload
 from producer.session.enqueue import (
     BATCH_CHUNKS,
     ZLIB_LEVEL,
@@ -53,7 +53,7 @@ def test_job_data_is_standard_json_that_rq_reads(r: "redis.Redis") -> None:
     ids = array("i", [0, 7, 151_643, 2**31 - 1])
     chunks = [[Item("a", ids, True), Item("b", [1, 2, 3], False)], [Item("c", array("i", [5]), False)]]
     params = {"max_new_tokens": 64, "temperature": 0.6, "top_p": 0.95}
-    think = {"start": "<think>", "end": "</think>"}
+    think: ThinkPayload = {"start": "<think>", "end": "</think>"}
     cids = enqueue_chunks(r, make_queue(r), "ds", chunks, sampling_params=params, think=think, settings=SETTINGS)
     assert cids == ["bq-ds-0000001", "bq-ds-0000002"]
     raw = r.hget(keys.rq_job_key(cids[0]), "data")
@@ -261,7 +261,7 @@ def test_produce_killed_between_batches_leaves_whole_batches_and_the_rerun_adds_
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate(30)
+        _, err = proc.communicate(timeout=30)
         pause.cancel(r)
         r.execute_command("CLIENT", "UNPAUSE")
     assert pause.error is None, repr(pause.error)

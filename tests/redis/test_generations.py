@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from budget.ledger import Ledger
-from budget.payload import sampling_params_of
+from budget.payload import VERSION, ChunkPayload, SamplePayload, sampling_params_of
 from producer.errors import ProduceError
 from producer.export.manifest import Stats
 from producer.generations import Generations, derived_seed, parse_temperatures, record_key, sample_key, split_key
@@ -79,8 +79,10 @@ def test_overrides_carry_only_what_differs_from_the_chunk() -> None:
 
 
 def test_worker_merges_a_sample_override_over_the_chunk() -> None:
-    chunk: Any = {"sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
-    plain: Any = {"id": "a", "input_ids": [1], "opens_think": False}
+    plain: SamplePayload = {"id": "a", "input_ids": [1], "opens_think": False}
+    chunk: ChunkPayload = {"v": VERSION, "dataset": "ds", "chunk": "c1",
+                           "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}, "think": None,
+                           "reasoning_parser": "qwen3", "samples": [plain]}
     assert sampling_params_of(chunk, plain) is chunk["sampling_params"]
     assert sampling_params_of(chunk, {**plain, "sampling_params": {"temperature": 1.0}}) == {
         "max_new_tokens": 8, "temperature": 1.0}

@@ -16,6 +16,7 @@ from budget import keys
 from budget.ledger import Ledger
 from budget.outcomes import Admit
 from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from tests import replies
 
 
 def enqueue(r: "redis.Redis", name: str, n_chunks: int, size: int = 2) -> list[str]:
@@ -80,7 +81,7 @@ def test_discard_removes_only_that_datasets_jobs_and_shows_them_canceled(r: "red
     ledger.commit("a", "x", 9, {})
     assert ledger.discard("a", "budget reached") == 3
     assert ledger.discard("a", "budget reached") == 0  # safe to repeat
-    assert [x.decode() for x in r.lrange(keys.RQ_QUEUE, 0, -1)] == ids_b
+    assert replies.texts(r.lrange(keys.RQ_QUEUE, 0, -1)) == ids_b
     job = Job.fetch(ids_a[0], connection=r, serializer=JSONSerializer)
     assert job.get_status() == "canceled" and "budget reached" in (job.description or "")
     registry = CanceledJobRegistry(keys.QUEUE_NAME, connection=r, serializer=JSONSerializer)
@@ -97,7 +98,7 @@ def test_discard_of_ten_thousand_chunks(r: "redis.Redis") -> None:
     ledger.commit("big", "x", 1, {})
     assert ledger.discard("big", "budget reached") == 10_000
     assert r.llen(keys.RQ_QUEUE) == 5
-    assert [x.decode() for x in r.lrange(keys.RQ_QUEUE, 0, -1)] == others
+    assert replies.texts(r.lrange(keys.RQ_QUEUE, 0, -1)) == others
     assert r.zcard(keys.RQ_CANCELED) == 10_000
     assert ledger.state("big").discards_to_mark == 0
 
@@ -162,7 +163,7 @@ def test_reclaim_queued_never_takes_a_chunk_started_after_the_read(r: "redis.Red
     ledger.set_budget("ds", None)
     running, ended, waiting, gone, popped = enqueue(r, "ds", 5)
     k = keys.DatasetKeys("ds")
-    seen = {x.decode() for x in r.zrangebyscore(k.chunks, "+inf", "+inf")}  # what a client reads first
+    seen = set(replies.texts(r.zrangebyscore(k.chunks, "+inf", "+inf")))  # what a client reads first
     assert seen == {running, ended, waiting, gone, popped}
     assert ledger.start_chunk("ds", running) == "ok"  # ... then a worker starts one, and its job finishes
     jobs = {cid: Job.fetch(cid, connection=r, serializer=JSONSerializer) for cid in (running, ended, popped)}
@@ -223,7 +224,7 @@ def test_enqueue_batch_is_atomic_with_bookkeeping(r: "redis.Redis") -> None:
     job = Queue(keys.QUEUE_NAME, connection=r, serializer=JSONSerializer).fetch_job(ids[0])
     assert job is not None and job.func_name == "worker.jobs.run_chunk"
     assert job.timeout == JobSettings().job_timeout and job.failure_ttl == JobSettings().failure_ttl
-    raw = zlib.decompress(r.hget(keys.rq_job_key(ids[0]), "data"))  # RQ zlib-compresses job data
+    raw = zlib.decompress(replies.raw(r.hget(keys.rq_job_key(ids[0]), "data")))  # RQ zlib-compresses job data
     assert json.loads(raw)[2][0]["samples"][0]["input_ids"] == [1, 2, 3]  # JSON on the wire, never pickle
 
 

@@ -94,6 +94,7 @@ def exporter(r: "redis.Redis") -> Iterator[str]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     host, port = server.server_address[:2]
+    assert isinstance(host, str)  # an AF_INET server's: typeshed allows bytes for other families
     yield f"http://{host}:{port}"
     server.shutdown()
     server.server_close()
@@ -200,8 +201,12 @@ def test_serve_metrics_serves_until_shut_down(r: "redis.Redis") -> None:
     ready: list[metrics.MetricsServer] = []
     bound, done = threading.Event(), threading.Event()
 
+    def on_ready(server: metrics.MetricsServer) -> None:
+        ready.append(server)
+        bound.set()
+
     def run() -> None:
-        metrics.serve_metrics(r, port=0, on_ready=lambda server: (ready.append(server), bound.set()))
+        metrics.serve_metrics(r, port=0, on_ready=on_ready)
         done.set()
 
     thread = threading.Thread(target=run, daemon=True)

@@ -123,7 +123,7 @@ def test_budget_keeps_an_unbiased_prefix_stable_across_reattach_and_rerun(
         wait_for(lambda: r.hlen(keys.DatasetKeys("topics").done) >= 20, 120, "some responses committed")
     finally:
         os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(30)
+        proc.communicate(timeout=30)
     again = produce(base, redis_url)
     assert again.returncode == 0, again.stderr
     first = done_ids(out)

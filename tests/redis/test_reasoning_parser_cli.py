@@ -21,6 +21,7 @@ from tests.demo_data import TRACES
 from tests.exactly_once import check_exact
 from tests.families import FAMILIES, build_family_tokenizer
 from tests.procs import produce
+from tests.replies import raw, texts
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -68,9 +69,8 @@ def test_server_launched_with_another_parser_is_warned_about() -> None:
 
 def _queued_payloads(r: "redis.Redis") -> list[dict[str, Any]]:
     out = []
-    for job_id in r.lrange(keys.RQ_QUEUE, 0, -1):
-        data = r.hget(f"rq:job:{job_id.decode()}", "data")
-        assert data is not None
+    for job_id in texts(r.lrange(keys.RQ_QUEUE, 0, -1)):
+        data = raw(r.hget(f"rq:job:{job_id}", "data"))
         out.append(json.loads(zlib.decompress(data))[2][0])  # RQ's (func, instance, args, kwargs): args[0]
     return out
 

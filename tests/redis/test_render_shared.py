@@ -21,6 +21,7 @@ from render import tokfiles
 from render.chat import Renderer, load_tokenizer
 from tests.families import build_family_tokenizer
 from tests.procs import produce_cmd, read_jsonl
+from tests.replies import raw
 from worker import tokenizer_cache
 from worker.tokenizer_cache import TokenizerFault, TokenizerMismatch, renderer_for
 
@@ -54,7 +55,7 @@ def _store(client: "redis.Redis", directory: Path, kwargs: dict[str, Any] | None
 
 @pytest.mark.parametrize("variant", ["open", "hybrid"])
 def test_worker_renders_the_producers_ids_from_redis(r: "redis.Redis", tmp_path: Path, variant: str) -> None:
-    directory = build_tokenizer(tmp_path / "producer-tok", thinking=variant)  # type: ignore[arg-type]
+    directory = build_tokenizer(tmp_path / "producer-tok", thinking=variant)
     kwargs = {"enable_thinking": False} if variant == "hybrid" else None
     producer = _store(r, directory, kwargs)
     worker = renderer_for(r, producer.fingerprint(), chat_template_kwargs=kwargs, root=tmp_path / "worker-cache")
@@ -119,7 +120,7 @@ def test_tampered_files_are_a_mismatch(r: "redis.Redis", tmp_path: Path) -> None
     directory = build_tokenizer(tmp_path / "tok", thinking="open")
     fp = _store(r, directory).fingerprint()
     key = keys.tokenizer_files(fp)
-    config = json.loads(zlib.decompress(r.hget(key, "tokenizer_config.json") or b""))
+    config = json.loads(zlib.decompress(raw(r.hget(key, "tokenizer_config.json"))))
     config["chat_template"] = config["chat_template"].replace("<|im_start|>assistant", "<|im_start|>bot")
     r.hset(key, "tokenizer_config.json", zlib.compress(json.dumps(config).encode()))
     with pytest.raises(TokenizerMismatch, match=f"not the run's {fp[:12]}"):

@@ -24,6 +24,7 @@ from budget.serverinfo import MAX_AGE_S
 from demo.stack import free_port
 from sglang_sim.launch import SimProcess
 from sglang_sim.responses import MODEL_PATH, VERSION
+from tests import replies
 from tests.demo_data import GLAIVE
 from tests.procs import produce, produce_cmd, wait_for
 from worker.config import WorkerConfig
@@ -83,7 +84,7 @@ def test_store_keeps_a_clean_entry_with_a_ttl_and_old_entries_are_ignored_then_p
     assert r.hkeys(keys.SERVER_INFO) == [b"gpu-a http://10.0.0.5:30000"], "old and unreadable entries pruned"
     assert serverinfo.load(r) == [entry]
     assert 0 < r.ttl(keys.SERVER_INFO) <= MAX_AGE_S
-    raw = b"".join(r.hgetall(keys.SERVER_INFO).values())
+    raw = b"".join(replies.raw(v) for v in r.hgetall(keys.SERVER_INFO).values())
     assert b"secret" not in raw and b"token" not in raw and b"user" not in raw
     # "fetched" is Redis' clock; an entry just past MAX_AGE_S is ignored by readers.
     now = r.time()[0]
@@ -165,7 +166,7 @@ def test_a_server_that_never_answers_delays_and_fails_nothing(r: "redis.Redis", 
                                                              silent: SilentServer) -> None:
     pool = workers(silent.url, BUDGETQ_CONNECT_TIMEOUT="300")
     proc = pool.start("w0")
-    wait_for(lambda: silent.accepted.is_set() and r.sismember("rq:workers", "rq:worker:w0"), 60,
+    wait_for(lambda: silent.accepted.is_set() and bool(r.sismember("rq:workers", "rq:worker:w0")), 60,
              "the worker registered while its /get_server_info request hangs")
     assert silent.still_waiting(), "the request had already given up: this proves nothing about blocking"
     assert proc.poll() is None
@@ -215,7 +216,7 @@ def test_workers_record_their_servers_and_the_manifests_carry_them(redis_url: st
         in res.stderr
     pool.stop_all()
     for text in (path.read_text(), pool.log("w0", partial=True), res.stdout + res.stderr,
-                 json.dumps({k.decode(): v.decode() for k, v in r.hgetall(keys.SERVER_INFO).items()})):
+                 json.dumps({replies.text(k): replies.text(v) for k, v in r.hgetall(keys.SERVER_INFO).items()})):
         assert API_KEY not in text and "api_key" not in text
 
     # Redis now also knows another server (another model serves now): an export keeps what the run recorded.

@@ -177,7 +177,8 @@ def _client(cfg: SimConfig) -> Any:
 
 def test_the_contract_is_sglangs_own(contract: Contract) -> None:
     """Guard against a test that passes on a stand-in: the modules are the wheel's files."""
-    assert contract.api.__file__.endswith("sglang/api/v1/api_types.py")
-    assert contract.sampling.__file__.endswith("sglang/srt/sampling/sampling_params.py")
+    api_file, sampling_file = contract.api.__file__, contract.sampling.__file__
+    assert api_file is not None and api_file.endswith("sglang/api/v1/api_types.py")
+    assert sampling_file is not None and sampling_file.endswith("sglang/srt/sampling/sampling_params.py")
     with pytest.raises(contract.api.JsonContractError, match="unknown field `bogus`"):
         contract.request({"input_ids": [1], "sampling_params": {"bogus": 1}})

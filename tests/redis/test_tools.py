@@ -157,8 +157,7 @@ def test_turns_all_renders_every_turn_with_the_records_tools_and_keeps_them(
 
     recs = {x["id"]: x for x in read_jsonl(out / "fc" / "raw_responses.jsonl")}
     assert len(recs) == 12
-    decoder: Any = load_tokenizer(str(tok_dir))
-    exchanges = sim_log.exchanges(log, decoder)
+    exchanges = sim_log.exchanges(log, load_tokenizer(str(tok_dir)))
     later = 0
     for i in range(12):
         rec = recs[f"fc-{i}"]

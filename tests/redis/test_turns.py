@@ -20,6 +20,7 @@ from budget.outcomes import EndOutcome, EndVerdict, TurnAdmission, TurnAdmit, Tu
 from budget.pipeline import run, run_many
 from budget.runstate import RunState
 from producer.results import RESULTS, ResultsFile, collect
+from tests.replies import entries
 
 DS = "conv"
 
@@ -363,7 +364,7 @@ def test_end_conversation_writes_one_entry_once(r: "redis.Redis") -> None:
     assert int(r.get(k.used) or 0) == used and int(r.hget(k.done, "c1") or 0) == total
     assert r.hlen(k.turns) == 0 and r.hlen(k.turnrec) == 0 and not r.hexists(k.convs, "c1")
     assert not r.hexists(k.pending, "c1")
-    ((_eid, fields),) = r.xrange(k.results)
+    ((_eid, fields),) = entries(r.xrange(k.results))
     assert sorted(fields) == [b"id", b"r", b"t0", b"t1", b"t2"]
     assert json.loads(fields[b"r"]) == HEADER
     assert [json.loads(fields[f"t{i}".encode()]) for i in range(3)] == [turn("c1", i, n)
@@ -523,13 +524,13 @@ def test_a_reopened_conversations_record_supersedes_its_failed_one_on_disk(r: "r
     store = RunState(r)
     k = keys.DatasetKeys(DS)
     out = ResultsFile(path)
-    stream_copy = r.xrange(k.results)  # what a crash before the XDEL would leave in the stream
+    stream_copy = entries(r.xrange(k.results))  # what a crash before the XDEL would leave in the stream
     assert [w["stopped_by"] for w in collect(store, DS, out, lambda sid: [])] == ["failed"]
     out.close()
     out = ResultsFile(path)
     assert out.tokens == {"c1": total} and "c1" in out.superseded
     for _eid, fields in stream_copy:  # the resend of the failed record
-        r.xadd(k.results, fields)
+        r.xadd(k.results, dict(fields.items()))  # built as the dict[FieldT, EncodableT] xadd takes
     assert collect(store, DS, out, lambda sid: []) == []
     on_disk = json.loads(path.read_text(encoding="utf-8").splitlines()[0])["turns"]
     assert ledger.reopen(DS, "c1", on_disk) == 1

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 import redis
 
@@ -28,6 +29,7 @@ from producer.session.state import RunOptions
 from render.chat import Renderer, load_tokenizer
 from tests.chats import DS, MESSAGES, SIM_ARGS, SYSTEM, options, turn, write_dataset
 from tests.producers import run_settings
+from tests.replies import entries
 from tests.rq_jobs import job_payloads
 
 
@@ -397,7 +399,7 @@ def test_a_conversation_whose_workers_keep_dying_is_written_failed_unless_it_pro
     d.chunk_samples["dead5"] = ["three"]
     assert producer._release(d, "dead5", reclaimed=True) == []
     assert not ledger.failed(DS) and ledger.done_ids(DS) == {"three": 10}
-    (_id, fields), = r.xrange(keys.DatasetKeys(DS).results)
+    (_id, fields), = entries(r.xrange(keys.DatasetKeys(DS).results))
     header = json.loads(fields[b"r"])
     assert header["stopped_by"] == "failed" and header["failed_reason"] == "its chunk lost its worker 3 times"
     assert audit(r) == 10 and not r.hlen(keys.DatasetKeys(DS).convs)
@@ -410,4 +412,4 @@ def test_the_turns_option_offers_exactly_the_modes_runjson_knows() -> None:
     from producer.cli import run_cmd
     from producer.runjson import ALL, TURNS
     [option] = [p for p in run_cmd.params if p.name == "turns"]
-    assert tuple(option.type.choices) == TURNS and option.default == ALL  # type: ignore[attr-defined]
+    assert isinstance(option.type, click.Choice) and tuple(option.type.choices) == TURNS and option.default == ALL

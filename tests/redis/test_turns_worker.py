@@ -16,7 +16,7 @@ from budget import keys
 from budget.conversation import header, walk
 from budget.history import plan, turn_prompts
 from budget.ledger import Ledger
-from budget.payload import VERSION, ChunkPayload
+from budget.payload import VERSION, ChunkPayload, SamplePayload
 from budget.record import LENGTH, TOOL_MISMATCH, make_turn, prompt_digest
 from producer.results import entry_record
 from producer.session.attach import share_tokenizer
@@ -24,6 +24,7 @@ from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_que
 from render.chat import Renderer, load_tokenizer
 from tests.dispatcher import dispatcher, until
 from tests.procs import sim_stats
+from tests.replies import entries, raw
 from worker import tokenizer_cache
 
 DS = "conv"
@@ -59,7 +60,7 @@ def enqueue(r: "redis.Redis", rend: Renderer, convs: dict[str, list[dict[str, An
     if not ledger.state(DS).status:
         ledger.set_mode(DS, "drain", MAX_NEW)
         ledger.set_budget(DS, None)
-    samples = []
+    samples: list[SamplePayload] = []
     items = []
     for sid, messages in convs.items():
         first = rend.render(plan(messages)[0].context)
@@ -70,7 +71,7 @@ def enqueue(r: "redis.Redis", rend: Renderer, convs: dict[str, list[dict[str, An
                             settings=JobSettings())
     return {"v": VERSION, "dataset": DS, "chunk": cid, "sampling_params": SAMPLING,
             "think": {"start": "<think>", "end": "</think>"}, "reasoning_parser": "qwen3",
-            "samples": samples,  # type: ignore[typeddict-item]
+            "samples": samples,
             "conversation": {"tokenizer": rend.fingerprint(), "chat_template_kwargs": {}, "max_context": max_context,
                              "open_markers": None}}
 
@@ -84,7 +85,7 @@ def run(redis_url: str, sim_url: str, chunk: ChunkPayload, concurrency: int = 8)
 
 def records(r: "redis.Redis") -> dict[str, dict[str, Any]]:
     out = {}
-    for _id, fields in r.xrange(keys.DatasetKeys(DS).results):
+    for _id, fields in entries(r.xrange(keys.DatasetKeys(DS).results)):
         rec = entry_record(fields, lambda sid: None)
         out[rec["id"]] = rec
     return out
@@ -199,10 +200,11 @@ def _turn(content: str = "ok", calls: list[str] | None = None, finish: str = "st
                            for i, n in enumerate(calls or [])]}
 
 
-TOOLS = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
-         {"role": "assistant", "content": "", "tool_calls": [{"id": "d1", "function": {"name": "f", "arguments": "{}"}}]},
-         {"role": "tool", "content": "result of f", "tool_call_id": "d1"},
-         {"role": "assistant", "content": "dataset says"}, {"role": "user", "content": "u2"}]
+TOOLS: list[dict[str, Any]] = [
+    {"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "d1", "function": {"name": "f", "arguments": "{}"}}]},
+    {"role": "tool", "content": "result of f", "tool_call_id": "d1"},
+    {"role": "assistant", "content": "dataset says"}, {"role": "user", "content": "u2"}]
 
 
 def test_matching_tool_calls_splice_the_datasets_results_with_the_models_call_ids() -> None:
@@ -277,7 +279,7 @@ def test_a_warm_stop_leaves_a_conversation_between_turns_for_another_worker(
     report = asyncio.run(go())
     k = keys.DatasetKeys(DS)
     assert report.not_started == 1 and report.committed == 0 and sim_stats(sim.url)["submitted"] == 1
-    assert int(r.hget(k.convs, "c0")) == 1 and r.xlen(k.results) == 0
+    assert int(raw(r.hget(k.convs, "c0"))) == 1 and r.xlen(k.results) == 0
     assert_invariant(r)
     # the producer re-enqueues it (its chunk ended); another worker carries it on from turn 1
     again = enqueue(r, renderer, {"c0": conversation("c0")})

@@ -34,11 +34,12 @@ def test_vocab_sources(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 151936}))
     assert config_vocab(tmp_path) == Vocab(151936, f"{tmp_path / 'config.json'}: vocab_size")
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 262144}}))
-    assert config_vocab(tmp_path) is not None and config_vocab(tmp_path).size == 262144  # type: ignore[union-attr]
+    nested = config_vocab(tmp_path)
+    assert nested is not None and nested.size == 262144
     (tmp_path / "config.json").write_text("{not json")
     assert config_vocab(tmp_path) is None
-    servers = [{"url": "http://a:1", "vocab_size": 500}, {"url": "http://b:1", "vocab_size": 300},
-               {"url": "http://c:1", "vocab_size": None}, {"url": "http://d:1"}]
+    servers: list[dict[str, Any]] = [{"url": "http://a:1", "vocab_size": 500}, {"url": "http://b:1", "vocab_size": 300},
+                                     {"url": "http://c:1", "vocab_size": None}, {"url": "http://d:1"}]
     assert servers_vocab(servers) == Vocab(300, "SGLang server http://b:1: vocab_size")
     assert servers_vocab([{"url": "x"}]) is None
     assert check_prompts([("ds", [{"s1": [1, 2], "s2": [1, 300]}])], Vocab(300, "here")) == (
@@ -95,13 +96,10 @@ def _tool_conversations(path: Path, n: int) -> Path:
 
 
 def _max_turn0_id(tokenizer_dir: Path, path: Path) -> int:
-    from render.chat import load_tokenizer
-    tok = load_tokenizer(str(tokenizer_dir))
-    top = 0
-    for line in path.read_text().splitlines():
-        ids = tok.apply_chat_template(json.loads(line)["messages"][:2], tokenize=True, add_generation_prompt=True)
-        top = max(top, max(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return top
+    from render.chat import Renderer, load_tokenizer
+    renderer = Renderer(load_tokenizer(str(tokenizer_dir)))
+    return max(max(renderer.render(json.loads(line)["messages"][:2]).input_ids)
+               for line in path.read_text().splitlines())
 
 
 def _tokenizer_with_config(tokenizer_dir: Path, tmp_path: Path, vocab_size: int) -> Path:

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producer.amount import MAX_AMOUNT, parse_amount, parse_budget_option
+from producer.amount import MAX_AMOUNT, UNLIMITED, parse_amount, parse_budget_option
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -135,18 +135,20 @@ def test_fuzz_round_trip(n: int, suffix: str) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.text(max_size=12), max_size=4).map(tuple))
+@given(st.lists(st.text(max_size=12) | st.sampled_from(["unlimited", "None", "a=unlimited", "b=none", "10k", "c=5M"]),
+                max_size=4).map(tuple))
 def test_fuzz_parse_budget_option(values: tuple[str, ...]) -> None:
+    """Every budget parsed is UNLIMITED or an amount in range (random text alone almost never spells one)."""
     try:
         default, per_name = parse_budget_option(values)
     except ValueError:
         return
-    assert default is None or 0 <= default <= MAX_AMOUNT
-    assert all(0 <= v <= MAX_AMOUNT for v in per_name.values())
+    budgets = [*per_name.values()] if default is None else [default, *per_name.values()]
+    assert all(v == UNLIMITED if isinstance(v, str) else 0 <= v <= MAX_AMOUNT for v in budgets)
 
 
 def test_budget_option_takes_unlimited_as_explicitly_none() -> None:
-    from producer.amount import UNLIMITED, budget_limit
+    from producer.amount import budget_limit
     assert parse_budget_option(("unlimited", "b=None", "c=10k")) == (UNLIMITED, {"b": UNLIMITED, "c": 10_000})
     assert [budget_limit(x) for x in (None, UNLIMITED, 5)] == [None, None, 5]
     with pytest.raises(ValueError, match="already given"):

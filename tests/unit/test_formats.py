@@ -75,7 +75,7 @@ def hf(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 # Records every format must read alike: the three shapes, ids, old answers, extra keys, bad records.
-PARITY = [
+PARITY: list[dict[str, Any]] = [
     {"id": "m1", "messages": [{"role": "system", "content": "s"}, user("q"), {"role": "assistant", "content": "a"}]},
     {"id": "2", "prompt": "two"},  # Arrow columns hold one type: ids are strings here
     {"conversations": [{"from": "human", "value": "c"}, {"from": "gpt", "value": "old"}]},
@@ -239,7 +239,7 @@ def test_parquet_reads_like_jsonl(tmp_path: Path) -> None:
 def test_parquet_null_filled_struct_fields_are_dropped(tmp_path: Path) -> None:
     # One row's "name" and "tool_calls" become null fields of every other row's turns: they are not kept.
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"messages": [{"role": "user", "content": "u", "name": "alice"},
                       {"role": "assistant", "content": None, "tool_calls": [call]},
                       {"role": "tool", "content": "r", "tool_call_id": "c1"}]},
@@ -465,7 +465,7 @@ def test_folder_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 # --- field mapping --------------------------------------------------------------------------------------------
 
 def test_field_mapping_in_every_format(tmp_path: Path) -> None:
-    records = [{"uid": 1, "question": "q1"}, {"uid": 2, "chat": [user("q2")]}, {"uid": 3, "turns": []},
+    records: list[dict[str, Any]] = [{"uid": 1, "question": "q1"}, {"uid": 2, "chat": [user("q2")]}, {"uid": 3, "turns": []},
                {"uid": 4, "question": "x", "chat": [user("y")]},
                {"uid": 5, "question": None, "chat": None, "turns": None}]
     mapping = FieldMapping(messages_field="chat", prompt_field="question", conversations_field="turns",
@@ -500,7 +500,7 @@ def test_read_all_takes_the_mapping(tmp_path: Path) -> None:
 
 
 def test_system_prompt_is_added_only_where_there_is_none(tmp_path: Path) -> None:
-    records = [
+    records: list[dict[str, Any]] = [
         {"prompt": "p"},
         {"messages": [{"role": "system", "content": "theirs"}, user("m")]},
         {"messages": [user("u"), {"role": "assistant", "content": "a"}, {"role": "system", "content": "late"},

@@ -8,13 +8,27 @@ The landings run tests/close_sim.py's offline model with ``learn``: the worker's
 admission rule, the model learned from the run's own lengths; no Redis, no clock."""
 from __future__ import annotations
 
+from typing import TypedDict
+
 import pytest
 
+from budget.outcomes import LengthSample
 from tests.close_sim import run
 from worker.estimate import FAST_REFRESH_LENGTHS, MIN_OBSERVED, YOUNG_PER_RUNNING, LengthModel, LengthModels, TurnModels
 
+
+class Reference(TypedDict):
+    """The close_sim.run arguments REFERENCE fixes, each with its own type (a dict() of them is all floats)."""
+
+    slots: int
+    workers: int
+    mean: float
+    cap: int
+    tps: float
+
+
 #: The reference lengths (mean 3,800, sigma 0.8, cap 16,384), 64 in flight on one worker, requests of ~0.5 s.
-REFERENCE = dict(slots=64, workers=1, mean=3800.0, cap=16384, tps=7600.0)
+REFERENCE: Reference = {"slots": 64, "workers": 1, "mean": 3800.0, "cap": 16384, "tps": 7600.0}
 
 
 @pytest.mark.parametrize(("budget", "seed"), [(243_200, 0), (243_200, 1), (486_400, 2)])
@@ -22,7 +36,7 @@ def test_a_small_budget_lands_in_the_bound_without_expect_mean(budget: int, seed
     """1x and 2x what is in flight: the first waves of admissions are most of the budget. With the old prior they
     landed +118K to +130K over at 1x (offline, 4 seeds) and +23,573 at 2x (seed 2), against a bound of one
     max_new_tokens."""
-    over, _ = run(seed, budget=budget, learn="none", **REFERENCE)  # type: ignore[arg-type]
+    over, _ = run(seed, budget=budget, learn="none", **REFERENCE)
     assert 0 <= over <= 16_384
 
 
@@ -36,7 +50,7 @@ def test_a_wide_first_wave_waits_for_twice_the_running_lengths() -> None:
 
 def test_the_old_default_prior_overshoots_the_same_run() -> None:
     """The same run priced by the prior the worker used before (budget/ledger.py default_prior_mean): the cause."""
-    over, _ = run(0, budget=243_200, learn="default", **REFERENCE)  # type: ignore[arg-type]
+    over, _ = run(0, budget=243_200, learn="default", **REFERENCE)
     assert over > 3 * 16_384
 
 
@@ -64,9 +78,9 @@ def test_a_young_model_reserves_max_new_tokens() -> None:
 
 
 def test_an_uninformed_model_is_rebuilt_at_each_restatement_until_it_has_learned() -> None:
-    async def fetch(dataset: str) -> None:
+    async def fetch(dataset: str) -> LengthSample:
         raise AssertionError(dataset)
-    models = LengthModels(fetch, refresh_s=5.0, reserve_interval=1.0)  # type: ignore[arg-type]
+    models = LengthModels(fetch, refresh_s=5.0, reserve_interval=1.0)
     step = models.restate_interval()
     assert models.refresh_after(LengthModel([], None, 2048)) == step
     assert models.refresh_after(LengthModel([300] * (FAST_REFRESH_LENGTHS - 1), None, 2048)) == step

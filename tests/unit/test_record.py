@@ -15,9 +15,9 @@ from worker.sglang import GenerateError, parse_generation
 from worker.trip import result_record
 
 
-def chunk(**extra: Any) -> ChunkPayload:
-    return {"v": VERSION, "dataset": "ds", "chunk": "c1", "sampling_params": {"max_new_tokens": 64},  # type: ignore
-            "think": {"start": "<think>", "end": "</think>"}, "reasoning_parser": "qwen3", "samples": [], **extra}
+def chunk() -> ChunkPayload:
+    return {"v": VERSION, "dataset": "ds", "chunk": "c1", "sampling_params": {"max_new_tokens": 64},
+            "think": {"start": "<think>", "end": "</think>"}, "reasoning_parser": "qwen3", "samples": []}
 
 
 def sample(ids: list[int]) -> SamplePayload:

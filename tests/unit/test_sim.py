@@ -616,6 +616,8 @@ def test_a_family_style_returns_the_real_ids_of_its_text(tmp_path: Any, family: 
     from tests.families import build_family_tokenizer
     directory = build_family_tokenizer(tmp_path / family, family)
     tok = AutoTokenizer.from_pretrained(str(directory))
+    # apply_chat_template's own type for tools: an invariant list, which a list[dict[str, Any]] would not match
+    tools: list[dict[str, Any] | Callable[..., Any]]
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                                "parameters": {"type": "object",
                                                               "properties": {"city": {"type": "string"}}}}}]
