@@ -58,9 +58,10 @@ distclean: clean
 # The real SGLang engine (PyPI's sglang 0.5.23) on this machine's CPU with a tiny random Qwen3, budgetq end to end
 # against it (real rq workers, kill -9, --generations 2, exports), the contract recorded to FIXTURES
 # (FIXTURES=tests/fixtures/sglang_real re-records the repository's, which tests/unit/test_sim_contract_real.py replays).
-# Opt-in, not CI: cold ~15 min on an idle machine (a ~10 min C++ build of SGLang's CPU kernels), ~70 min measured
-# on a busy shared one (everything under nice 19), ~7 GB under SGLANG_CPU_CACHE; warm ~11 min measured there. KERNEL_SRC: SGLang's python/sglang/kernels/aot tree (bench/sglang_cpu_env.py
-# says how to bring it in with fetch). See docs/simulator.md "Against the real engine".
+# Opt-in, not CI: cold ~15 min on an idle machine (a ~10 min C++ build of SGLang's CPU kernels), 40-70 min measured
+# on busy shared ones (everything under nice 19), ~7 GB under SGLANG_CPU_CACHE; warm 7-11 min measured there.
+# KERNEL_SRC: SGLang's python/sglang/kernels/aot tree (bench/sglang_cpu_env.py says how to bring it in with fetch).
+# See docs/simulator.md "Against the real engine".
 SGLANG_CPU_CACHE ?= /work/cache/sglang-cpu
 KERNEL_SRC ?= $(SGLANG_CPU_CACHE)/src/python/sglang/kernels/aot
 FIXTURES ?= $(SGLANG_CPU_CACHE)/fixtures
