@@ -291,8 +291,8 @@ def _chat_template(path: str | None) -> ChatTemplate | None:
         return None
     try:
         return read_chat_template(path)
-    except RenderError as exc:
-        raise UsageError(f"--chat-template: {exc}") from None
+    except RenderError as exc:  # it names the file: "chat template file PATH: ..."
+        raise UsageError(str(exc)) from None
 
 
 def _template_kwargs(text: str | None) -> dict[str, Any]:
