@@ -1,6 +1,6 @@
 """``produce run --chat-template FILE`` (docs/inputs.md, "A chat template of your own"): the file's template renders
-every prompt, the workers' later turns and export's row check; its content is a setting of the run; a file that
-cannot be used is exit 2 before Redis is touched."""
+every prompt, the workers' later turns and export's row check (which refuses a file changed since the run); its
+content is a setting of the run; a file that cannot be used is exit 2 before Redis is touched."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from budget.history import plan
 from producer.cli import main
 from producer.errors import ProduceError
+from producer.export.writer import ExportError, ExportJob, ExportOptions
 from producer.prepare import Inputs, load_inputs
 from producer.results import RESULTS, RUN
 from producer.runjson import ALL, CHAT_TEMPLATE, CHAT_TEMPLATE_PATH
@@ -73,6 +74,9 @@ def test_the_file_renders_every_prompt_and_is_a_setting_of_the_run(r: "redis.Red
     assert stored[CHAT_TEMPLATE_PATH] == str(path.resolve())
     assert stored[CHAT_TEMPLATE] == read_chat_template(path).digest
     before = (run_file.read_bytes(), r.dbsize())
+    tokens = ExportOptions(format="tokens")
+    job = ExportJob.build([DS], tmp_path / "out", tokens, dest=None, tokenizer_dir=None)  # the run's, from run.json
+    assert job.tokenizer is not None and job.tokenizer.chat_template == TEMPLATE
     # The same file path with other content is another run's settings: refused before anything is written.
     path.write_text(TEMPLATE.replace(MARKER, "[[other]]"), encoding="utf-8")
     changed = inputs_for(tmp_path, tokenizer_dir, "--chat-template", str(path))
@@ -81,6 +85,8 @@ def test_the_file_renders_every_prompt_and_is_a_setting_of_the_run(r: "redis.Red
             attach(r, tmp_path, rerun, tokenizer_dir, template)
         assert err.value.exit_code == 2 and said in str(err.value), str(err.value)
         assert (run_file.read_bytes(), r.dbsize()) == before
+    with pytest.raises(ExportError, match=f"chat template file {path} .*changed since the run"):
+        ExportJob.build([DS], tmp_path / "out", tokens, dest=None, tokenizer_dir=str(tokenizer_dir))
 
 
 def test_a_worker_renders_a_later_turn_with_the_files_template(r: "redis.Redis", tmp_path: Path,
