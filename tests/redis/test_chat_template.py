@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,28 @@ def test_a_worker_renders_a_later_turn_with_the_files_template(r: "redis.Redis",
     assert text.count(MARKER) == len(later)
     assert MARKER not in Renderer(load_tokenizer(tokenizer_dir)).tokenizer.decode(
         Renderer(load_tokenizer(tokenizer_dir)).render(later).input_ids, skip_special_tokens=False)
+    tokenizer_cache.forget()
+
+
+def test_a_tokenizer_without_a_template_renders_with_the_file(r: "redis.Redis", tmp_path: Path,
+                                                              tokenizer_dir: Path) -> None:
+    """A base model's tokenizer has no template (exit 2 without the option); the file is then the only one, on
+    the producer's side and the worker's."""
+    tok = tmp_path / "no-template"
+    shutil.copytree(tokenizer_dir, tok)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ProduceError, match="has no chat_template: .*--chat-template FILE"):
+        inputs_for(tmp_path, tok)
+    path = template_file(tmp_path)
+    inputs = inputs_for(tmp_path, tok, "--chat-template", str(path))
+    attach(r, tmp_path, inputs, tok, path).release()
+    tokenizer_cache.forget()
+    worker = renderer_for(r, str(inputs.settings.stored["tokenizer"]), root=tmp_path / "worker-cache")
+    later = plan(inputs.prepared[0].prompts["two"].sample.messages)[1].context
+    assert worker.render(later) == inputs.renderer.render(later)
+    assert MARKER in worker.tokenizer.decode(worker.render(later).input_ids, skip_special_tokens=False)
     tokenizer_cache.forget()
 
 
