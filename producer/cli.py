@@ -199,6 +199,10 @@ def main() -> None:
           "what the run's reasoning parser needs (false for gpt-oss, whose channels are special tokens).")
 @opt("--chat-template-kwargs", default=None, metavar="JSON",
      help='Extra chat template arguments, e.g. \'{"enable_thinking": true}\'.')
+@opt("--chat-template", default=None, metavar="FILE",
+     help="A Jinja chat template to render every prompt with instead of the tokenizer's (SGLang's --chat-template): "
+          "for a tokenizer whose template is wrong or missing. Workers render later turns with it too, export checks "
+          "rows with it; its content is part of the run's settings (run.json chat_template, chat_template_path).")
 @opt("--template-kwargs-mix", default=None, metavar="KEY=V:W,V:W[;KEY=...]",
      help="A chat template argument drawn per sample with these weights, e.g. "
           "'reasoning_effort=low:4,medium:4,high:2' (values read as JSON when they are: true, 0.5). The draw is a "

@@ -146,7 +146,8 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     options = RunOptions(out_dir=s.out_dir, budgets=budgets, modes=s.modes_for(names), expect_mean=s.expect_mean,
                          chunk_size=s.chunk_size, queue_depth=s.queue_depth, new_run=s.new_run,
                          job=JobSettings(job_timeout=s.job_timeout), show_progress=s.show_progress,
-                         conversation=inputs.conversation(context), tokenizer=s.tokenizer, variants=inputs.variants,
+                         conversation=inputs.conversation(context), tokenizer=s.tokenizer, chat_template=s.chat_template,
+                         variants=inputs.variants,
                          mix=s.given_mix(), mix_pacing=s.mix_pacing, deadline=s.deadline)
     check_vocab_servers(client, inputs, s.tokenizer, options.conversation)  # producer/vocab.py; sets vocab_size
     producer = Producer(client, inputs.prepared, options, echo=log.info)

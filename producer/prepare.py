@@ -350,7 +350,7 @@ def load_inputs(s: RunSettings, *, echo: Callable[[str], None], warn: Callable[[
             echo(f"skipped {problem}")
     kwargs = dict(s.chat_template_kwargs)
     try:
-        tok = load_tokenizer(s.tokenizer)
+        tok = load_tokenizer(s.tokenizer, s.chat_template)
         renderer = Renderer(tok, chat_template_kwargs=kwargs)
     except RenderError as exc:
         raise UsageError(str(exc)) from None

@@ -19,7 +19,7 @@ from producer.order import Order
 from producer.settings import RunSettings
 from producer.templatemix import SETTING as MIX_SETTING
 from producer.templatemix import TemplateMix
-from render.chat import Renderer
+from render.chat import ChatTemplate, Renderer
 
 #: ``--turns``: regenerate every assistant turn of a conversation (``all``, budget/history.py ``plan``), or only
 #: the answer to its last user turn on the dataset's own history (``last``).
@@ -32,27 +32,37 @@ VERSION_KEY: Final = "version"
 #: ``produce export`` to find it. Not a setting: a rerun may name the same tokenizer by another path (the
 #: ``tokenizer`` fingerprint is what must not change), so it is left out of the comparison (`without_location`).
 TOKENIZER_PATH: Final = "tokenizer_path"
+#: The setting of a run's ``--chat-template FILE``: the sha256 of the template text (only with the option), and
+#: the run.json key of the file's absolute path, not a setting, for ``produce export`` (as `TOKENIZER_PATH`).
+CHAT_TEMPLATE: Final = "chat_template"
+CHAT_TEMPLATE_PATH: Final = "chat_template_path"
+_LOCATIONS: Final = (TOKENIZER_PATH, CHAT_TEMPLATE_PATH)
 
 
-def run_json(stored: Mapping[str, Any], tokenizer: str | None) -> dict[str, Any]:
-    """What run.json holds: the stored settings, and where the run's tokenizer is (`TOKENIZER_PATH`)."""
+def run_json(stored: Mapping[str, Any], tokenizer: str | None,
+             chat_template: ChatTemplate | None = None) -> dict[str, Any]:
+    """What run.json holds: the stored settings, and where the run's tokenizer (`TOKENIZER_PATH`) and its
+    ``--chat-template`` file (`CHAT_TEMPLATE_PATH`) are."""
     out = dict(stored)
     if tokenizer:
         path = Path(tokenizer).expanduser()
         out[TOKENIZER_PATH] = str(path.resolve()) if path.is_dir() else tokenizer
+    if chat_template is not None:
+        out[CHAT_TEMPLATE_PATH] = chat_template.path
     return out
 
 
 def without_location(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """A run.json's stored settings, without what is not a setting (`TOKENIZER_PATH`)."""
-    return {k: v for k, v in settings.items() if k != TOKENIZER_PATH}
+    """A run.json's stored settings, without what is not a setting (`TOKENIZER_PATH`, `CHAT_TEMPLATE_PATH`)."""
+    return {k: v for k, v in settings.items() if k not in _LOCATIONS}
 
 
 def stored_settings(renderer: Renderer, sampling_params: dict[str, Any], chat_template_kwargs: dict[str, Any],
                  system_prompt: str | None, reasoning_parser: str, order: Order, turns: str,
-                 mix: TemplateMix | None) -> dict[str, Any]:
+                 mix: TemplateMix | None, chat_template: ChatTemplate | None = None) -> dict[str, Any]:
     """What must not change between a run and its resume (run.json, and the dataset's ``settings`` in Redis).
-    ``template_kwargs_mix`` is there only with a mix; ``generations`` is added by ``resolve`` when above 1."""
+    ``template_kwargs_mix`` and ``chat_template`` (the --chat-template file's digest; its text is in the
+    ``tokenizer`` fingerprint too) are there only when given; ``generations`` is added by ``resolve`` when above 1."""
     think = renderer.think
     settings = {
         VERSION_KEY: VERSION,
@@ -67,6 +77,8 @@ def stored_settings(renderer: Renderer, sampling_params: dict[str, Any], chat_te
     }
     if mix is not None:
         settings[MIX_SETTING] = mix.setting()
+    if chat_template is not None:
+        settings[CHAT_TEMPLATE] = chat_template.digest
     return settings
 
 
@@ -76,6 +88,9 @@ def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if old.get(key) != new.get(key):
             if key == "tokenizer":
                 out.append("tokenizer or chat template differs")
+            elif key == CHAT_TEMPLATE:
+                was, now = (f"sha256 {d[:12]}" if d else "none" for d in (old.get(key), new.get(key)))
+                out.append(f"--chat-template: stored {was}, now {now}")
             elif key == "sampling_params":
                 a, b = old.get(key) or {}, new.get(key) or {}
                 for p in sorted(set(a) | set(b)):
@@ -118,7 +133,8 @@ def resolve(s: RunSettings, renderer: Renderer, parser: str) -> DatasetSettings:
     params = {**s.sampling_params(), "skip_special_tokens": s.skip_special_tokens if s.skip_special_tokens is not None
               else skip_special_tokens_default(parser, renderer.tokenizer)}
     kwargs = dict(s.chat_template_kwargs)
-    stored = stored_settings(renderer, params, kwargs, s.mapping.system_prompt, parser, s.order, s.turns, s.template_mix)
+    stored = stored_settings(renderer, params, kwargs, s.mapping.system_prompt, parser, s.order, s.turns, s.template_mix,
+                             s.chat_template)
     if s.generations > 1:
         stored[GENERATIONS] = s.generations
     think = renderer.think

@@ -25,6 +25,7 @@ from producer.templatemix import MixError, TemplateMix
 
 if TYPE_CHECKING:
     from budget.mix import Mix
+    from render.chat import ChatTemplate
     from render.modeldir import Context
 
 
@@ -60,6 +61,8 @@ class RunSettings:
     seed: int | None
     skip_special_tokens: bool | None  # None: what the run's reasoning parser needs
     chat_template_kwargs: Mapping[str, Any]
+    #: --chat-template FILE, read (not yet compiled: render/chat.py load_tokenizer does); None: the tokenizer's
+    chat_template: ChatTemplate | None
     template_mix: TemplateMix | None
     reasoning_parser: str
     skip_invalid: bool
@@ -110,6 +113,7 @@ class RunSettings:
         if (o["pilot"] or o["throughput"] or o["in_flight"] or o["as_json"]) and not o["dry_run"]:
             raise UsageError("--pilot, --throughput, --in-flight and --json go with --dry-run")
         kwargs = _template_kwargs(o["chat_template_kwargs"])
+        template = _chat_template(o.get("chat_template"))
         try:
             mapping = FieldMapping(messages_field=o["messages_field"], prompt_field=o["prompt_field"],
                                    conversations_field=o["conversations_field"], id_field=o["id_field"],
@@ -140,7 +144,7 @@ class RunSettings:
             named_modes=named_modes, order=order, turns=o["turns"], generations=o["generations"],
             temperatures=temperatures, top_p=o["top_p"], top_k=top_k,
             seed=o["seed"], skip_special_tokens=o["skip_special_tokens"], chat_template_kwargs=kwargs,
-            template_mix=mix, reasoning_parser=o["reasoning_parser"], skip_invalid=o["skip_invalid"], mapping=mapping,
+            chat_template=template, template_mix=mix, reasoning_parser=o["reasoning_parser"], skip_invalid=o["skip_invalid"], mapping=mapping,
             expect_mean=o["expect_mean"], dry_run=o["dry_run"], pilot=o["pilot"], pilot_urls=pilot_urls,
             api_key=api_key, throughput=o["throughput"], in_flight=o["in_flight"], as_json=o["as_json"],
             chunk_size=o["chunk_size"], queue_depth=o["queue_depth"], new_run=o["new_run"], detach=o["detach"],
@@ -278,6 +282,17 @@ def _temperatures(text: str | None, generations: int) -> tuple[float, ...] | Non
         raise UsageError(f"--temperature {text}: a list goes with --generations N > 1 (generation k uses entry k "
                          "mod its length; one generation would use the first only)")
     return temperatures
+
+
+def _chat_template(path: str | None) -> ChatTemplate | None:
+    from render import RenderError
+    from render.chat import read_chat_template
+    if not path:
+        return None
+    try:
+        return read_chat_template(path)
+    except RenderError as exc:  # it names the file: "chat template file PATH: ..."
+        raise UsageError(str(exc)) from None
 
 
 def _template_kwargs(text: str | None) -> dict[str, Any]:

@@ -14,6 +14,10 @@ is imported only inside `load_tokenizer`; a worker imports this module only when
 - A record's own tool definitions go to the template as ``tools=`` (its own tool syntax renders them), per call:
   they override a ``tools`` of the run's chat_template_kwargs, and are not in the fingerprint (they are the
   data, not the renderer).
+- A run's ``--chat-template FILE`` (`ChatTemplate`) replaces the tokenizer's template(s) wherever the run's
+  tokenizer is loaded (`load_tokenizer`): the producer, the workers (render/tokfiles.py packs it as the
+  directory's ``chat_template.jinja``) and export's row check. It is then the tokenizer's ``chat_template``, so
+  the fingerprint covers it like a template of the tokenizer's own.
 - Everything that does not depend on the messages (template kwargs, think markers, the fingerprint) is
   computed once per `Renderer`, because 100,000 prompts go through `render`.
 """
@@ -79,12 +83,58 @@ class Rendered:
     opens_think: bool
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A Jinja chat template read from a file (``--chat-template``), used instead of the tokenizer's own, as
+    SGLang's ``--chat-template`` is: for a tokenizer whose template is wrong or missing."""
+
+    path: str
+    text: str
+
+    @property
+    def digest(self) -> str:
+        """sha256 hex of the template text: what run.json keeps, so a rerun or an export can tell the file changed."""
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+
+def read_chat_template(path: str | Path) -> ChatTemplate:
+    """The template in file ``path`` (made absolute). Raises RenderError naming the file when it is missing,
+    unreadable, not UTF-8 or empty; `load_tokenizer` compiles it."""
+    file = Path(path).expanduser()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RenderError(f"chat template file {path}: no such file") from None
+    except UnicodeDecodeError as exc:
+        raise RenderError(f"chat template file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise RenderError(f"chat template file {path}: cannot read it ({exc.strerror or exc})") from None
+    if not text.strip():
+        raise RenderError(f"chat template file {path}: the file is empty")
+    return ChatTemplate(str(file.resolve()), text)
+
+
+def _use_template(tokenizer: PreTrainedTokenizerBase, template: ChatTemplate) -> None:
+    """Make ``template`` the tokenizer's only chat template, compiled now by transformers' own Jinja environment
+    (its extensions, its sandbox), so a syntax error is an error naming the file before any prompt is rendered."""
+    tokenizer.chat_template = template.text
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    except jinja2.TemplateSyntaxError as exc:
+        raise RenderError(f"chat template file {template.path}: not a valid Jinja template: {exc.message} "
+                          f"(line {exc.lineno})") from None
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError):
+        pass  # it compiled: refusing this one message (raise_exception, a system turn required) is the data's business
+
+
+def load_tokenizer(path: str | Path, chat_template: ChatTemplate | None = None) -> PreTrainedTokenizerBase:
     """Load the tokenizer in directory `path` (or, for a hub id such as ``Qwen/Qwen3-8B``, its snapshot in the
-    local Hugging Face cache: render.modeldir), never from a network hub.
+    local Hugging Face cache: render.modeldir), never from a network hub; with ``chat_template``, that template
+    replaces the tokenizer's own.
 
     Raises RenderError naming the path when the directory is missing, holds no tokenizer, or the tokenizer has no
-    chat template (a base model's tokenizer: the prompts could not be rendered as the model was trained).
+    chat template (a base model's tokenizer: the prompts could not be rendered as the model was trained), or
+    naming the template file when it is not valid Jinja.
     """
     from render.modeldir import ModelDirError, resolve_tokenizer
 
@@ -103,8 +153,11 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         reason = " ".join(str(exc).split())  # transformers' messages span lines
         raise RenderError(f"cannot load a tokenizer from {directory}: {reason}") from exc
+    if chat_template is not None:
+        _use_template(tokenizer, chat_template)
     if not getattr(tokenizer, "chat_template", None):
-        raise RenderError(f"the tokenizer in {directory} has no chat_template: prompts cannot be rendered")
+        raise RenderError(f"the tokenizer in {directory} has no chat_template: prompts cannot be rendered (give "
+                          "one with --chat-template FILE)")
     return tokenizer
 
 

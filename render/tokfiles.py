@@ -23,6 +23,8 @@ from typing import Final, Mapping
 #: added tokens, and generation_config.json. Model weights and config.json are never packed.
 NAMES: Final = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                 "generation_config.json")
+#: The chat template file transformers reads before tokenizer_config.json's ``chat_template``.
+CHAT_TEMPLATE_FILE: Final = "chat_template.jinja"
 _CHAT_TEMPLATE: Final = re.compile(r"chat_template(\.[A-Za-z0-9_-]+)?\.(jinja|json)")
 #: Without these a fast tokenizer cannot be rebuilt from the files alone.
 REQUIRED: Final = ("tokenizer.json", "tokenizer_config.json")
@@ -41,25 +43,31 @@ def allowed_name(name: str) -> bool:
     return name in NAMES or bool(_CHAT_TEMPLATE.fullmatch(name))
 
 
-def pack(directory: str | Path, limit: int = MAX_BYTES) -> dict[str, bytes]:
+def pack(directory: str | Path, limit: int = MAX_BYTES, *, chat_template: str | None = None) -> dict[str, bytes]:
     """The tokenizer files of ``directory`` (those of NAMES and chat_template.* it holds), each zlib-compressed.
+    ``chat_template`` (a run's ``--chat-template`` text) replaces the directory's chat_template.* files as its
+    ``chat_template.jinja``, which transformers prefers to a template in tokenizer_config.json: the worker then
+    loads the run's template.
 
     Raises TokenizerFilesError when REQUIRED files are missing (a slow tokenizer: vocab.json/merges.txt only) or
     the files hold more than ``limit`` bytes, naming the directory and the sizes."""
     root = Path(directory)
     if not root.is_dir():
         raise TokenizerFilesError(f"tokenizer directory not found: {root}")
-    files = sorted(p for p in root.iterdir() if allowed_name(p.name) and p.is_file())  # symlinks: hub snapshots
+    files = sorted(p for p in root.iterdir() if allowed_name(p.name) and p.is_file()  # symlinks: hub snapshots
+                   and not (chat_template is not None and _CHAT_TEMPLATE.fullmatch(p.name)))
     missing = [n for n in REQUIRED if not (root / n).is_file()]
     if missing:
         raise TokenizerFilesError(f"{root}: no {', '.join(missing)}: a worker can render only with a fast "
                                   "tokenizer's tokenizer.json and its tokenizer_config.json")
-    total = sum(p.stat().st_size for p in files)
+    template = {} if chat_template is None else {CHAT_TEMPLATE_FILE: chat_template.encode("utf-8")}
+    total = sum(p.stat().st_size for p in files) + sum(len(data) for data in template.values())
     if total > limit:
         raise TokenizerFilesError(f"{root}: the tokenizer files hold {total:,} bytes "
-                                  f"({', '.join(p.name for p in files)}), more than the {limit:,} bytes "
-                                  "budgetq keeps in Redis for a run's tokenizer")
-    return {p.name: zlib.compress(p.read_bytes(), LEVEL) for p in files}
+                                  f"({', '.join(sorted([*(p.name for p in files), *template]))}), more than the "
+                                  f"{limit:,} bytes budgetq keeps in Redis for a run's tokenizer")
+    packed = {p.name: zlib.compress(p.read_bytes(), LEVEL) for p in files}
+    return {**packed, **{name: zlib.compress(data, LEVEL) for name, data in template.items()}}
 
 
 def _inflate(name: str, data: bytes, room: int) -> bytes:

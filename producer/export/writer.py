@@ -69,8 +69,8 @@ from producer.export.rows import (
 )
 from producer.generations import record_key
 from producer.results import RESULTS
-from producer.runjson import TOKENIZER_PATH
-from render.chat import Renderer, RenderError, load_tokenizer
+from producer.runjson import CHAT_TEMPLATE, CHAT_TEMPLATE_PATH, TOKENIZER_PATH
+from render.chat import ChatTemplate, Renderer, RenderError, load_tokenizer, read_chat_template
 
 if TYPE_CHECKING:
     import redis
@@ -188,7 +188,9 @@ class ExportJob:
               tokenizer_dir: str | None) -> "ExportJob":
         """Raises ExportError (exit 2) when token ids have no tokenizer, or --dest is a file for several.
 
-        Token ids without --tokenizer use the run's, named in each dataset's run.json (``tokenizer_path``); an explicit --tokenizer wins."""
+        Token ids without --tokenizer use the run's, named in each dataset's run.json (``tokenizer_path``); an explicit --tokenizer wins.
+        A run's ``--chat-template`` file (run.json ``chat_template_path``) replaces the tokenizer's template either
+        way: rows are checked as the run rendered its prompts."""
         tokenizer = None
         if options.needs_tokenizer and not tokenizer_dir:
             tokenizer_dir = _stored_tokenizer(Path(out_dir), names)
@@ -197,7 +199,7 @@ class ExportJob:
                               "(no run.json of these datasets names the run's tokenizer, or they name different ones)")
         if tokenizer_dir:  # also checks conversation rows as their trainer renders them
             try:
-                tokenizer = load_tokenizer(tokenizer_dir)
+                tokenizer = load_tokenizer(tokenizer_dir, _stored_template(Path(out_dir), names))
             except RenderError as exc:
                 raise ExportError(str(exc)) from None
         if dest is not None and len(names) > 1 and dest.suffix:
@@ -235,6 +237,35 @@ def _stored_tokenizer(out_dir: Path, names: Sequence[str]) -> str | None:
                           "--tokenizer DIR, the run's tokenizer where it is now")
     log.info("using the run's tokenizer %s (run.json %s)", path, TOKENIZER_PATH, extra={"tokenizer": path})
     return path
+
+
+def _stored_template(out_dir: Path, names: Sequence[str]) -> ChatTemplate | None:
+    """The ``--chat-template`` the runs of ``names`` rendered with (run.json `CHAT_TEMPLATE_PATH`, checked against
+    its digest `CHAT_TEMPLATE`), None when they had none. Raises ExportError when the datasets ran with different
+    templates, or the file is gone or changed since: rendering with another template would fail every check."""
+    found: set[tuple[str | None, str | None]] = set()
+    for name in names:
+        try:
+            stored = read_run_json(out_dir / name)
+        except ExportError:
+            continue  # said by the export of that dataset, in its own words
+        found.add((stored.get(CHAT_TEMPLATE_PATH), stored.get(CHAT_TEMPLATE)))
+    if len(found) > 1:
+        raise ExportError(f"{', '.join(names)} were run with different --chat-template files (run.json "
+                          f"{CHAT_TEMPLATE_PATH}): export them one at a time")
+    path, digest = next(iter(found), (None, None))
+    if not path:
+        return None
+    try:
+        template = read_chat_template(path)
+    except RenderError as exc:
+        raise ExportError(f"the run's {exc} (run.json {CHAT_TEMPLATE_PATH}): put the run's template back there") from None
+    if template.digest != digest:
+        raise ExportError(f"the run's chat template file {path} (run.json {CHAT_TEMPLATE_PATH}) changed since the "
+                          f"run: sha256 {template.digest[:12]}, the run's {str(digest)[:12]}; put the run's template "
+                          "back there")
+    log.info("using the run's chat template %s (run.json %s)", path, CHAT_TEMPLATE_PATH, extra={"chat_template": path})
+    return template
 
 
 def export_datasets(job: ExportJob, *, client: "redis.Redis | None" = None,

@@ -38,6 +38,7 @@ from producer.results import RESULTS, RUN, ResultsFile, check_version
 from producer.runjson import VERSION_KEY, run_json, settings_diff, without_location
 from producer.session.state import DatasetRun, RunOptions
 from render import tokfiles
+from render.chat import ChatTemplate
 from render.modeldir import ModelDirError, resolve_tokenizer
 
 #: The collector lock's time to live: the loop refreshes it every step, so another ``produce`` may take a dataset
@@ -89,14 +90,16 @@ def holder_text(holder: str | None) -> str:
     return f"produce pid {pid} on {host}" if host and pid.isdigit() else f"token {holder!r}"
 
 
-def share_tokenizer(client: "redis.Redis", tokenizer: str | Path, fingerprint: str) -> int:
+def share_tokenizer(client: "redis.Redis", tokenizer: str | Path, fingerprint: str,
+                    chat_template: ChatTemplate | None = None) -> int:
     """Store the tokenizer files of ``tokenizer`` (``--tokenizer``: a directory, or a hub id's cached snapshot)
     under ``fingerprint`` (the run's ``Renderer.fingerprint()``), for the workers that render a conversation's
     later turns (worker/tokenizer_cache.py loads them and checks the fingerprint; a GPU host has no
-    ``--tokenizer``). Returns the files newly stored (0: stored by an earlier run). Raises UsageError (exit 2)
+    ``--tokenizer``); a ``--chat-template`` goes as their chat_template.jinja. Returns the files newly stored (0: stored by an earlier run). Raises UsageError (exit 2)
     naming the directory (missing files, over the size limit)."""
     try:
-        return tokstore.store_files(client, fingerprint, tokfiles.pack(resolve_tokenizer(tokenizer)))
+        return tokstore.store_files(client, fingerprint, tokfiles.pack(
+            resolve_tokenizer(tokenizer), chat_template=None if chat_template is None else chat_template.text))
     except (ModelDirError, tokfiles.TokenizerFilesError, tokstore.TokenizerStoreError) as exc:
         raise UsageError(f"--turns all: cannot share the tokenizer with the workers: {exc} (the workers render a "
                          "conversation's later turns with the run's tokenizer; --turns last regenerates only the "
@@ -165,7 +168,7 @@ class Attacher:
         if self.opt.tokenizer is None or self.opt.conversation is None:
             raise ProduceError("multi-turn conversations need the tokenizer directory and the conversation block "
                                "(RunOptions.tokenizer, RunOptions.conversation)", 2)
-        stored = share_tokenizer(self.r, self.opt.tokenizer, self.opt.conversation["tokenizer"])
+        stored = share_tokenizer(self.r, self.opt.tokenizer, self.opt.conversation["tokenizer"], self.opt.chat_template)
         if stored:
             self.echo(f"stored the tokenizer files in Redis for the workers ({stored} files)")
 
@@ -186,8 +189,8 @@ class Attacher:
         self.store.register(p.name, json.dumps(p.settings.stored, sort_keys=True), created_at=time.time(),
                             out_dir=str(self.opt.out_dir.resolve()))
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / RUN).write_text(json.dumps(run_json(p.settings.stored, self.opt.tokenizer), indent=2,
-                                              sort_keys=True) + "\n")
+        stored_json = run_json(p.settings.stored, self.opt.tokenizer, self.opt.chat_template)
+        (out_dir / RUN).write_text(json.dumps(stored_json, indent=2, sort_keys=True) + "\n")
 
         budget = self._set_budget(p)
         if self.opt.deadline is not None:

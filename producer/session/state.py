@@ -18,6 +18,7 @@ from producer.prepare import Prepared
 from producer.results import ResultsFile
 from producer.session.enqueue import JobSettings
 from producer.templatemix import Variants
+from render.chat import ChatTemplate
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,12 @@ class RunOptions:
     progress_s: float = 5.0
     show_progress: bool = False  # a bar on stderr while --detach enqueues (produce: a terminal and not --quiet)
     #: ``--turns all``: what a chunk holding a multi-turn sample tells its worker (budget/payload.py), and the
-    #: --tokenizer whose files are stored in Redis for the workers to render later turns with (attach, once); also
-    #: written in run.json (``tokenizer_path``) for ``produce export``.
+    #: --tokenizer whose files are stored in Redis for the workers to render later turns with (attach, once), with
+    #: the --chat-template as their chat_template.jinja; both written in run.json (``tokenizer_path``,
+    #: ``chat_template_path``) for ``produce export``.
     conversation: ConversationPayload | None = None
     tokenizer: str | None = None
+    chat_template: ChatTemplate | None = None
     #: --budget TOTAL --mix ...: the mix as given (budget/mix.py); None: no --mix (a stored mix still applies).
     mix: Mix | None = None
     #: --no-mix-pacing: let a mix's members progress at whatever rate their chunks are pulled (for comparison).
