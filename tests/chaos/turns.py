@@ -150,7 +150,11 @@ def _kill_run(ctx: Ctx, scenario: str, budget_share: float | None) -> Result:
             extra += ["--budget", str(budget), "--budget-mode", "predict"]
         prod = Produce(st.workdir, "1", produce_argv(s, data, ctx.tokenizer, st.workdir / "out", st.redis_url,
                                                      *extra))
-        wait_until(lambda: r.hlen(KEYS.convs) >= s.in_flight // 2, 120, "conversations between turns")
+        # Kills start once conversations are between turns. With a budget, predict reserves max_new_tokens per
+        # request until its model has lengths (docs/budget.md, "Before the first lengths"), so fewer than half the
+        # window may ever be admitted at once: one conversation between turns is enough there.
+        between = s.in_flight // 2 if budget is None else 1
+        wait_until(lambda: r.hlen(KEYS.convs) >= between, 120, "conversations between turns")
         names = list(st.by_name)
         kills, kills_after_close, t_last = 0, 0, 0.0
         loads = [os.getloadavg()[0]]

@@ -63,6 +63,7 @@ def test_the_file_renders_every_prompt_and_is_a_setting_of_the_run(r: "redis.Red
     assert list(p.prompts) == list(q.prompts) == ["one", "two", "three"]
     for sid, prompt in q.prompts.items():
         text = tok.decode(list(prompt.input_ids), skip_special_tokens=False)
+        assert isinstance(text, str)
         assert MARKER in text and MARKER not in tok.decode(list(p.prompts[sid].input_ids), skip_special_tokens=False)
         assert text.endswith("<|im_start|>assistant\n")  # the file's generation prompt, not the tokenizer's "<think>"
     assert given.settings.stored["tokenizer"] != plain.settings.stored["tokenizer"]
