@@ -67,7 +67,7 @@ def test_a_turn_cut_while_thinking_is_incomplete() -> None:
     assert (unclosed["incomplete"], unclosed["stopped_by"]) == (True, "reasoning_unclosed")
 
 
-@pytest.mark.parametrize("ids", [[1, 2], ["1", 2, 3], [1.5, 2, 3]])
+@pytest.mark.parametrize("ids", [[1, 2], ["1", 2, 3], [1.5, 2, 3], [1, True, 3], [1, None, 3]])
 def test_output_ids_that_break_the_contract_are_retried(ids: list[Any]) -> None:
     with pytest.raises(GenerateError, match="output_ids") as err:
         parse_generation(body("abc", [1, 2, 3], {"type": "stop", "matched": 2}) | {"output_ids": ids}, 64, "u")
