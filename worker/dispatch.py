@@ -429,9 +429,10 @@ class Dispatcher:
                     turn_models = await self._turn_models(rc)
                     if turn_models is not None:
                         turn_progress = [[] for _ in range(TURN_BUCKETS)]
+                    lag = self.length_models.lag()  # one restatement: the same for every flight
                     for f in rc.flights.values():
                         done = self.length_models.rates.progress(now - f.started)
-                        ahead = self.length_models.ahead(now - f.started)  # priced at the next restatement
+                        ahead = self.length_models.ahead(now - f.started, lag)  # priced at the next restatement
                         if f.conversation and turn_models is not None and turn_progress is not None:
                             f.reserved = turn_models.current(f.turn, ahead) + f.future
                             turn_progress[turn_bucket(f.turn)].append(int(done))

@@ -482,13 +482,14 @@ class LengthModels:
         at Redis; offline (tests/close_sim.py), timers late by 50 ms on average put 7 of 8 runs over the bound."""
         return max(self.restate_interval(), max(self._stood, default=0.0))
 
-    def ahead(self, elapsed: float) -> float:
+    def ahead(self, elapsed: float, lag: float | None = None) -> float:
         """The progress a reservation is priced at: where a request that has run ``elapsed`` seconds will be when
         the next restatement replaces it (``lag`` on). E[L | L > p] only grows with p, so a request priced there
         holds enough for as long as it still runs until then; one that ends sooner gives its reservation back as
         it commits. Priced at its progress now, the reservation lags the request by up to an interval of
-        decoding, and near a close the requests still running are the ones it lags (issue 24)."""
-        return self.rates.progress(elapsed + self.lag())
+        decoding, and near a close the requests still running are the ones it lags (issue 24). ``lag``: ``lag()``,
+        when the caller prices many requests at once (one restatement of a chunk) and took it once for all."""
+        return self.rates.progress(elapsed + (self.lag() if lag is None else lag))
 
     def reservation(self, model: LengthModel, elapsed: float) -> int:
         """What a single-turn request that has run ``elapsed`` seconds reserves now, on ``model``."""

@@ -66,6 +66,9 @@ class Generation:
     output_ids: list[int] | None = None
 
 
+_INT = frozenset({int})  # the one type an output id may have (not bool): checked in C, not per id in Python
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -95,7 +98,7 @@ def parse_generation(body: Any, max_new_tokens: int, server: str) -> Generation:
                             f"(expected 0..{max_new_tokens})", retryable=True)
     output_ids = body.get("output_ids")
     if output_ids is not None and (not isinstance(output_ids, list) or len(output_ids) != tokens
-                                   or not all(type(i) is int for i in output_ids)):
+                                   or not _INT.issuperset(map(type, output_ids))):
         raise GenerateError("malformed response: output_ids do not match completion_tokens", retryable=True)
     prompt_tokens: Any = meta.get("prompt_tokens")
     if not _is_int(prompt_tokens) or prompt_tokens < 0:
@@ -155,9 +158,8 @@ class SGLangClient:
         self.unavailable_at: dict[str, float] = {}
         self.changed = asyncio.Event()  # set whenever a server's health changes
         self._turn = 0
-        self._headers = {"Content-Type": "application/json"}
-        if config.api_key:
-            self._headers["Authorization"] = f"Bearer {config.api_key}"
+        # None without a key: aiohttp then merges no headers per request (the body's payload carries Content-Type).
+        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
         self._timeouts: dict[int, aiohttp.ClientTimeout] = {}
         self.routers: set[str] = set()  # SGLANG_URLs found to be SGLang's router (worker/serverinfo.py says so)
         self._router_warned = False
@@ -304,8 +306,10 @@ class SGLangClient:
             self._check_router_timeout()
         self.in_flight[server] += 1
         try:
-            # orjson: the body is mostly the prompt's token ids, which json.dumps writes ~10x slower
-            async with self.session.post(server + "/generate", data=orjson.dumps(payload), timeout=timeout,
+            # orjson: the body is mostly the prompt's token ids, which json.dumps writes ~10x slower. A payload
+            # object, not bytes: aiohttp would look up a payload class for the bytes on every request.
+            body = aiohttp.BytesPayload(orjson.dumps(payload), content_type="application/json")
+            async with self.session.post(server + "/generate", data=body, timeout=timeout,
                                          headers=self._headers) as resp:
                 raw = await resp.read()
                 status = resp.status

@@ -47,6 +47,14 @@ def test_the_worker_builds_a_version_2_record_from_the_servers_answer() -> None:
     assert json.loads(json.dumps(line)) == line
 
 
+@pytest.mark.parametrize("ids", [[], [0], [7, 0, 31999], list(range(0, 200_000, 37)), [2**31 - 1, 151_643]])
+def test_the_prompt_digest_is_of_the_ids_joined_by_commas(ids: list[int]) -> None:
+    """The documented text (docs/export.md), whatever writes it: a list, or any other sequence of the same ids."""
+    want = hashlib.sha256(",".join(str(i) for i in ids).encode("ascii")).hexdigest()
+    assert record.prompt_digest(ids) == want
+    assert record.prompt_digest(tuple(ids)) == want
+
+
 def test_a_turn_cut_while_thinking_is_incomplete() -> None:
     gen = parse_generation(body("R R", [11, 11], {"type": "length", "length": 2}), 2, "u")
     rec = result_record("ds", sample([5]), gen, chunk())
@@ -59,7 +67,7 @@ def test_a_turn_cut_while_thinking_is_incomplete() -> None:
     assert (unclosed["incomplete"], unclosed["stopped_by"]) == (True, "reasoning_unclosed")
 
 
-@pytest.mark.parametrize("ids", [[1, 2], ["1", 2, 3], [1.5, 2, 3]])
+@pytest.mark.parametrize("ids", [[1, 2], ["1", 2, 3], [1.5, 2, 3], [1, True, 3], [1, None, 3]])
 def test_output_ids_that_break_the_contract_are_retried(ids: list[Any]) -> None:
     with pytest.raises(GenerateError, match="output_ids") as err:
         parse_generation(body("abc", [1, 2, 3], {"type": "stop", "matched": 2}) | {"output_ids": ids}, 64, "u")
