@@ -96,7 +96,10 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
     name = "prompts" if turns == 1 else CONV_DATASET
     sim = ["--length-dist", "lognormal", "--mean-tokens", str(args.mean), "--sigma", str(args.sigma),
            "--tokens-per-second-per-request", str(args.per_request_tps),
-           "--saturation-batch", str(max(256, args.in_flight)), "--max-running", str(max(256, args.in_flight)), "--time-scale", str(args.time_scale), "--seed", str(seed),
+           "--saturation-batch", str(max(256, args.in_flight)),
+           # --auto-window: the server runs exactly --in-flight at once and the workers find that themselves
+           "--max-running", str(args.in_flight if args.auto_window else max(256, args.in_flight)),
+           "--time-scale", str(args.time_scale), "--seed", str(seed),
            "--prefix-cache-pages", "0"]
     multi: list[str] = []
     if turns > 1:  # real ids, so an answer re-rendered into the next prompt is as long as it was generated
@@ -105,7 +108,7 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
             sim += ["--turn-length-scale", args.turn_length_scale]
         multi = ["--turns", "all", "--reasoning-parser", PARSER]
     # Reservations are restated every simulated 2 s (1 s of real time at --time-scale 1 is the default).
-    env = {"BUDGETQ_CONCURRENCY": str(args.in_flight // args.workers),
+    env = {"BUDGETQ_CONCURRENCY": "" if args.auto_window else str(args.in_flight // args.workers),
            "BUDGETQ_RESERVE_INTERVAL": str(args.reserve_interval if args.reserve_interval is not None
                                            else max(0.02, 2.0 / args.time_scale))}
     if taper is not None:
@@ -228,6 +231,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--in-flight", type=int, default=256)
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--auto-window", action="store_true",
+                    help="workers keep the window the server's limits give (BUDGETQ_CONCURRENCY unset; worker/window.py) "
+                         "on a server that runs --in-flight at once, in place of --in-flight / --workers each")
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--per-request-tps", type=float, default=30.0, help="simulated decode tok/s per request")
     ap.add_argument("--time-scale", type=float, default=20.0)
