@@ -94,12 +94,13 @@ def _family(lines: list[str], name: str, help_text: str, samples: list[tuple[str
     lines.extend(f"{name}{labels} {_number(value)}" for labels, value in samples)
 
 
-def render_metrics(client: "redis.Redis") -> str:
-    """The Prometheus text of every dataset in this Redis, plus the shared queue and Redis' own health."""
+def render_metrics(client: "redis.Redis", now: float | None = None) -> str:
+    """The Prometheus text of every dataset in this Redis, plus the shared queue and Redis' own health; ``now``
+    (unix time, default: the clock) is when the tok/s are read."""
     started = time.monotonic()
     lines: list[str] = []
     try:
-        rows = all_status(client)
+        rows = all_status(client, now=now)
         queue_length = int(Queue(keys.QUEUE_NAME, connection=client).count)  # RQ's key, through RQ
     except redis.RedisError:
         _family(lines, "budgetq_redis_up", REDIS_UP_HELP, [("", 0)])
@@ -172,8 +173,10 @@ class MetricsServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, client: "redis.Redis", address: tuple[str, int]) -> None:
+    def __init__(self, client: "redis.Redis", address: tuple[str, int],
+                 clock: Callable[[], float] = time.time) -> None:
         self.client = client
+        self.clock = clock  # when a scrape reads its tok/s (tests pin it: the 10 s buckets move with the clock)
         super().__init__(address, _Handler)
 
 
@@ -183,7 +186,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            self._send(200, CONTENT_TYPE, render_metrics(self.server.client))
+            self._send(200, CONTENT_TYPE, render_metrics(self.server.client, self.server.clock()))
         elif path == "/":
             self._send(200, "text/plain; charset=utf-8", "budgetq metrics: GET /metrics\n")
         else:
@@ -201,9 +204,10 @@ class _Handler(BaseHTTPRequestHandler):
         pass  # a scrape every 15 s would flood stderr; errors reach the scraper as budgetq_redis_up 0
 
 
-def make_server(client: "redis.Redis", host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> MetricsServer:
+def make_server(client: "redis.Redis", host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                clock: Callable[[], float] = time.time) -> MetricsServer:
     """Bind the exporter (``port=0``: any free port, see ``server_address``) without serving yet."""
-    return MetricsServer(client, (host, port))
+    return MetricsServer(client, (host, port), clock)
 
 
 def serve_metrics(client: "redis.Redis", host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,

@@ -118,7 +118,9 @@ def dataset_status(state: DatasetState, now: float | None = None, conversations_
         request_s=int(stats.get("request_ms", 0) or 0) / 1000)
 
 
-def all_status(client: "redis.Redis", names: list[str] | None = None) -> list[DatasetStatus]:
+def all_status(client: "redis.Redis", names: list[str] | None = None,
+               now: float | None = None) -> list[DatasetStatus]:
+    """Every dataset's (or ``names``') status; ``now`` (unix time, default: the clock) is when its tok/s is read."""
     ledger = Ledger(client)
     store = RunState(client)
     if not names:
@@ -127,7 +129,7 @@ def all_status(client: "redis.Redis", names: list[str] | None = None) -> list[Da
     if unknown:
         raise UsageError(f"no dataset {', '.join(map(repr, unknown))} in this Redis "
                          f"(it has: {', '.join(store.datasets()) or 'none'})")
-    return [dataset_status(ledger.state(n), conversations_open=ledger.open_conversations(n)) for n in names]
+    return [dataset_status(ledger.state(n), now, conversations_open=ledger.open_conversations(n)) for n in names]
 
 
 def parse_budget_change(name: str, amount: str) -> int | None:

@@ -454,8 +454,8 @@ class Producer:
                     chat_template_kwargs=kwargs, tokenizer=fingerprint, tools=prompt.sample.tools)
 
     # -- reporting (producer/session/report.py) ----------------------------------------------------------------
-    def progress_line(self) -> str:
-        return progress_line(self.runs)
+    def progress_line(self, now: float | None = None) -> str:
+        return progress_line(self.runs, now)
 
     def summaries(self) -> list[DatasetSummary]:
         return summaries(self.runs, self.opt.out_dir)

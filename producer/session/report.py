@@ -30,11 +30,11 @@ class DatasetSummary:
     output: Path
 
 
-def progress_line(runs: list[DatasetRun]) -> str:
+def progress_line(runs: list[DatasetRun], now: float | None = None) -> str:
     """One line for every dataset, printed every ``--progress`` seconds while attached. Its tok/s and eta are
     ``produce status``'s (producer/ops/status.py): from the 10-second token buckets of the stats last read."""
     parts = []
-    now = time.time()
+    now = time.time() if now is None else now
     for d in runs:
         tps = tokens_per_second(d.stats, now)
         budget = f"{d.used}/{d.budget}" if d.budget is not None else f"{d.used}/unlimited"

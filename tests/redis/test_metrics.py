@@ -30,6 +30,10 @@ from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_que
 SAMPLE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
+#: The moment every scrape here reads its tok/s at: the 10-second buckets move with the clock, so a scrape read a
+#: bucket boundary after the buckets were written would see another rate.
+NOW = time.time()
+
 
 def parse(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """Samples of the text format, keyed by (name, labels); checks each family is announced once, first."""
@@ -79,7 +83,7 @@ def two_datasets(r: "redis.Redis") -> Iterator[None]:
     assert ledger.fail("alpha", "alpha-1-0", alpha[1], {"id": "alpha-1-0", "reason": "400"})
     # 1200 tokens in the full 10-second bucket before last, none since: 60 tokens/s over those 20 s (the commit
     # script's layout)
-    r.hset(keys.DatasetKeys("alpha").stats, f"t:{int(time.time() // 10) - 2}", 1200)
+    r.hset(keys.DatasetKeys("alpha").stats, f"t:{int(NOW // 10) - 2}", 1200)
 
     ledger.set_budget("beta", None)
     enqueue(r, "beta", 2)
@@ -90,7 +94,7 @@ def two_datasets(r: "redis.Redis") -> Iterator[None]:
 
 @pytest.fixture
 def exporter(r: "redis.Redis") -> Iterator[str]:
-    server = metrics.make_server(r, "127.0.0.1", 0)
+    server = metrics.make_server(r, "127.0.0.1", 0, clock=lambda: NOW)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     host, port = server.server_address[:2]

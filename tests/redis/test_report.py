@@ -22,12 +22,13 @@ def test_the_progress_line_shows_the_tok_s_and_eta_of_produce_status(r: "redis.R
     producer.attach()
     try:
         # 1,200 tokens committed in the last full 10-second bucket (what commit's HINCRBY writes), none collected:
-        # 20 tok/s over the minute, whoever reads it.
-        r.hincrby(keys.DatasetKeys(DS).stats, f"t:{int(time.time() // 10) - 1}", 1200)
+        # 120 tok/s over that bucket, whoever reads it. Both read at one pinned moment: the buckets move with the clock.
+        now = time.time()
+        r.hincrby(keys.DatasetKeys(DS).stats, f"t:{int(now // 10) - 1}", 1200)
         producer.step()
-        [row] = all_status(r, [DS])
-        assert row.tokens_per_s == 20.0 and row.eta_s == 30_000 / 20.0
-        line = producer.progress_line()
+        [row] = all_status(r, [DS], now=now)
+        assert row.tokens_per_s == 120.0 and row.eta_s == 30_000 / 120.0
+        line = producer.progress_line(now)
         assert f" {row.tokens_per_s:.0f} tok/s eta {int(row.eta_s)}s" in line, line
     finally:
         producer.release()
