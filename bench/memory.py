@@ -2,7 +2,9 @@
 
     python -m bench.memory                # ~1-2 minutes; results in bench/results/memory.json
 
-One ``rq worker -w worker.Worker`` (default 64 in flight) against a zero-latency simulator that still answers
+One ``rq worker -w worker.Worker`` with ``BUDGETQ_CONCURRENCY=64`` (``--concurrency``; 0 leaves it unset, so the
+worker runs the automatic window, ~274 in flight against the simulator's 256 slots, and its RSS measures those
+extra requests' answers, not growth) against a zero-latency simulator that still answers
 the reference workload's lengths (docs/performance.md: lognormal, mean 3.8K tokens, max_new_tokens 16K: ~40 KB answers), fed by an attached
 ``produce`` (which collects the results, as in production). The worker's RSS (VmRSS) is sampled every 0.25 s
 together with the committed count; reported: RSS at every 1,000 samples, the peak (VmHWM), and the growth
@@ -27,6 +29,8 @@ def main() -> None:
     ap.add_argument("--mean", type=float, default=3800)
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--concurrency", type=int, default=64,
+                    help="the worker's BUDGETQ_CONCURRENCY; 0: unset (the automatic window)")
     args = ap.parse_args()
     sim = ["--zero-latency", "--length-dist", "lognormal", "--mean-tokens", str(args.mean), "--sigma", "0.8",
            "--seed", "1"]
@@ -34,7 +38,8 @@ def main() -> None:
         from demo.tokenizer import build_tokenizer
         tok = build_tokenizer(work / "tok", thinking="none")
         data = write_prompts(work / "prompts.jsonl", args.samples)
-        with Stack(work / "stack", sim_args=sim, workers=1) as stack:
+        env = {"BUDGETQ_CONCURRENCY": str(args.concurrency)} if args.concurrency else {}
+        with Stack(work / "stack", sim_args=sim, workers=1, worker_env=env) as stack:
             r = stack.client()
             worker = stack.workers[0]
             stack.wait_for_workers()
