@@ -30,10 +30,6 @@ from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_que
 SAMPLE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
-#: The moment every scrape here reads its tok/s at: the 10-second buckets move with the clock, so a scrape read a
-#: bucket boundary after the buckets were written would see another rate.
-NOW = time.time()
-
 
 def parse(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """Samples of the text format, keyed by (name, labels); checks each family is announced once, first."""
@@ -68,7 +64,14 @@ def enqueue(r: "redis.Redis", name: str, n_chunks: int, size: int = 2) -> list[s
 
 
 @pytest.fixture
-def two_datasets(r: "redis.Redis") -> Iterator[None]:
+def now() -> float:
+    """The moment a test's buckets are written relative to and its scrapes read tok/s at: the 10-second buckets
+    move with the clock, so a read a bucket boundary after the write would see another rate."""
+    return time.time()
+
+
+@pytest.fixture
+def two_datasets(r: "redis.Redis", now: float) -> Iterator[None]:
     """alpha: open, predict, budget 1000, 3 chunks (one running: a commit, a request in flight, a failure);
     beta: closed at once by a budget of 0, its 2 queued chunks discarded."""
     ledger = Ledger(r)
@@ -83,7 +86,7 @@ def two_datasets(r: "redis.Redis") -> Iterator[None]:
     assert ledger.fail("alpha", "alpha-1-0", alpha[1], {"id": "alpha-1-0", "reason": "400"})
     # 1200 tokens in the full 10-second bucket before last, none since: 60 tokens/s over those 20 s (the commit
     # script's layout)
-    r.hset(keys.DatasetKeys("alpha").stats, f"t:{int(NOW // 10) - 2}", 1200)
+    r.hset(keys.DatasetKeys("alpha").stats, f"t:{int(now // 10) - 2}", 1200)
 
     ledger.set_budget("beta", None)
     enqueue(r, "beta", 2)
@@ -93,8 +96,8 @@ def two_datasets(r: "redis.Redis") -> Iterator[None]:
 
 
 @pytest.fixture
-def exporter(r: "redis.Redis") -> Iterator[str]:
-    server = metrics.make_server(r, "127.0.0.1", 0, clock=lambda: NOW)
+def exporter(r: "redis.Redis", now: float) -> Iterator[str]:
+    server = metrics.make_server(r, "127.0.0.1", 0, clock=lambda: now)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     host, port = server.server_address[:2]
@@ -141,9 +144,10 @@ def test_scrape_reports_each_dataset(r: "redis.Redis", two_datasets: None, expor
     assert get(s, "budgetq_used_tokens", dataset="beta") == 0
 
 
-def test_every_gauge_is_what_produce_status_reads(r: "redis.Redis", two_datasets: None, exporter: str) -> None:
+def test_every_gauge_is_what_produce_status_reads(r: "redis.Redis", two_datasets: None, exporter: str,
+                                                  now: float) -> None:
     s = parse(scrape(exporter)[1])
-    for row in all_status(r):
+    for row in all_status(r, now=now):
         for gauge in metrics.PER_DATASET:
             expected = gauge.read(row)
             key = (gauge.name, frozenset({("dataset", row.name)}))
