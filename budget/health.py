@@ -9,23 +9,17 @@ itself expires TTL_S after the last write, so nothing outlives the workers.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Final, Mapping
 
 import redis
 
-from budget import keys
+from budget import keys, workerentries
 from budget.serverinfo import public_url
 
 #: Seconds between a down worker's rewrites of its entry.
 REFRESH_S: Final = 10.0
 #: An entry older than this is its worker's last word before it died: not shown, pruned.
 TTL_S: Final = 30.0
-
-
-def _now(r: "redis.Redis") -> float:
-    sec, usec = r.time()
-    return float(sec) + float(usec) / 1e6
 
 
 def store(r: "redis.Redis", worker: str, host: str, pid: int, down: Mapping[str, str], since: float | None = None
@@ -35,44 +29,24 @@ def store(r: "redis.Redis", worker: str, host: str, pid: int, down: Mapping[str,
     if not down:
         clear(r, worker)
         return 0.0
-    now = _now(r)
+    now = workerentries.redis_now(r)
     since = since or now
     entry = {"worker": worker, "host": host, "pid": pid, "since": since, "at": now,
              "down": {public_url(url): str(why)[:300] for url, why in sorted(down.items())}}
-    pipe = r.pipeline(transaction=True)
-    pipe.hset(keys.SERVER_HEALTH, worker, json.dumps(entry, sort_keys=True))
-    pipe.expire(keys.SERVER_HEALTH, int(TTL_S))
-    pipe.execute()
-    stale = [f for f, e in _entries(r).items() if e is None or now - float(e.get("at", 0)) > TTL_S]
-    if stale:
-        r.hdel(keys.SERVER_HEALTH, *stale)
+    workerentries.write(r, keys.SERVER_HEALTH, worker, entry, TTL_S)
+    workerentries.prune(r, keys.SERVER_HEALTH, "down", TTL_S, now)
     return since
 
 
 def clear(r: "redis.Redis", worker: str) -> None:
-    r.hdel(keys.SERVER_HEALTH, worker)
-
-
-def _entries(r: "redis.Redis") -> dict[bytes, dict[str, Any] | None]:
-    out: dict[bytes, dict[str, Any] | None] = {}
-    raw: Any = r.hgetall(keys.SERVER_HEALTH)
-    for f, v in raw.items():
-        try:
-            entry = json.loads(v)
-        except ValueError:
-            entry = None
-        out[f] = entry if isinstance(entry, dict) and isinstance(entry.get("down"), dict) else None
-    return out
+    workerentries.clear(r, keys.SERVER_HEALTH, worker)
 
 
 def load(r: "redis.Redis") -> list[dict[str, Any]]:
     """The fresh entries, oldest outage first; each gains ``for_s``, seconds since its servers went down."""
-    now = _now(r)
-    out = []
-    for entry in _entries(r).values():
-        if entry is None or now - float(entry.get("at", 0)) > TTL_S:
-            continue
-        out.append({**entry, "for_s": max(0.0, now - float(entry.get("since", now)))})
+    now = workerentries.redis_now(r)
+    out = [{**e, "for_s": max(0.0, now - float(e.get("since", now)))}
+           for e in workerentries.fresh(r, keys.SERVER_HEALTH, "down", TTL_S, now)]
     return sorted(out, key=lambda e: (-e["for_s"], str(e.get("worker"))))
 
 

@@ -42,6 +42,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import redis
 
 from budget import keys
+from budget.workerentries import redis_now
 
 #: What is kept of /get_server_info: what identifies the model and the engine, never the whole dict.
 #: ``context_length`` (a server argument: null unless set) and the scheduler's ``max_total_num_tokens`` (KV cache
@@ -200,11 +201,6 @@ def utc_iso(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def _redis_now(r: "redis.Redis") -> float:
-    sec, usec = r.time()
-    return float(sec) + float(usec) / 1e6
-
-
 def _age(entry: Mapping[str, Any], now: float) -> float | None:
     try:
         fetched = datetime.fromisoformat(str(entry["fetched"]).replace("Z", "+00:00"))
@@ -243,7 +239,7 @@ def store(r: "redis.Redis", url: str, host: str, info: Mapping[str, Any], *, via
     """Record what server ``url``, as used by a worker on ``host`` (through router ``via``), said; or, with
     ``router``, that ``url`` is a router whose servers could not be asked. Prunes entries too old to trust.
     Returns the stored entry."""
-    now = _redis_now(r)
+    now = redis_now(r)
     entry = clean({**Found(url, pick(info), via=via, router=router).entry(), "host": host, "fetched": utc_iso(now)})
     pipe = r.pipeline(transaction=True)
     pipe.hset(keys.SERVER_INFO, field(url, host), json.dumps(entry, sort_keys=True))
@@ -269,7 +265,7 @@ def _entries(r: "redis.Redis") -> dict[bytes, dict[str, Any] | None]:
 
 def load(r: "redis.Redis", max_age: float = MAX_AGE_S) -> list[dict[str, Any]]:
     """The entries fetched within ``max_age`` seconds (Redis' clock), cleaned, sorted by url and host."""
-    now = _redis_now(r)
+    now = redis_now(r)
     out = []
     for entry in _entries(r).values():
         if entry is not None and _fresh(entry, now, max_age):

@@ -13,13 +13,12 @@ write.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Final, Mapping
 from urllib.parse import urlsplit
 
 import redis
 
-from budget import keys
+from budget import keys, workerentries
 from budget.serverinfo import public_url
 
 #: Seconds between a worker's rewrites of its entry.
@@ -48,16 +47,11 @@ def server_name(url: str, host: str) -> str:
     return f"{host} {public}" if (urlsplit(public).hostname or "") in _LOOPBACK else public
 
 
-def _now(r: "redis.Redis") -> float:
-    sec, usec = r.time()
-    return float(sec) + float(usec) / 1e6
-
-
 def store(r: "redis.Redis", worker: str, host: str, pid: int, servers: Mapping[str, Mapping[str, Any]], *,
           concurrency: int | None, window: int, prune: bool = True) -> None:
     """Record what ``worker`` (on ``host``) does with each of ``servers`` (url -> SERVER_FIELDS); with ``prune``,
     delete dead workers' entries (it reads the whole hash: a worker prunes once in PRUNE_EVERY writes)."""
-    now = _now(r)
+    now = workerentries.redis_now(r)
     kept: dict[str, dict[str, Any]] = {}
     for url, fields in sorted(servers.items()):
         kept[public_url(url)] = {k: fields.get(k) for k in SERVER_FIELDS}
@@ -65,39 +59,18 @@ def store(r: "redis.Redis", worker: str, host: str, pid: int, servers: Mapping[s
             kept[public_url(url)]["last_error"] = str(fields["last_error"])[:300]
     entry = {"worker": worker, "host": host, "pid": pid, "at": now, "concurrency": concurrency, "window": window,
              "servers": kept}
-    pipe = r.pipeline(transaction=True)
-    pipe.hset(keys.SERVER_LOAD, worker, json.dumps(entry, sort_keys=True))
-    pipe.expire(keys.SERVER_LOAD, int(TTL_S))
-    pipe.execute()
-    if not prune:
-        return
-    stale = [f for f, e in _entries(r).items() if e is None or now - float(e.get("at", 0)) > TTL_S]
-    if stale:
-        r.hdel(keys.SERVER_LOAD, *stale)
+    workerentries.write(r, keys.SERVER_LOAD, worker, entry, TTL_S)
+    if prune:
+        workerentries.prune(r, keys.SERVER_LOAD, "servers", TTL_S, now)
 
 
 def clear(r: "redis.Redis", worker: str) -> None:
-    r.hdel(keys.SERVER_LOAD, worker)
-
-
-def _entries(r: "redis.Redis") -> dict[bytes, dict[str, Any] | None]:
-    out: dict[bytes, dict[str, Any] | None] = {}
-    raw: Any = r.hgetall(keys.SERVER_LOAD)
-    for f, v in raw.items():
-        try:
-            entry = json.loads(v)
-        except ValueError:
-            entry = None
-        out[f] = entry if isinstance(entry, dict) and isinstance(entry.get("servers"), dict) else None
-    return out
+    workerentries.clear(r, keys.SERVER_LOAD, worker)
 
 
 def load(r: "redis.Redis") -> list[dict[str, Any]]:
     """The fresh entries, by worker name; each gains ``age_s``, seconds since it was written (Redis' clock)."""
-    now = _now(r)
-    out = []
-    for entry in _entries(r).values():
-        if entry is None or now - float(entry.get("at", 0)) > TTL_S:
-            continue
-        out.append({**entry, "age_s": max(0.0, now - float(entry.get("at", now)))})
+    now = workerentries.redis_now(r)
+    out = [{**e, "age_s": max(0.0, now - float(e.get("at", now)))}
+           for e in workerentries.fresh(r, keys.SERVER_LOAD, "servers", TTL_S, now)]
     return sorted(out, key=lambda e: str(e.get("worker")))

@@ -18,6 +18,7 @@ from rq import Queue, Worker
 
 from budget import health, keys, serverload
 from budget.serverinfo import utc_iso
+from budget.workerentries import redis_now
 
 WORKER_COMMAND = "rq worker -w worker.Worker -c worker.settings"
 
@@ -139,11 +140,6 @@ def server_rows(uses: list[ServerUse], now: float) -> list[ServerRow]:
     return rows
 
 
-def _redis_now(client: "redis.Redis") -> float:
-    sec, usec = client.time()
-    return float(sec) + float(usec) / 1e6
-
-
 @dataclass(frozen=True)
 class ServersView:
     """Everything ``produce servers`` shows: who listens on the queue, and each server."""
@@ -165,7 +161,7 @@ def listening_workers(client: "redis.Redis") -> list[Any]:
 
 def read_view(client: "redis.Redis") -> ServersView:
     """Read the view from Redis (raises redis.RedisError)."""
-    now = _redis_now(client)
+    now = redis_now(client)
     listening = listening_workers(client)
     uses = server_uses(serverload.load(client), health.load(client), now)
     return ServersView(rq_workers=[str(w.name) for w in listening],
