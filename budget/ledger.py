@@ -184,14 +184,15 @@ class Ledger:
                     [chunk, lease_ms, "" if reserved is None else int(reserved),
                      "" if progress is None else json.dumps(progress), *extra], bool)
 
-    def finish_chunk(self, name: str, chunk: str, request_ms: int = 0) -> None:
-        run(self.finish_chunk_call(name, chunk, request_ms))
+    def finish_chunk(self, name: str, chunk: str, request_ms: int = 0, server_ms: int = 0) -> None:
+        run(self.finish_chunk_call(name, chunk, request_ms, server_ms))
 
-    def finish_chunk_call(self, name: str, chunk: str, request_ms: int = 0) -> Call[bool]:
-        """End a chunk; ``request_ms``: the time its requests ran, summed, added to the dataset's stats once."""
+    def finish_chunk_call(self, name: str, chunk: str, request_ms: int = 0, server_ms: int = 0) -> Call[bool]:
+        """End a chunk. ``request_ms``: the time its requests ran, summed; ``server_ms``: their share of the
+        servers' busy time (the GPU time they cost, docs/mix.md); each added to the dataset's stats once."""
         k = self._keys(name)
-        return Call(self._finish, [k.chunks, k.resv, k.inflight, k.progress, k.stats], [chunk, max(0, int(request_ms))],
-                    bool)
+        return Call(self._finish, [k.chunks, k.resv, k.inflight, k.progress, k.stats],
+                    [chunk, max(0, int(request_ms)), max(0, int(server_ms))], bool)
 
     def job_meta_call(self, job_id: str, meta: str | bytes) -> Call[bool]:
         """Write a chunk's progress into its RQ job's meta, if the job hash still exists (budget/scripts.py)."""

@@ -216,16 +216,19 @@ return out
 FINISH_CHUNK = _PROGRESS_FIELDS + """
 -- finish_chunk: a chunk's job is over; it is no longer live and reserves nothing.
 -- KEYS[1] chunks zset, KEYS[2] reservations hash, KEYS[3] in-flight hash, KEYS[4] progress hash, KEYS[5] stats
--- ARGV[1] chunk id, ARGV[2] the milliseconds its requests ran, summed (start to answer)
+-- ARGV[1] chunk id, ARGV[2] the milliseconds its requests ran, summed (start to answer), ARGV[3] the
+-- milliseconds of the servers' busy time they took (their share: the GPU time)
 -- returns 1
--- The request time goes to stats request_ms once: only while the chunk is still live, so a resend after a lost
--- reply adds nothing (a chunk reclaimed from its worker is not live either: its requests' time is not counted).
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 and tonumber(ARGV[2]) > 0 then
-  redis.call('HINCRBY', KEYS[5], 'request_ms', ARGV[2])
+-- Both times go to stats (request_ms, server_ms) once: only while the chunk is still live, so a resend after a
+-- lost reply adds nothing (a chunk reclaimed from its worker is not live either: its requests' time is not counted).
+local chunk, request_ms, server_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+if redis.call('ZREM', KEYS[1], chunk) == 1 then
+  if request_ms > 0 then redis.call('HINCRBY', KEYS[5], 'request_ms', request_ms) end
+  if server_ms > 0 then redis.call('HINCRBY', KEYS[5], 'server_ms', server_ms) end
 end
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], unpack(progress_fields({ARGV[1]})))
+redis.call('HDEL', KEYS[2], chunk)
+redis.call('HDEL', KEYS[3], chunk)
+redis.call('HDEL', KEYS[4], unpack(progress_fields({chunk})))
 return 1
 """
 

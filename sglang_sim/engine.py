@@ -84,6 +84,8 @@ class EngineStats:
     queued_integral: float
     uptime: float
     last_gen_throughput: float
+    #: seconds with a request running or queued: the server's busy time, what budgetq's server time shares out
+    busy_integral: float = 0.0
 
 
 @dataclass
@@ -97,6 +99,7 @@ class _Counters:
     running_integral: float = 0.0
     decoding_integral: float = 0.0
     queued_integral: float = 0.0
+    busy_integral: float = 0.0
     last_gen_throughput: float = 0.0
 
 
@@ -230,6 +233,7 @@ class Engine:
             queued_integral=c.queued_integral,
             uptime=now - self._started_at,
             last_gen_throughput=c.last_gen_throughput,
+            busy_integral=c.busy_integral,
         )
 
     # -- the event step -----------------------------------------------------------------------
@@ -261,6 +265,8 @@ class Engine:
         c.running_integral += self._n_running * dt
         c.decoding_integral += self._n_decoding * dt
         c.queued_integral += self._n_queued * dt
+        if self._n_running or self._n_queued:
+            c.busy_integral += dt
         self._t_last = now
 
     def _finish_due(self, now: float) -> None:

@@ -92,7 +92,8 @@ class Dispatcher:
             loop = asyncio.get_running_loop()
             self.window = window.WindowKeeper(
                 ledger.r, config, usage=self.slots.usage,
-                on_window=lambda size: loop.call_soon_threadsafe(self.slots.resize, size)).start()
+                on_window=lambda size: loop.call_soon_threadsafe(self.slots.resize, size),
+                on_load=lambda url, load, peers: loop.call_soon_threadsafe(self._note_load, url, load, peers)).start()
         self.ended = asyncio.Event()  # set whenever any request of this worker ends
         self.running: dict[str, RunningChunk] = {}
         self.finishers: set[asyncio.Task[None]] = set()
@@ -130,6 +131,11 @@ class Dispatcher:
         else:
             self.hold.clear()
         self.client.set_hold(held)
+
+    def _note_load(self, url: str, load: window.Load, peers: int) -> None:
+        """A server's load, from the window's thread: what the client shares its busy time by."""
+        total = None if load.running is None or load.waiting is None else load.running + load.waiting
+        self.client.server_time.note_load(url, total, peers=peers, servers=load.servers)
 
     def _fault(self, message: str, log_extra: Mapping[str, Any]) -> None:
         """A fault of this worker, not of its samples (a refused API key, the run's tokenizer files unusable:
@@ -396,7 +402,7 @@ class Dispatcher:
         self.running.pop(rc.id, None)
         if not cancelled:
             await self.batcher.call_until_answered("finish", self.ledger.finish_chunk_call(
-                rc.dataset, rc.id, request_ms=round(rc.request_s * 1000)))
+                rc.dataset, rc.id, request_ms=round(rc.request_s * 1000), server_ms=round(rc.server_s * 1000)))
         self._write_meta(rc, "interrupted" if cancelled else "done")
 
     def _write_meta(self, rc: RunningChunk, state: str) -> None:

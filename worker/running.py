@@ -65,6 +65,7 @@ class RunningChunk:
         self.resume: dict[str, int] = {}  # conversations of this chunk started before (sample -> turns committed)
         self.meta_at = 0.0  # monotonic time of the last progress write to the RQ job's meta
         self.request_s = 0.0  # seconds its answered requests ran, start to answer: the dataset's request time
+        self.server_s = 0.0  # their share of the servers' busy time (Generation.server_s): the dataset's GPU time
 
     def meta(self, state: str) -> dict[str, Any]:
         """The RQ job's meta: what the producer wrote at enqueue (dataset, samples, first, last) plus progress.

@@ -22,6 +22,7 @@ import orjson
 
 from budget.serverinfo import ROUTER_DEFAULT_TIMEOUT_S
 from worker.config import WorkerConfig
+from worker.servertime import ServerTime
 
 log = logging.getLogger("budgetq.worker")
 
@@ -64,6 +65,8 @@ class Generation:
     # The server's token ids of the completion, EOS included on a stop (None: a server that sent none). Kept in
     # the record: they are what the model produced, which re-tokenizing ``text`` need not give back.
     output_ids: list[int] | None = None
+    #: This attempt's share of its server's busy time, in seconds (worker/servertime.py): the GPU time it cost.
+    server_s: float = 0.0
 
 
 _INT = frozenset({int})  # the one type an output id may have (not bool): checked in C, not per id in Python
@@ -73,7 +76,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse_generation(body: Any, max_new_tokens: int, server: str) -> Generation:
+def parse_generation(body: Any, max_new_tokens: int, server: str, server_s: float = 0.0) -> Generation:
     """Validate a 200 body; anything that breaks the contract is a retryable error, never a result."""
     if isinstance(body, list) and len(body) == 1:
         body = body[0]
@@ -106,7 +109,7 @@ def parse_generation(body: Any, max_new_tokens: int, server: str) -> Generation:
     cached = meta.get("cached_tokens", 0)
     return Generation(text=text, completion_tokens=tokens, prompt_tokens=prompt_tokens,
                       cached_tokens=cached if _is_int(cached) else 0, finish_reason=kind, server=server,
-                      output_ids=output_ids)
+                      output_ids=output_ids, server_s=server_s)
 
 
 def _error_message(raw: bytes) -> str:
@@ -169,6 +172,8 @@ class SGLangClient:
         self.hold = asyncio.Event()
         #: Told (on the loop) of a server that could not be connected to: worker/health.py then asks its /health.
         self.on_unreachable: Callable[[str], None] | None = None
+        #: Each request's share of its server's busy time (worker/servertime.py): the GPU time it cost.
+        self.server_time = ServerTime(list(config.servers))
 
     def set_hold(self, held: bool) -> None:
         """Hold (or release) every attempt; wakes whatever waits in ``pause`` or ``_gate``."""
@@ -304,6 +309,7 @@ class SGLangClient:
             timeout = self._timeouts[max_new_tokens] = aiohttp.ClientTimeout(
                 total=self.config.timeout_for(max_new_tokens), sock_connect=self.config.connect_timeout)
             self._check_router_timeout()
+        began = self.server_time.start(server)
         self.in_flight[server] += 1
         try:
             # orjson: the body is mostly the prompt's token ids, which json.dumps writes ~10x slower. A payload
@@ -335,6 +341,7 @@ class SGLangClient:
             raise GenerateError(f"{type(exc).__name__} from {server}: {exc}", retryable=True,
                                 unavailable=True) from None
         finally:
+            share = self.server_time.end(server, began)
             self.in_flight[server] -= 1
         self._mark(server, status < 500 and status != 429, probe)
         if status == 200:
@@ -343,7 +350,7 @@ class SGLangClient:
             except ValueError:
                 self._note_error(server, "malformed response: body is not JSON", False)
                 raise GenerateError("malformed response: body is not JSON", retryable=True) from None
-            gen = parse_generation(body, max_new_tokens, server)
+            gen = parse_generation(body, max_new_tokens, server, share)
             self.tokens[server] = self.tokens.get(server, 0) + gen.completion_tokens
             return gen
         message = _error_message(raw)

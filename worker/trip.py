@@ -166,6 +166,7 @@ class RequestContext:
         ran = time.monotonic() - flight.started
         self.length_models.rates.observe(gen.completion_tokens, ran)
         rc.request_s += ran
+        rc.server_s += gen.server_s
         return gen
 
     def give_back(self, rc: RunningChunk, fault: str, log_extra: Mapping[str, Any] | None = None) -> None:

@@ -130,6 +130,7 @@ class Load:
     capacity: int
     running: int | None = None
     waiting: int | None = None
+    servers: int = 1  # SGLang servers behind the URL: more than one behind a router
 
 
 def capacity_of(info: Mapping[str, Any]) -> int | None:
@@ -198,7 +199,7 @@ class Prober:
             counted = all(p.running is not None for p in known)
             return Load(sum(p.capacity for p in known),
                         sum(p.running or 0 for p in known) if counted else None,
-                        sum(p.waiting or 0 for p in known) if counted else None)
+                        sum(p.waiting or 0 for p in known) if counted else None, len(known))
         counts = self._counts()
         if counts is None:
             return Load(self._capacity) if self._capacity else None
@@ -300,9 +301,13 @@ class WindowKeeper:
     hands the sum of its per-server windows to ``on_window`` (from this thread) whenever it changes."""
 
     def __init__(self, connection: "redis.Redis", config: WorkerConfig, *, on_window: Callable[[int], object],
-                 usage: Callable[[], tuple[int, int]], host: str | None = None, poll_s: float = POLL_S) -> None:
+                 usage: Callable[[], tuple[int, int]], host: str | None = None, poll_s: float = POLL_S,
+                 on_load: Callable[[str, Load, int], object] | None = None) -> None:
         self.r = redis.Redis(connection_pool=connection.connection_pool)  # the worker's short-timeout pool
         self.on_window = on_window
+        #: Told each server's Load and how many workers share it after every look (from this thread): the
+        #: client's share of the servers' busy time follows it (worker/sglang.py ``note_load``).
+        self.on_load = on_load
         self.usage = usage
         self.host = host or socket.gethostname()
         self.id = f"{self.host}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
@@ -362,6 +367,8 @@ class WindowKeeper:
             w = self.windows.setdefault(url, ServerWindow())
             before = (w.capacity, w.peers)
             w.follow(load, self.peers.get(self.names[url], w.peers), busy)
+            if self.on_load is not None:
+                self.on_load(url, load, w.peers)
             if (w.capacity, w.peers) != before:
                 log.info("SGLang server %s runs %d requests at once, %d worker(s) share it: this worker keeps "
                          "%d in flight there", public_url(url), w.capacity, w.peers, round(w.window),

@@ -104,8 +104,10 @@ def budget_state(client: "redis.Redis", name: str) -> dict[str, Any]:
     state = Ledger(client).state(name)
     out: dict[str, Any] = {"budget": state.budget, "budget_mode": state.mode, "used": state.used,
                            "status": state.status,
-                           # request time, start to answer, summed over the dataset's requests (docs/mix.md)
-                           "request_seconds": int(state.stats.get("request_ms", 0) or 0) / 1000}
+                           # request time, start to answer, summed over the dataset's requests, and their share
+                           # of the servers' busy time: the GPU time they cost (docs/mix.md "Cost in view")
+                           "request_seconds": int(state.stats.get("request_ms", 0) or 0) / 1000,
+                           "server_seconds": int(state.stats.get("server_ms", 0) or 0) / 1000}
     deadline = state.fields.get("deadline")
     if deadline:  # docs/mix.md: the deadline, and whether it is what closed the dataset
         out["deadline"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(int(deadline) / 1000))

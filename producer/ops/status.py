@@ -48,9 +48,11 @@ class DatasetStatus:
     turns: int = 0
     conversations: int = 0
     conversations_open: int = 0
-    #: seconds the dataset's requests ran, start to answer, summed (finish_chunk's stats request_ms): what it cost
-    #: in request time; a server running B requests at once spends about request_s / B of its own (docs/mix.md)
+    #: seconds the dataset's requests ran, start to answer, summed (finish_chunk's stats request_ms)
     request_s: float = 0.0
+    #: the servers' busy seconds its requests took, each charged dt / N while N ran at its server (stats
+    #: server_ms, docs/mix.md "Cost in view"): what it cost, in server time (x a server's GPUs for GPU time)
+    server_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,7 +117,7 @@ def dataset_status(state: DatasetState, now: float | None = None, conversations_
         mean_completion=mean,
         late=int(stats.get("late", 0)), unwritten=state.unwritten, turns=int(stats.get("turns", 0) or 0),
         conversations=int(stats.get("conversations", 0) or 0), conversations_open=conversations_open,
-        request_s=int(stats.get("request_ms", 0) or 0) / 1000)
+        request_s=int(stats.get("request_ms", 0) or 0) / 1000, server_s=int(stats.get("server_ms", 0) or 0) / 1000)
 
 
 def all_status(client: "redis.Redis", names: list[str] | None = None,
@@ -208,12 +210,12 @@ def _eta(seconds: float | None) -> str:
 
 def status_table(rows: list[DatasetStatus]) -> str:
     head: tuple[str, ...] = ("dataset", "mode", "status", "used", "budget", "reserved", "in flight", "done", "failed", "not run",
-            "tok/s", "eta", "stop/length", "trunc", "mean len", "request h")
+            "tok/s", "eta", "stop/length", "trunc", "mean len", "server h")
     body: list[tuple[str, ...]] = [(r.name, r.mode, r.status, _n(r.used), "unlimited" if r.budget is None else _n(r.budget), _n(r.reserved),
              _n(r.in_flight), _n(r.done) + (f"/{r.selected:,}" if r.selected else ""), _n(r.failed),
              _n(r.not_run), f"{r.tokens_per_s:,.0f}", _eta(r.eta_s), f"{r.finish_stop}/{r.finish_length}",
              "-" if r.truncation_rate is None else f"{r.truncation_rate:.1%}",
-             "-" if r.mean_completion is None else f"{r.mean_completion:,.0f}", f"{r.request_s / 3600:,.2f}")
+             "-" if r.mean_completion is None else f"{r.mean_completion:,.0f}", f"{r.server_s / 3600:,.2f}")
             for r in rows]
     if not body:
         return "no datasets in this Redis"

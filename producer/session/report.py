@@ -28,6 +28,8 @@ class DatasetSummary:
     duplicates: int
     over_context: int
     output: Path
+    #: the servers' busy seconds its requests took (stats server_ms, docs/mix.md "Cost in view")
+    server_s: float = 0.0
 
 
 def progress_line(runs: list[DatasetRun], now: float | None = None) -> str:
@@ -68,7 +70,7 @@ def summaries(runs: list[DatasetRun], out_dir: Path) -> list[DatasetSummary]:
             name=d.name, status=status, done=len(d.done), selected=p.selected, tokens=d.used,
             budget=d.budget, failed=d.failed, not_run=not_run, invalid=len(p.invalid),
             duplicates=len(p.duplicates), over_context=len(p.over_context),
-            output=out_dir / d.name / RESULTS))
+            output=out_dir / d.name / RESULTS, server_s=int(d.stats.get("server_ms", 0) or 0) / 1000))
     return out
 
 
@@ -84,9 +86,10 @@ def _fmt(n: int | None) -> str:
 
 def summary_table(rows: list[DatasetSummary], detached: bool = False, max_failed: int = 20) -> str:
     head = ("dataset", "status", "done", "selected", "tokens", "budget", "failed", "not run", "invalid",
-            "over ctx")
+            "over ctx", "server h")
     body = [(r.name, r.status, f"{r.done:,}", f"{r.selected:,}", f"{r.tokens:,}", _fmt(r.budget),
-             f"{len(r.failed):,}", f"{r.not_run:,}", f"{r.invalid:,}", f"{r.over_context:,}") for r in rows]
+             f"{len(r.failed):,}", f"{r.not_run:,}", f"{r.invalid:,}", f"{r.over_context:,}",
+             f"{r.server_s / 3600:,.2f}") for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in (head, *body)]
     lines.insert(1, "  ".join("-" * w for w in widths))

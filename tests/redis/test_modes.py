@@ -108,12 +108,13 @@ def test_finish_chunk_drops_its_reservation_row(r: "redis.Redis") -> None:
 
 
 def test_a_chunks_request_time_is_counted_once(r: "redis.Redis") -> None:
-    """The cost in view (docs/mix.md): a chunk's summed request time goes to the stats when it finishes, and a
-    resend of that finish (a lost reply) adds nothing."""
+    """The cost in view (docs/mix.md): a chunk's summed request and server time go to the stats when it finishes,
+    and a resend of that finish (a lost reply) adds nothing."""
     ledger, (cid,) = setup(r, "predict", 1000)
-    ledger.finish_chunk("ds", cid, request_ms=12_500)
-    ledger.finish_chunk("ds", cid, request_ms=12_500)
-    assert r.hget(keys.DatasetKeys("ds").stats, "request_ms") == b"12500"
+    ledger.finish_chunk("ds", cid, request_ms=12_500, server_ms=2_100)
+    ledger.finish_chunk("ds", cid, request_ms=12_500, server_ms=2_100)
+    stats = r.hgetall(keys.DatasetKeys("ds").stats)
+    assert (stats[b"request_ms"], stats[b"server_ms"]) == (b"12500", b"2100")
 
 
 def test_lowering_and_raising_the_budget(r: "redis.Redis") -> None:

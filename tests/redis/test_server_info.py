@@ -210,6 +210,7 @@ def test_workers_record_their_servers_and_the_manifests_carry_them(redis_url: st
     assert manifest["counts"]["samples"] == 16
     extra = dict(manifest["extra"])
     assert extra.pop("request_seconds") > 0  # the requests' time, summed (docs/mix.md)
+    assert 0 < extra.pop("server_seconds") <= manifest["extra"]["request_seconds"]  # their share of the server's
     assert extra == {"budget": 100_000, "budget_mode": "predict", "status": "open",
                      "used": manifest["tokens"]["completion"]}
     assert f"glaive_fc: manifest {path} (SGLang: version {VERSION}, model_path {MODEL_PATH}; 1 server)" \
