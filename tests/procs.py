@@ -14,7 +14,8 @@ from budget import keys
 from demo.appending import complete_lines, read_jsonl
 from demo.stack import produce_cmd, spawn, terminate, wait_until, worker_argv, worker_env
 
-__all__ = ["Workers", "complete_lines", "produce", "produce_cmd", "read_jsonl", "run_keys", "sim_stats", "wait_for"]
+__all__ = ["Workers", "complete_lines", "generate", "produce", "produce_cmd", "read_jsonl", "run_keys", "sim_stats",
+           "wait_for"]
 #: Poll state owned by another process (a file, a Redis key): there is no event to await across processes.
 wait_for = wait_until
 
@@ -70,6 +71,14 @@ class Workers:
 
     def stop_all(self) -> None:
         terminate(self.procs)
+
+
+def generate(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One ``POST /generate`` to a simulator, its 200 answer's body."""
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return dict(json.loads(resp.read()))
 
 
 def sim_stats(url: str) -> dict[str, Any]:

@@ -3,9 +3,7 @@ the reason budgetq budgets per dataset), told apart by what their prompts say. b
 dataset and sample, so the prompt is what a server can see of a dataset (docs/simulator.md)."""
 from __future__ import annotations
 
-import json
 import statistics
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ import pytest
 
 from sglang_sim.config import SimConfig, from_argv
 from sglang_sim.textgen import text_length_scale
+from tests.procs import generate
 
 
 def test_the_first_text_the_prompt_contains_gives_the_factor() -> None:
@@ -42,13 +41,6 @@ def test_repeated_entries_keep_their_order() -> None:
     assert cfg.length_scale_by_text == (("B", 4.0), ("a=b", 8.0))
 
 
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return dict(json.loads(resp.read()))
-
-
 def test_prompts_with_a_text_answer_with_its_factor(tokenizer_dir: Path, sim_factory: Any) -> None:
     """Fixed drawn lengths, scale 8 for prompts saying "Write C": their answers are about 8x those of prompts that
     say neither text, and 4x for "Write B"."""
@@ -61,7 +53,7 @@ def test_prompts_with_a_text_answer_with_its_factor(tokenizer_dir: Path, sim_fac
     for i in range(6):
         for name in lengths:
             ids = renderer.render([{"role": "user", "content": f"Write {name} item {i}."}]).input_ids
-            out = _post(sim.url, {"input_ids": ids, "rid": f"{name}{i:02d}".ljust(32, "0"),
+            out = generate(sim.url, {"input_ids": ids, "rid": f"{name}{i:02d}".ljust(32, "0"),
                                   "sampling_params": {"max_new_tokens": 2000}})
             lengths[name].append(out["meta_info"]["completion_tokens"])
     base = statistics.mean(lengths["A"])

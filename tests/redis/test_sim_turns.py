@@ -3,9 +3,7 @@ length times entry k), as real multi-turn data does, so the per-turn length mode
 learn (docs/simulator.md). The turn is read from the prompt: the assistant turns it holds before the one asked."""
 from __future__ import annotations
 
-import json
 import statistics
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ import pytest
 
 from sglang_sim.config import SimConfig
 from sglang_sim.textgen import earlier_assistant_turns
+from tests.procs import generate
 
 
 def test_earlier_assistant_turns_counts_the_headers_before_the_generation_prompt() -> None:
@@ -31,13 +30,6 @@ def test_the_option_needs_a_tokenizer_and_positive_entries() -> None:
         SimConfig(turn_length_scale=(1.0, 0.0), tokenizer="x")
 
 
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return dict(json.loads(resp.read()))
-
-
 def test_later_turns_answer_with_their_own_lengths(tokenizer_dir: Path, sim_factory: Any) -> None:
     """Fixed drawn lengths, scale 1 for turn 0 and 4 from turn 1 on: a second turn's answers are about 4x the
     first's, whatever the prompt's other content."""
@@ -53,7 +45,7 @@ def test_later_turns_answer_with_their_own_lengths(tokenizer_dir: Path, sim_fact
     lengths: dict[str, list[int]] = {"first": [], "second": []}
     for i in range(6):
         for name, ids in (("first", first), ("second", second)):
-            out = _post(sim.url, {"input_ids": ids, "rid": f"{name}{i:02d}".ljust(32, "0"),
+            out = generate(sim.url, {"input_ids": ids, "rid": f"{name}{i:02d}".ljust(32, "0"),
                                   "sampling_params": {"max_new_tokens": 1000}})
             lengths[name].append(out["meta_info"]["completion_tokens"])
     ratio = statistics.mean(lengths["second"]) / statistics.mean(lengths["first"])
