@@ -208,14 +208,21 @@ def _eta(seconds: float | None) -> str:
     return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
 
 
+def server_time(seconds: float) -> str:
+    """A dataset's server time as a person reads it: seconds under a minute, minutes under an hour, then hours."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 3600 else f"{seconds / 3600:,.2f} h"
+
+
 def status_table(rows: list[DatasetStatus]) -> str:
     head: tuple[str, ...] = ("dataset", "mode", "status", "used", "budget", "reserved", "in flight", "done", "failed", "not run",
-            "tok/s", "eta", "stop/length", "trunc", "mean len", "server h")
+            "tok/s", "eta", "stop/length", "trunc", "mean len", "server time")
     body: list[tuple[str, ...]] = [(r.name, r.mode, r.status, _n(r.used), "unlimited" if r.budget is None else _n(r.budget), _n(r.reserved),
              _n(r.in_flight), _n(r.done) + (f"/{r.selected:,}" if r.selected else ""), _n(r.failed),
              _n(r.not_run), f"{r.tokens_per_s:,.0f}", _eta(r.eta_s), f"{r.finish_stop}/{r.finish_length}",
              "-" if r.truncation_rate is None else f"{r.truncation_rate:.1%}",
-             "-" if r.mean_completion is None else f"{r.mean_completion:,.0f}", f"{r.server_s / 3600:,.2f}")
+             "-" if r.mean_completion is None else f"{r.mean_completion:,.0f}", server_time(r.server_s))
             for r in rows]
     if not body:
         return "no datasets in this Redis"

@@ -9,7 +9,7 @@ from typing import Any
 
 from producer.generations import split_key
 from producer.ops.lengths import picture, read_lengths
-from producer.ops.status import eta_seconds, tokens_per_second
+from producer.ops.status import eta_seconds, server_time, tokens_per_second
 from producer.results import RESULTS
 from producer.session.state import DatasetRun
 
@@ -86,10 +86,10 @@ def _fmt(n: int | None) -> str:
 
 def summary_table(rows: list[DatasetSummary], detached: bool = False, max_failed: int = 20) -> str:
     head = ("dataset", "status", "done", "selected", "tokens", "budget", "failed", "not run", "invalid",
-            "over ctx", "server h")
+            "over ctx", "server time")
     body = [(r.name, r.status, f"{r.done:,}", f"{r.selected:,}", f"{r.tokens:,}", _fmt(r.budget),
              f"{len(r.failed):,}", f"{r.not_run:,}", f"{r.invalid:,}", f"{r.over_context:,}",
-             f"{r.server_s / 3600:,.2f}") for r in rows]
+             server_time(r.server_s)) for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in (head, *body)]
     lines.insert(1, "  ".join("-" * w for w in widths))
