@@ -27,6 +27,15 @@ Reported for the deadline run:
   leave; --workers x 16 is full);
 - ``closed_before_deadline_s``: how long before the deadline each dataset closed (its ``closed_by`` first seen);
 - ``closed_by``: each dataset's ``closed_by`` (``deadline`` expected);
+- ``requests`` (from the simulator's request log, ``--request-log``: each answered request's arrival and answer
+  times, so the server's own view): the run's request latencies (p50, p99, max; p99 per dataset), the last
+  admission (the last arrival) before the deadline, when the last answer left, the issue's bound
+  ``max(2% of the time to the deadline, the run's p99 latency)`` and whether the end kept within it
+  (``end_within_bound``, ``missed_by_s``); the occupancy (requests running on the server, time-averaged, over
+  --workers x 16 in flight) from the first moment the batch was full to the first close and to the last
+  admission, and over each 5 s of the last 30 s before the deadline; the requests that ended last (dataset,
+  tokens, arrival and latency) beside each dataset's mean latency. The calibration run gives its own p99 and
+  occupancy to its last admission as the control;
 - ``final_pp`` / ``at_deadline_pp``: the worst deviation of a, b, c's shares of the committed tokens from their
   weights' shares, in percentage points, at the end and at the deadline.
 """
@@ -35,15 +44,25 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
+import statistics
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from bench.harness import save_results, scratch, sim_args
 from bench.mix_proportion import Mix, Trace, build_mix, deviation, length_sim_args, run_produce
 from budget.keys import DatasetKeys
+from budget.payload import request_id
+from demo.appending import read_jsonl
 from demo.stack import Stack
+
+#: Requests in flight per worker (BUDGETQ_CONCURRENCY): --workers x this is a full batch, occupancy 1.
+PER_WORKER = 16
+#: The issue's bound on the end: max(this share of the time to the deadline, one p99 request latency).
+END_SHARE = 0.02
 
 
 class SimPoll(threading.Thread):
@@ -71,9 +90,121 @@ class SimPoll(threading.Thread):
                     self.closed_at[n] = time.time()
             self.stop_flag.wait(self.interval)
 
+    def mean_live(self, lo: float, hi: float) -> float | None:
+        """The polled running + queued, averaged over the samples in [lo, hi]: a cross-check of the request log's
+        occupancy."""
+        inside = [live for t, live, _, _ in self.samples if lo <= t <= hi]
+        return round(sum(inside) / len(inside), 2) if inside else None
+
     def live_at(self, when: float) -> int:
         before = [live for t, live, _, _ in self.samples if t <= when]
         return before[-1] if before else 0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One answered request as the simulator logged it: its dataset (None: not this run's), arrival and answer
+    (unix s), and completion tokens."""
+
+    dataset: str | None
+    start: float
+    end: float
+    tokens: int
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+
+def rid_names(m: Mix) -> dict[str, str]:
+    """A rid's first 28 characters (budget.payload.request_id: the hash of dataset and sample) -> the dataset."""
+    return {request_id(n, str(x["id"]), 0)[:28]: n for n, path in m.files.items() for x in read_jsonl(path)}
+
+
+def read_requests(log: Path, offset: int, names: dict[str, str]) -> list[Request]:
+    """The request log's lines from byte ``offset`` on (one run's: the log is appended to across runs)."""
+    out = []
+    with open(log, "rb") as fh:
+        fh.seek(offset)
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break
+            x = json.loads(raw)
+            end = float(x["response_sent_to_client_ts"])
+            out.append(Request(names.get(x["rid"][:28]), end - float(x["e2e_latency"]), end,
+                               int(x["completion_tokens"])))
+    return [q for q in out if q.dataset is not None]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank percentile (q in [0, 1]) of a non-empty sequence."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def occupancy(reqs: Sequence[Request], lo: float, hi: float, capacity: int) -> float | None:
+    """The requests running on the server over [lo, hi], time-averaged, over ``capacity``; None for an empty span."""
+    if hi <= lo:
+        return None
+    busy = sum(max(0.0, min(q.end, hi) - max(q.start, lo)) for q in reqs)
+    return round(busy / ((hi - lo) * capacity), 4)
+
+
+def first_full(reqs: Sequence[Request], capacity: int) -> float | None:
+    """The first moment ``capacity`` requests ran at once (None: never)."""
+    events = sorted([(q.start, 1) for q in reqs] + [(q.end, -1) for q in reqs], key=lambda e: (e[0], e[1]))
+    running = 0
+    for t, step in events:
+        running += step
+        if running >= capacity:
+            return t
+    return None
+
+
+def request_report(reqs: Sequence[Request], capacity: int, t0: float, deadline: float | None,
+                   first_close: float | None) -> dict[str, Any]:
+    """Latencies, the last admission and answer, the occupancy to the closes and, with a deadline, the issue's
+    bound on the end and the requests that ended last."""
+    if not reqs:
+        return {}
+    lat = [q.latency for q in reqs]
+    p99 = percentile(lat, 0.99)
+    last_start = max(q.start for q in reqs)
+    last_end = max(q.end for q in reqs)
+    full = first_full(reqs, capacity)
+    by_ds: dict[str, list[Request]] = {}
+    for q in reqs:
+        by_ds.setdefault(str(q.dataset), []).append(q)
+    out: dict[str, Any] = {
+        "count": len(reqs), "latency_p50_s": round(percentile(lat, 0.5), 2), "latency_p99_s": round(p99, 2),
+        "latency_max_s": round(max(lat), 2),
+        "latency_p99_by_dataset_s": {n: round(percentile([q.latency for q in v], 0.99), 2)
+                                     for n, v in sorted(by_ds.items())},
+        "mean_latency_by_dataset_s": {n: round(statistics.fmean(q.latency for q in v), 2)
+                                      for n, v in sorted(by_ds.items())},
+        "mean_tokens_by_dataset": {n: round(statistics.fmean(q.tokens for q in v)) for n, v in sorted(by_ds.items())},
+        "batch_full_after_s": None if full is None else round(full - t0, 2),
+        "occupancy_start_to_last_admission": occupancy(reqs, t0, last_start, capacity),
+        "occupancy_full_to_last_admission": None if full is None else occupancy(reqs, full, last_start, capacity),
+        "occupancy_full_to_first_close": (None if full is None or first_close is None
+                                          else occupancy(reqs, full, first_close, capacity)),
+    }
+    if deadline is None:
+        return out
+    bound = max(END_SHARE * (deadline - t0), p99)
+    past = last_end - deadline
+    out.update({
+        "last_admission_before_deadline_s": round(deadline - last_start, 2),
+        "last_end_after_deadline_s": round(past, 2),
+        "bound_s": round(bound, 2), "end_within_bound": past <= bound,
+        "missed_by_s": round(max(0.0, past - bound), 2),
+        "occupancy_last_30s_by_5s": [occupancy(reqs, deadline - a, deadline - a + 5, capacity)
+                                     for a in range(30, 0, -5)],
+        "ended_last": [{"dataset": q.dataset, "tokens": q.tokens, "arrived_before_deadline_s": round(deadline - q.start, 2),
+                        "latency_s": round(q.latency, 2)}
+                       for q in sorted(reqs, key=lambda q: q.end)[-5:]],
+    })
+    return out
 
 
 def sim_counters(stack: Stack) -> tuple[int, int]:
@@ -116,6 +247,8 @@ def run_once(stack: Stack, work: Path, tok: Path, base: Mix, prefix: str, args: 
         deadline = time.time() + deadline_in
         extra = ["--deadline", datetime.datetime.fromtimestamp(deadline, datetime.timezone.utc).isoformat()]
     tokens0, aborted0 = sim_counters(stack)
+    log = work / "requests.jsonl"
+    offset = log.stat().st_size if log.exists() else 0
     poll = SimPoll(stack, list(m.files))
     poll.start()
     _, trace, t0, t1 = run_produce(stack, m, tok, work / "out" / prefix, args, extra)
@@ -135,6 +268,11 @@ def run_once(stack: Stack, work: Path, tok: Path, base: Mix, prefix: str, args: 
                         "generated_not_committed": (tokens1 - tokens0) - sum(used.values())},
         "last_request_end": busy[-1] if busy else None, "t0": t0, "t1": t1,
     }
+    first_close = min(poll.closed_at.values()) if poll.closed_at else None
+    reqs = read_requests(log, offset, rid_names(m))
+    row["requests"] = request_report(reqs, args.workers * PER_WORKER, t0, deadline, first_close)
+    if reqs:
+        row["requests"]["polled_mean_live_start_to_last_admission"] = poll.mean_live(t0, max(q.start for q in reqs))
     if deadline is None:
         row["steady_tokens_per_s"] = round(steady_rate(trace, args.total), 1)
     if deadline is not None:
@@ -184,9 +322,10 @@ def main() -> None:
         tok = build_tokenizer(work / "tok", thinking="none")
         base = build_mix(work, 0)
         sim = sim_args(mean=args.mean, per_request_tps=100, saturation=64, time_scale=args.time_scale,
-                       seed=args.seed, extra=["--context-length", "65536", *length_sim_args(tok, lengths)])
+                       seed=args.seed, extra=["--context-length", "65536", "--request-log", str(work / "requests.jsonl"),
+                                             *length_sim_args(tok, lengths)])
         with Stack(work / "stack", sim_args=sim, workers=args.workers,
-                   worker_env={"BUDGETQ_CONCURRENCY": "16"}) as stack:
+                   worker_env={"BUDGETQ_CONCURRENCY": str(PER_WORKER)}) as stack:
             stack.wait_for_workers()
             for rep in range(args.repeats):
                 cal, cal_trace = run_once(stack, work, tok, base, f"cal{rep}", args, None)
@@ -199,7 +338,7 @@ def main() -> None:
                 row["calibration_at_same_time"] = used_at(cal_trace, cal["t0"] + row["deadline_after_s"])
                 row["at_deadline_vs_predicted"] = round(row["tokens_at_deadline"] / row["predicted_at_deadline"], 4)
                 row["calibration"] = {k: cal[k] for k in ("run", "seconds", "total_used", "steady_tokens_per_s", "needs_s",
-                                                          "thrown_away", "final_pp")}
+                                                          "thrown_away", "final_pp", "requests")}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     save_results(args.out, {"args": vars(args), "runs": rows})

@@ -1,7 +1,9 @@
 """The request log (``--request-log PATH``): one JSON line per answered /generate, the server's own evidence.
 
 A line: ``{"rid", "port", "input_ids" (or "input_text"), "output_ids", "text", "finish_reason",
-"completion_tokens"}``, the request's prompt and the body's fields as sent (docs/simulator.md).
+"completion_tokens", "e2e_latency", "response_sent_to_client_ts"}``, the request's prompt and the body's fields as
+sent (docs/simulator.md). The two timings (wall seconds from arrival to answer, and the unix time the answer left)
+place each request in time: a bench reads its latency percentiles and how many ran at each moment from them.
 
 Why the server writes it: a test of multi-turn regeneration must check what each turn's prompt really was (that it
 carries the model's previous answer and none of the dataset's), and only the server sees the ids it was sent. A
@@ -29,14 +31,16 @@ class RequestLog:
     def write(self, *, rid: str, prompt: list[int] | str, body: dict[str, Any], port: int,
               sampling_params: dict[str, Any] | None = None) -> None:
         """One line for one answer: what was sent (``input_ids``, or ``input_text`` for a text prompt) and what
-        the server answered (``output_ids``, ``text``, ``finish_reason``, ``completion_tokens``)."""
+        the server answered (``output_ids``, ``text``, ``finish_reason``, ``completion_tokens``) and when
+        (``e2e_latency``, ``response_sent_to_client_ts``)."""
         if self._fd is None:
             return
         meta = body["meta_info"]
         entry: dict[str, Any] = {"rid": rid, "port": port}
         entry["input_ids" if isinstance(prompt, list) else "input_text"] = prompt
         entry.update(output_ids=body["output_ids"], text=body["text"], finish_reason=meta["finish_reason"],
-                     completion_tokens=meta["completion_tokens"])
+                     completion_tokens=meta["completion_tokens"], e2e_latency=meta["e2e_latency"],
+                     response_sent_to_client_ts=meta["response_sent_to_client_ts"])
         if sampling_params is not None:  # what the request asked for (temperature, seed), as sent
             entry["sampling_params"] = sampling_params
         line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()

@@ -86,6 +86,17 @@ def eta_seconds(budget: int | None, used: int, status: str, tps: float,
     return min(ends) / tps if ends else None
 
 
+def deadline_projection(used: int, budget: int | None, tps: float, seconds_left: float) -> tuple[int, bool]:
+    """The tokens a dataset is projected to have by its deadline, ``seconds_left`` from now, at ``tps`` (capped at
+    its budget), and whether that is short of the budget: what ``produce status`` and ``produce``'s progress line
+    both show (docs/mix.md). A linear projection at the current rate: it does not know that admission stops a
+    request's expected duration before the deadline."""
+    projected = used + round(tps * max(0.0, seconds_left))
+    if budget is not None:
+        projected = min(projected, budget)
+    return projected, budget is not None and projected < budget
+
+
 def display_status(state: DatasetState) -> str:
     """``closed`` (its budget reached) as the ledger keeps it; ``open``, or ``complete`` when an open dataset has
     every selected sample handed out and nothing left running, queued or unwritten: nothing more will happen to
@@ -201,7 +212,8 @@ def _n(value: float | int | None) -> str:
     return f"{value:,}"
 
 
-def _eta(seconds: float | None) -> str:
+def eta_text(seconds: float | None) -> str:
+    """A duration as status shows it: 1h05m, 4m30s; "-" for None."""
     if seconds is None:
         return "-"
     h, rem = divmod(int(seconds), 3600)
@@ -220,7 +232,7 @@ def status_table(rows: list[DatasetStatus]) -> str:
             "tok/s", "eta", "stop/length", "trunc", "mean len", "server time")
     body: list[tuple[str, ...]] = [(r.name, r.mode, r.status, _n(r.used), "unlimited" if r.budget is None else _n(r.budget), _n(r.reserved),
              _n(r.in_flight), _n(r.done) + (f"/{r.selected:,}" if r.selected else ""), _n(r.failed),
-             _n(r.not_run), f"{r.tokens_per_s:,.0f}", _eta(r.eta_s), f"{r.finish_stop}/{r.finish_length}",
+             _n(r.not_run), f"{r.tokens_per_s:,.0f}", eta_text(r.eta_s), f"{r.finish_stop}/{r.finish_length}",
              "-" if r.truncation_rate is None else f"{r.truncation_rate:.1%}",
              "-" if r.mean_completion is None else f"{r.mean_completion:,.0f}", server_time(r.server_s))
             for r in rows]
@@ -267,11 +279,8 @@ def deadline_lines(client: "redis.Redis", rows: list[DatasetStatus], now: float 
             closed = RunState(client).field(row.name, "closed_by") == "deadline"
             lines.append(f"{row.name}: deadline {when}{' reached' if closed else ''}")
             continue
-        projected = row.used + round(row.tokens_per_s * (at - now))
-        if row.budget is not None:
-            projected = min(projected, row.budget)
-        short = row.budget is not None and projected < row.budget
-        lines.append(f"{row.name}: deadline {when} (in {_eta(at - now)}): projected {projected:,} tokens by then at "
+        projected, short = deadline_projection(row.used, row.budget, row.tokens_per_s, at - now)
+        lines.append(f"{row.name}: deadline {when} (in {eta_text(at - now)}): projected {projected:,} tokens by then at "
                      f"{row.tokens_per_s:,.0f} tok/s" + (f"; warning: short of its budget {row.budget:,}" if short
                                                           else ""))
     return "".join(f"\n{line}" for line in lines)

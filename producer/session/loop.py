@@ -243,6 +243,7 @@ class Producer:
                                "run the same produce command again to recount from the output files.", 1)
         d.status, d.used, d.stats, d.budget = state.status, state.used, state.stats, state.budget
         d.closed_by = state.fields.get("closed_by", "")
+        d.deadline = int(state.fields["deadline"]) / 1000 if state.fields.get("deadline") else None
         d.turns_committed = int(state.stats.get("turns", 0) or 0)
         self.store.set_progress(d.name, selected=d.prepared.selected, todo=len(d.todo))
         if state.status != "open":

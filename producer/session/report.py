@@ -9,7 +9,7 @@ from typing import Any
 
 from producer.generations import split_key
 from producer.ops.lengths import picture, read_lengths
-from producer.ops.status import eta_seconds, server_time, tokens_per_second
+from producer.ops.status import deadline_projection, eta_seconds, eta_text, server_time, tokens_per_second
 from producer.results import RESULTS
 from producer.session.state import DatasetRun
 
@@ -33,8 +33,9 @@ class DatasetSummary:
 
 
 def progress_line(runs: list[DatasetRun], now: float | None = None) -> str:
-    """One line for every dataset, printed every ``--progress`` seconds while attached. Its tok/s and eta are
-    ``produce status``'s (producer/ops/status.py): from the 10-second token buckets of the stats last read."""
+    """One line for every dataset, printed every ``--progress`` seconds while attached. Its tok/s, eta and
+    deadline projection are ``produce status``'s (producer/ops/status.py): from the 10-second token buckets of the
+    stats last read."""
     parts = []
     now = time.time() if now is None else now
     for d in runs:
@@ -50,8 +51,25 @@ def progress_line(runs: list[DatasetRun], now: float | None = None) -> str:
             ended = sum(1 for sid in d.done if p.turns_of(sid) > 1)
             turns = f" conversations {ended}/{p.conversations} turns {d.turns_committed}/{p.conversation_turns}"
         parts.append(f"{d.name}: {state} tokens {budget} samples {len(d.done)}/{d.prepared.selected}{turns} "
-                     f"{tps:.0f} tok/s{eta}")
+                     f"{tps:.0f} tok/s{eta}{deadline_part(d, tps, now)}")
     return " | ".join(parts)
+
+
+def deadline_part(d: DatasetRun, tps: float, now: float) -> str:
+    """The progress line's deadline (docs/mix.md): the time left and the tokens projected by then at ``tps``, with
+    a warning when that is short of the budget (``deadline_projection``, the projection ``produce status``
+    shows); once it passed or closed the dataset, only that. '' without a deadline."""
+    if d.deadline is None:
+        return ""
+    if d.closed_by == "deadline":
+        return " deadline reached"
+    if d.deadline <= now:
+        return " deadline passed"
+    if d.status != "open" or d.finished:
+        return ""
+    projected, short = deadline_projection(d.used, d.budget, tps, d.deadline - now)
+    warning = f" WARNING short of the budget {d.budget} at this rate" if short else ""
+    return f" deadline in {eta_text(d.deadline - now)} projected {projected}{warning}"
 
 
 def summaries(runs: list[DatasetRun], out_dir: Path) -> list[DatasetSummary]:

@@ -67,6 +67,7 @@ class DatasetRun:
     reclaims: dict[str, int] = field(default_factory=dict)
     status: str = "open"
     closed_by: str = ""  # "deadline" when the deadline closed it (the admit script's meta closed_by)
+    deadline: float | None = None  # its deadline as last read (the meta's deadline, unix s); None: none
     used: int = 0
     budget: int | None = None
     finished: bool = False

@@ -709,6 +709,8 @@ def test_request_log_holds_each_answer_as_sent_and_the_helper_finds_each_turn(tm
         assert line["output_ids"] == answer["output_ids"] and line["text"] == answer["text"]
         assert line["finish_reason"] == answer["meta_info"]["finish_reason"]
         assert line["completion_tokens"] == answer["meta_info"]["completion_tokens"]
+        for timing in ("e2e_latency", "response_sent_to_client_ts"):  # when it ran: a bench's latencies and occupancy
+            assert line[timing] == answer["meta_info"][timing]
     assert lines[1]["finish_reason"]["type"] == "length"
     with open(log, "ab") as fh:
         fh.write(b'{"rid": "torn')  # a server killed mid-line: the helper leaves the piece out
