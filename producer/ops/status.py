@@ -97,6 +97,20 @@ def deadline_projection(used: int, budget: int | None, tps: float, seconds_left:
     return projected, budget is not None and projected < budget
 
 
+def deadline_total(projections: list[tuple[int, int | None]]) -> str:
+    """The sum of several datasets' projections by their deadline (``(projected, budget)`` each, from
+    ``deadline_projection``), as status and the progress line end with it: '' for fewer than two."""
+    if len(projections) < 2:
+        return ""
+    projected = sum(p for p, _ in projections)
+    budgets = [b for _, b in projections]
+    if any(b is None for b in budgets):
+        return f"total: projected {projected:,} tokens by the deadline over {len(projections)} datasets"
+    budget = sum(b for b in budgets if b is not None)
+    short = f"; warning: short of their budgets' {budget:,}" if projected < budget else f" of {budget:,}"
+    return f"total: projected {projected:,} tokens by the deadline over {len(projections)} datasets{short}"
+
+
 def display_status(state: DatasetState) -> str:
     """``closed`` (its budget reached) as the ledger keeps it; ``open``, or ``complete`` when an open dataset has
     every selected sample handed out and nothing left running, queued or unwritten: nothing more will happen to
@@ -269,6 +283,7 @@ def deadline_lines(client: "redis.Redis", rows: list[DatasetStatus], now: float 
     its current tok/s (capped at its budget), warning when that is short of the budget; '' if none."""
     now = time.time() if now is None else now
     lines = []
+    projections: list[tuple[int, int | None]] = []
     for row in rows:
         raw = RunState(client).field(row.name, "deadline")
         if not raw:
@@ -280,10 +295,12 @@ def deadline_lines(client: "redis.Redis", rows: list[DatasetStatus], now: float 
             lines.append(f"{row.name}: deadline {when}{' reached' if closed else ''}")
             continue
         projected, short = deadline_projection(row.used, row.budget, row.tokens_per_s, at - now)
+        projections.append((projected, row.budget))
         lines.append(f"{row.name}: deadline {when} (in {eta_text(at - now)}): projected {projected:,} tokens by then at "
                      f"{row.tokens_per_s:,.0f} tok/s" + (f"; warning: short of its budget {row.budget:,}" if short
                                                           else ""))
-    return "".join(f"\n{line}" for line in lines)
+    total = deadline_total(projections)
+    return "".join(f"\n{line}" for line in [*lines, *([total] if total else [])])
 
 
 def status_text(client: "redis.Redis", rows: list[DatasetStatus]) -> str:

@@ -9,7 +9,14 @@ from typing import Any
 
 from producer.generations import split_key
 from producer.ops.lengths import picture, read_lengths
-from producer.ops.status import deadline_projection, eta_seconds, eta_text, server_time, tokens_per_second
+from producer.ops.status import (
+    deadline_projection,
+    deadline_total,
+    eta_seconds,
+    eta_text,
+    server_time,
+    tokens_per_second,
+)
 from producer.results import RESULTS
 from producer.session.state import DatasetRun
 
@@ -37,9 +44,13 @@ def progress_line(runs: list[DatasetRun], now: float | None = None) -> str:
     deadline projection are ``produce status``'s (producer/ops/status.py): from the 10-second token buckets of the
     stats last read."""
     parts = []
+    projections: list[tuple[int, int | None]] = []
     now = time.time() if now is None else now
     for d in runs:
         tps = tokens_per_second(d.stats, now)
+        deadline, projected = deadline_part(d, tps, now)
+        if projected is not None:
+            projections.append((projected, d.budget))
         budget = f"{d.used}/{d.budget}" if d.budget is not None else f"{d.used}/unlimited"
         left = d.prepared.selected - len(d.done) - len(d.failed)
         eta_s = eta_seconds(d.budget, d.used, d.status, tps, left * d.used / len(d.done) if d.done else None)
@@ -51,25 +62,27 @@ def progress_line(runs: list[DatasetRun], now: float | None = None) -> str:
             ended = sum(1 for sid in d.done if p.turns_of(sid) > 1)
             turns = f" conversations {ended}/{p.conversations} turns {d.turns_committed}/{p.conversation_turns}"
         parts.append(f"{d.name}: {state} tokens {budget} samples {len(d.done)}/{d.prepared.selected}{turns} "
-                     f"{tps:.0f} tok/s{eta}{deadline_part(d, tps, now)}")
-    return " | ".join(parts)
+                     f"{tps:.0f} tok/s{eta}{deadline}")
+    total = deadline_total(projections)
+    return " | ".join([*parts, *([total] if total else [])])
 
 
-def deadline_part(d: DatasetRun, tps: float, now: float) -> str:
+def deadline_part(d: DatasetRun, tps: float, now: float) -> tuple[str, int | None]:
     """The progress line's deadline (docs/mix.md): the time left and the tokens projected by then at ``tps``, with
     a warning when that is short of the budget (``deadline_projection``, the projection ``produce status``
-    shows); once it passed or closed the dataset, only that. '' without a deadline."""
+    shows), and the projection itself for the line's total; once it passed or closed the dataset, only that
+    (and no projection). '' without a deadline."""
     if d.deadline is None:
-        return ""
+        return "", None
     if d.closed_by == "deadline":
-        return " deadline reached"
+        return " deadline reached", None
     if d.deadline <= now:
-        return " deadline passed"
+        return " deadline passed", None
     if d.status != "open" or d.finished:
-        return ""
+        return "", None
     projected, short = deadline_projection(d.used, d.budget, tps, d.deadline - now)
     warning = f" WARNING short of the budget {d.budget} at this rate" if short else ""
-    return f" deadline in {eta_text(d.deadline - now)} projected {projected}{warning}"
+    return f" deadline in {eta_text(d.deadline - now)} projected {projected}{warning}", projected
 
 
 def summaries(runs: list[DatasetRun], out_dir: Path) -> list[DatasetSummary]:

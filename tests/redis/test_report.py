@@ -9,9 +9,12 @@ from pathlib import Path
 import redis
 
 from budget import keys
-from producer.ops.status import all_status, deadline_lines
+from producer.ops.status import all_status, deadline_lines, deadline_total
+from producer.prepare import load_inputs
 from producer.session.loop import Producer
-from tests.producers import code_inputs
+from producer.session.state import RunOptions
+from tests.demo_data import CODE, GLAIVE
+from tests.producers import code_inputs, run_settings
 
 DS = "code_instruct"
 
@@ -68,3 +71,35 @@ def test_the_progress_line_shows_the_deadline_projection_of_produce_status(r: "r
         assert producer.progress_line(now).endswith(" deadline reached"), producer.progress_line(now)
     finally:
         producer.release()
+
+
+def test_status_and_the_progress_line_sum_the_datasets_projections_by_the_deadline(
+        r: "redis.Redis", tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Issue 27 §3: per dataset and in total. Two datasets at 120 and 30 tok/s, 100 s before their deadline."""
+    now = float(int(time.time()))
+    settings = run_settings(str(CODE), str(GLAIVE), "--tokenizer", str(tokenizer_dir), "--max-tokens", "64",
+                            "--order", "file", "--turns", "last", terminal=False)
+    inputs = load_inputs(settings, echo=lambda msg: None, warn=lambda msg: None)
+    options = RunOptions(out_dir=tmp_path / "out", budgets={DS: 30_000, "glaive_fc": 5_000}, chunk_size=8,
+                         show_progress=False, deadline=now + 100)
+    producer = Producer(r, inputs.prepared, options, echo=lambda msg: None)
+    producer.attach()
+    try:
+        r.hincrby(keys.DatasetKeys(DS).stats, f"t:{int(now // 10) - 1}", 1200)
+        r.hincrby(keys.DatasetKeys("glaive_fc").stats, f"t:{int(now // 10) - 1}", 300)
+        producer.step()
+        said = deadline_lines(r, all_status(r, [DS, "glaive_fc"], now=now), now=now)
+        # 12,000 (short of 30,000) + 3,000 (short of 5,000)
+        assert said.endswith("\ntotal: projected 15,000 tokens by the deadline over 2 datasets; warning: short of "
+                             "their budgets' 35,000"), said
+        line = producer.progress_line(now)
+        assert line.endswith(" | total: projected 15,000 tokens by the deadline over 2 datasets; warning: short of "
+                             "their budgets' 35,000"), line
+    finally:
+        producer.release()
+
+
+def test_one_dataset_has_no_total_and_unlimited_ones_have_no_budget_to_fall_short_of() -> None:
+    assert deadline_total([(5, 10)]) == ""
+    assert deadline_total([(5, 10), (7, None)]) == "total: projected 12 tokens by the deadline over 2 datasets"
+    assert deadline_total([(10, 10), (7, 7)]) == "total: projected 17 tokens by the deadline over 2 datasets of 17"
