@@ -7,7 +7,7 @@ CPU: tests/fixtures/sglang_real/out_of_vocab.json). Ids in the padding are serve
 that does not match the served model would take every server of a run down, one after the other, as the chunks
 are retried. Every id at or above ``vocab_size`` is refused:
 
-- ``produce`` (producer/vocab.py) checks every rendered prompt id against the model's vocabulary before Redis is
+- ``produce`` (producer/preflight.py) checks every rendered prompt id against the model's vocabulary before Redis is
   touched (the tokenizer directory's config.json ``vocab_size``, `config_vocab`), and again at attach against
   what the servers say of themselves (``vocab_size`` in the /server_info the workers recorded, `servers_vocab`;
   SGLang 0.5.23 reports none, the simulator does with --vocab-size): exit 2 naming the dataset, the sample, the

@@ -31,13 +31,13 @@ log = logging.getLogger("budgetq.produce")
 
 def launch(settings: RunSettings, *, warn: Callable[[str], None]) -> str:
     """Prepare the inputs, then plan them (``--dry-run``) or run them; return the text to print."""
+    from producer.preflight import check_vocab_offline
     from producer.prepare import load_inputs
-    from producer.vocab import check_offline as check_vocab_offline
     started = time.monotonic()
     inputs = load_inputs(settings, echo=log.info, warn=warn)
     log.debug("read, validated and rendered %d dataset(s) in %.1f s", len(inputs.prepared),
               time.monotonic() - started)
-    check_vocab_offline(inputs, settings.tokenizer)  # producer/vocab.py: exit 2 on an id the model cannot take
+    check_vocab_offline(inputs, settings.tokenizer)  # exit 2 on an id the model cannot take
     budgets = settings.budgets_for(p.name for p in inputs.prepared)
     if settings.dry_run:
         return dry_run(settings, inputs, budgets)
@@ -115,6 +115,7 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
         check_redis,
         check_seed,
         check_server_parsers,
+        check_vocab_servers,
         connect,
         recheck_context,
     )
@@ -123,7 +124,6 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     from producer.session.loop import Producer
     from producer.session.report import length_pictures, summary_table
     from producer.session.state import RunOptions
-    from producer.vocab import check_servers as check_vocab_servers
     s = settings
     names = set(budgets)
     params = inputs.settings.chunk_params
@@ -149,7 +149,7 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
                          conversation=inputs.conversation(context), tokenizer=s.tokenizer, chat_template=s.chat_template,
                          variants=inputs.variants,
                          mix=s.given_mix(), mix_pacing=s.mix_pacing, deadline=s.deadline)
-    check_vocab_servers(client, inputs, s.tokenizer, options.conversation)  # producer/vocab.py; sets vocab_size
+    check_vocab_servers(client, inputs, s.tokenizer, options.conversation)  # sets vocab_size
     producer = Producer(client, inputs.prepared, options, echo=log.info)
     try:
         producer.attach()  # enqueues nothing yet

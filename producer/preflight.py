@@ -1,8 +1,15 @@
 """Checks before a run writes anything: the output folders, the Redis it is about to trust with its budget state,
-and what the workers recorded of their SGLang servers (``bq:server_info``: reasoning parser, context, seed).
+what the workers recorded of their SGLang servers (``bq:server_info``: reasoning parser, context, seed), and the
+prompts' ids against the model's vocabulary (budget/vocab.py).
 
 A queue on an evicting Redis loses jobs and counters silently under memory pressure; a Redis without AOF loses
 everything since its last snapshot on a crash (with AOF everysec, a kill -9 lost nothing acknowledged here).
+
+The vocabulary is checked twice (exit 2 on a prompt id the model cannot take): `check_vocab_offline` right after the
+inputs are rendered (dry runs too; nothing is written yet), against the tokenizer directory's config.json;
+`check_vocab_servers` at attach, after the servers' context recheck, against the smallest ``vocab_size`` the
+workers' servers report (bq:server_info), and it puts the size checked against in the chunks' conversation block
+so workers check the later turns they render.
 """
 from __future__ import annotations
 
@@ -15,10 +22,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import redis
 
 from budget import connection, logs, serverinfo
+from budget.vocab import Vocab, check_prompts, config_vocab, servers_vocab, smallest
 from producer.errors import ProduceError, UsageError
-from render.modeldir import Context, sane_context
+from render.modeldir import Context, ModelDirError, resolve_tokenizer, sane_context
 
 if TYPE_CHECKING:
+    from budget.payload import ConversationPayload
     from producer.prepare import Inputs, Prepared
 
 log = logging.getLogger("budgetq.produce")
@@ -195,3 +204,39 @@ def check_seed(client: "redis.Redis", sampling_params: Mapping[str, Any], *, war
     elif not entries:
         log.info("--seed: no worker has recorded its SGLang servers yet; whether they honour the seed is checked "
                  "at the end of the run (manifest: sampling_seed_honoured)")
+
+
+def _tokenizer_vocab(tokenizer: str) -> Vocab | None:
+    try:
+        return config_vocab(resolve_tokenizer(tokenizer))
+    except ModelDirError:
+        return None
+
+
+def _check(inputs: "Inputs", vocab: Vocab | None) -> None:
+    message = check_prompts(((p.name, [{pid if not variant else f"{pid} ({variant})": ids
+                                         for pid, prompt in p.prompts.items()
+                                         for variant, (ids, _opens) in prompt.renderings.items()}])
+                             for p in inputs.prepared), vocab)
+    if message is not None:
+        raise UsageError(message)
+
+
+def check_vocab_offline(inputs: "Inputs", tokenizer: str) -> None:
+    """Every rendered prompt against config.json's ``vocab_size`` (when the tokenizer directory has one)."""
+    _check(inputs, _tokenizer_vocab(tokenizer))
+
+
+def check_vocab_servers(client: "redis.Redis", inputs: "Inputs", tokenizer: str, conversation: "ConversationPayload | None") -> None:
+    """At attach: the prompts against a smaller ``vocab_size`` the servers report, if any (best effort: none
+    recorded, or Redis unreadable, changes nothing); the conversation block gets the size in force."""
+    try:
+        servers = serverinfo.load(client)
+    except Exception:  # noqa: BLE001 - the run itself reports Redis trouble
+        servers = []
+    offline = _tokenizer_vocab(tokenizer)
+    vocab = smallest(offline, servers_vocab(servers))
+    if vocab is not None and vocab != offline:
+        _check(inputs, vocab)
+    if conversation is not None and vocab is not None:
+        conversation["vocab_size"] = vocab.size
