@@ -13,12 +13,10 @@ from pathlib import Path
 from typing import Any, Final, Mapping
 
 from budget.payload import VERSION, ThinkPayload
+from producer.generations import MIX_SETTING, Generations, TemplateMix, chunk_params
 from producer.generations import SETTING as GENERATIONS
-from producer.generations import Generations, chunk_params
 from producer.order import Order
 from producer.settings import RunSettings
-from producer.templatemix import SETTING as MIX_SETTING
-from producer.templatemix import TemplateMix
 from render.chat import ChatTemplate, Renderer
 
 #: ``--turns``: regenerate every assistant turn of a conversation (``all``, budget/history.py ``plan``), or only

@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from budget.urls import server_urls
 from producer.amount import UNLIMITED, Budget, parse_budget_option, parse_mix
 from producer.errors import UsageError
-from producer.generations import parse_temperatures
+from producer.generations import MixError, TemplateMix, parse_temperatures
 from producer.inputs.records import FieldMapping
 from producer.order import DEFAULT_SEED, RANDOM, Order
-from producer.templatemix import MixError, TemplateMix
 
 if TYPE_CHECKING:
     from budget.mix import Mix

@@ -25,10 +25,9 @@ from budget.urls import server_urls
 from producer.errors import ProduceError, UsageError
 from producer.export.files import MANIFEST, ExportError, Results, atomic, failed_ids, read_run_json
 from producer.export.rows import is_truncated
+from producer.generations import MIX_SETTING, TemplateMix, labels
 from producer.ops.lengths import nearest_rank
 from producer.results import RESULTS
-from producer.templatemix import SETTING as MIX_SETTING
-from producer.templatemix import TemplateMix, labels
 
 log = logging.getLogger("budgetq.produce")
 

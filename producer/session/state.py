@@ -14,10 +14,10 @@ from typing import Any, Mapping
 from budget.mix import Mix
 from budget.payload import ConversationPayload
 from producer.amount import Budget
+from producer.generations import Variants
 from producer.prepare import Prepared
 from producer.results import ResultsFile
 from producer.session.enqueue import JobSettings
-from producer.templatemix import Variants
 from render.chat import ChatTemplate
 
 
@@ -51,7 +51,7 @@ class RunOptions:
     mix_pacing: bool = True
     #: --deadline / --for, unix seconds (None: keep the stored one, if any).
     deadline: float | None = None
-    #: --template-kwargs-mix: the renderer of each drawn combination (producer/templatemix.py Variants); None: no mix.
+    #: --template-kwargs-mix: the renderer of each drawn combination (producer/generations.py Variants); None: no mix.
     variants: Variants | None = None
 
 

@@ -18,8 +18,7 @@ import redis
 
 from budget import keys
 from budget.payload import VERSION
-from producer.generations import sample_key, split_key
-from producer.templatemix import MixError, TemplateMix, labels, variant
+from producer.generations import MixError, TemplateMix, labels, sample_key, split_key, variant
 from tests import sim_log
 from tests.chats import DS, MESSAGES, SIM_ARGS, write_dataset
 from tests.procs import produce, read_jsonl
