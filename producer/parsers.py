@@ -116,9 +116,9 @@ def mismatches(parser: str, servers: Sequence[Mapping[str, Any]] | None) -> list
     return out
 
 
-#: The text markers each parser reads in a generated turn (worker/reasoning.py, worker/toolcalls.py,
-#: worker/harmony.py): if one of them is a special token of the run's tokenizer, SGLang's detokenizer deletes it
-#: under the default skip_special_tokens=true, and the parser no longer sees the thinking block or the tool call.
+#: The text markers each parser reads in a generated turn (worker/reasoning.py): if one of them is a special token
+#: of the run's tokenizer, SGLang's detokenizer deletes it under the default skip_special_tokens=true, and the parser
+#: no longer sees the thinking block or the tool call.
 PARSER_TEXT_MARKERS: Final[Mapping[str, tuple[str, ...]]] = {
     "qwen3": ("<think>", "</think>", "<tool_call>", "</tool_call>"),
     "qwen3-thinking": ("<think>", "</think>", "<tool_call>", "</tool_call>"),

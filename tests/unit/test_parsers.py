@@ -17,8 +17,7 @@ import pytest
 
 from budget.payload import OTHER_VERSION, VERSION
 from tests.families import FAMILIES, build_family_tokenizer
-from worker.reasoning import PARSERS, ParsedTurn, parse_turn, skip_special_tokens_for
-from worker.toolcalls import call_id
+from worker.reasoning import PARSERS, ParsedTurn, call_id, parse_turn, skip_special_tokens_for
 
 SEED = "ds\0sample-1"
 
