@@ -37,7 +37,7 @@ from rq.worker import BaseWorker, SimpleWorker
 
 from budget import logs
 from budget.ledger import REDIS_DOWN
-from worker import jobs, runtime
+from worker import jobs
 from worker.config import WorkerConfig
 
 log = logging.getLogger("budgetq.worker")
@@ -110,9 +110,9 @@ class Worker(SimpleWorker):
         self.queues = [Queue(q.name, connection=self.connection, serializer=JSONSerializer) for q in self.queues]
         self._ordered_queues = self.queues[:]
         self.config = WorkerConfig.from_env()
-        self.runtime = runtime.Runtime(self.connection, self.config, heartbeat=self._job_heartbeat,
+        self.runtime = jobs.Runtime(self.connection, self.config, heartbeat=self._job_heartbeat,
                                        on_fault=self._config_fault, name=self.name)
-        runtime.install(self.runtime)
+        jobs.install(self.runtime)
         _tune_gc()
         # rq installs its SIGTERM/SIGINT handlers only once the worker has registered itself: a signal in
         # between (a deploy that starts and stops workers at once) ended the process by the signal's default
