@@ -1,9 +1,12 @@
 """The walk: which modules of producer/, worker/ and budget/ one sample passes through, from its dataset line to
 its exported row, measured on the real commands.
 
-    python -m bench.walk                 # ~30 s; the modules by stage and their count
+    python -m bench.walk                 # ~30 s: a one-turn line and a conversation's; bench/results/walk.json
     python -m bench.walk --functions     # with the functions that ran in each module
-    python -m bench.walk --line '{"messages": [...]}' --json walk.json   # another line (a conversation); a record
+    python -m bench.walk --line '{"messages": [...]}' --json walk.json   # another line, written elsewhere
+
+bench/results/walk.json (what docs/architecture.md's code maps must name, tests/unit/test_docs.py) holds, per
+line, stage -> module -> the functions that ran.
 
 What runs: a private redis-server and ``sglang-sim`` (demo/stack.py), then, as users type them, an attached
 ``produce FILE`` of a one-line dataset, one ``rq worker -w worker.Worker -c worker.settings --burst`` started once
@@ -63,8 +66,15 @@ ENTRIES: Final = {
 }
 CO_OPTIMIZED: Final = 0x1  # set on functions, not on module and class bodies
 QUEUE_KEY: Final = "rq:queue:budgetq"
-DEFAULT_LINE: Final = {"id": "walk-1", "messages": [{"role": "user", "content": "Write a function that adds two "
-                                                                                 "numbers, and test it."}]}
+#: The lines walked by default: a one-turn sample, and a conversation whose last user turn is regenerated after
+#: its first (``--turns all``: the worker renders turn 1 itself).
+LINES: Final[dict[str, dict[str, Any]]] = {
+    "one turn": {"id": "walk-1", "messages": [
+        {"role": "user", "content": "Write a function that adds two numbers, and test it."}]},
+    "conversation": {"id": "walk-2", "messages": [
+        {"role": "user", "content": "Name a prime number."}, {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "And another one?"}]},
+}
 
 
 # -- the profiler, inside a traced process ---------------------------------------------------------------------
@@ -250,7 +260,9 @@ def report(ran: dict[str, dict[str, list[str]]], functions: bool) -> str:
         for m in mods:
             extra = f"  {', '.join(ran[stage][m])}" if functions else ""
             lines.append(f"  {m}{extra}")
-    lines.append(f"walk: {len(total)} modules of {', '.join(COUNTED)}")
+    data = {m for stage, mods in ran.items() if stage != "produce" for m in mods if counted(m)}
+    lines.append(f"walk: {len(total)} modules of {', '.join(COUNTED)}; {len(data)} without the produce command's own "
+                 f"({len(total) - len(data)}: ran only in the stage produce)")
     others = sorted({m for mods in staged.values() for m in mods if not counted(m)})
     lines.append(f"also ran (not counted): {', '.join(others) or 'nothing'}")
     return "\n".join(lines)
@@ -268,17 +280,26 @@ def main() -> None:
         trace(Path(out), None if root == "-" else root, module, rest)
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--line", type=json.loads, default=DEFAULT_LINE, help="the dataset line (JSON)")
+    ap.add_argument("--line", type=json.loads, default=None, help="walk this dataset line (JSON) alone")
     ap.add_argument("--functions", action="store_true", help="list the functions that ran in each module")
-    ap.add_argument("--json", type=Path, default=None, help="also write stage -> module -> functions here")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="write line -> stage -> module -> functions here (default, without --line: "
+                         "bench/results/walk.json)")
     ap.add_argument("--timeout", type=float, default=180.0)
     args = ap.parse_args()
-    from bench.harness import scratch
-    with scratch("walk") as work:
-        ran = measure(work, args.line, args.timeout)
+    from bench.harness import save_results, scratch
+    lines = {"given": args.line} if args.line is not None else LINES
+    walks = {}
+    for name, line in lines.items():
+        with scratch("walk") as work:
+            walks[name] = measure(work, line, args.timeout)
+        print(f"== {name}: {json.dumps(line)}")
+        print(report(walks[name], args.functions))
+    doc = {"lines": lines, "walks": walks}
     if args.json is not None:
-        args.json.write_text(json.dumps(ran, indent=1) + "\n")
-    print(report(ran, args.functions))
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    elif args.line is None:
+        print(f"written to {save_results('walk', doc)}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 import os
 import re
 import shlex
@@ -257,6 +258,29 @@ def test_the_module_map_lists_every_module_and_only_those() -> None:
                if f.name != "__init__.py"}
     assert sorted(modules - mapped) == [], "modules missing from docs/architecture.md's module map"
     assert sorted(mapped - modules) == [], "the module map names modules that do not exist"
+
+
+#: What ``python -m bench.walk`` measured: line -> stage -> module -> the functions that ran (read, not imported).
+WALK = ROOT / "bench" / "results" / "walk.json"
+
+
+def code_maps() -> str:
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    return text.split("## Code maps", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_code_maps_name_every_module_on_a_samples_walk() -> None:
+    """Each hop of the walk from a dataset line to an exported row (bench/results/walk.json) is named in
+    docs/architecture.md's code maps by its path, and is a module of the tree: a fold or a rename makes the walk
+    be measured again and the maps follow it."""
+    walks = json.loads(WALK.read_text(encoding="utf-8"))["walks"]
+    modules = {m for walk in walks.values() for stage in walk.values() for m in stage}
+    paths = {m: m.replace(".", "/") + ".py" for m in modules}
+    assert sorted(m for m, p in paths.items() if not (ROOT / p).is_file()) == [], \
+        "bench/results/walk.json names modules the tree no longer has: run python -m bench.walk again"
+    maps = code_maps()
+    missing = sorted(p for p in paths.values() if not re.search(r"(?<![\w/])" + re.escape(p), maps))
+    assert missing == [], "modules on the walk that docs/architecture.md's code maps do not name"
 
 
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
