@@ -35,7 +35,8 @@ load-report, server-info and window threads), import-time code (module and class
 while a module is being imported), and code outside the three packages (rq, redis-py, aiohttp, click,
 transformers). A module whose only part on the path is data (a dataclass read, a constant) is not counted: the
 walk counts modules with a function that ran. The count is of modules, each listed under the first stage, in
-the order above, in which one of its functions ran.
+the order above, in which one of its functions ran; it is printed with and without the modules only the stage
+``produce`` ran (the command's own checks and reports, no hop of the sample's data).
 """
 from __future__ import annotations
 
