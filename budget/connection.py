@@ -13,6 +13,9 @@ redis-py's defaults changed between major versions (timeouts, the default retry 
 passed explicitly here, and setup.cfg pins the major this was tested with. Resending is safe: every budget
 script is idempotent (a resent commit hits the done guard), and RQ's enqueue of a chunk is guarded by
 START_CHUNK (a chunk runs once however often its job is delivered).
+
+``redis_now`` is Redis' own clock: what every worker and reader of a worker's entries (budget/serverreports.py,
+budget/serverinfo.py) compares ages with, so the hosts' clocks never matter.
 """
 from __future__ import annotations
 
@@ -114,3 +117,9 @@ def _client(connection_class: type, kwargs: dict[str, Any]) -> "redis.Redis":
     merged = {k: v for k, v in kwargs.items() if k in _IDENTITY or k.startswith("ssl")}
     merged.update(settings(connection_class))
     return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=connection_class, **merged))
+
+
+def redis_now(r: "redis.Redis") -> float:
+    """Redis' own clock, in seconds: the one clock every worker and reader shares."""
+    sec, usec = r.time()
+    return float(sec) + float(usec) / 1e6

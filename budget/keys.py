@@ -12,14 +12,14 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:server_info``          | hash   | worker (serverinfo)      | "host url" -> JSON: SGLang's /get_server_info,    |
 |                             |        |                          | SERVER_INFO_KEYS only; expires with the workers   |
 | ``bq:server_health``       | hash   | worker (health)          | RQ worker name -> JSON: the servers it finds down |
-|                             |        |                          | (budget/health.py); rewritten every 10 s while    |
-|                             |        |                          | any is down, deleted when all answer; entries     |
-|                             |        |                          | older than 30 s are dead workers': pruned         |
+|                             |        |                          | (budget/serverreports.py); rewritten every 10 s   |
+|                             |        |                          | while any is down, deleted when all answer;       |
+|                             |        |                          | entries older than 30 s are dead workers': pruned |
 | ``bq:server_load``          | hash   | worker (loadreport)      | RQ worker name -> JSON: per server its requests   |
 |                             |        |                          | in flight, window, max_running_requests, tokens/s |
-|                             |        |                          | and last error (budget/serverload.py); rewritten  |
-|                             |        |                          | every 5 s, deleted at stop; entries older than    |
-|                             |        |                          | 30 s are dead workers': pruned                    |
+|                             |        |                          | and last error (budget/serverreports.py);         |
+|                             |        |                          | rewritten every 5 s, deleted at stop; entries     |
+|                             |        |                          | older than 30 s are dead workers': pruned         |
 | ``bq:window``               | zset   | worker (window)          | "<server>SEP<worker id>" -> Redis time (ms) when  |
 |                             |        |                          | it lapses: the live workers with an automatic     |
 |                             |        |                          | window on each SGLang server (budget/window.py);  |
@@ -105,7 +105,7 @@ The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default):
 |                    |                                         | budget ``produce budget`` set since; unset: none     |
 
 Who may send commands on these keys: budget/ alone (ledger.py and its scripts, runstate.py, serverinfo.py,
-tokstore.py, health.py, serverload.py, window.py).
+tokstore.py, serverreports.py, window.py).
 producer/, render/, worker/ and demo/ call those and never name a key; tests/redis/test_key_ownership.py enforces it. RQ's keys
 are RQ's: read or written through RQ's API, or by our scripts where a decision needs them (below).
 
@@ -126,10 +126,10 @@ EPOCH = PREFIX + "epoch"
 #: What each worker's SGLang servers say about themselves (budget/serverinfo.py): field ``"<worker host> <url>"``,
 #: value JSON of SERVER_INFO_KEYS plus when it was fetched. Never an API key: only the listed keys are kept.
 SERVER_INFO = PREFIX + "server_info"
-#: Which servers each worker finds down (budget/health.py): field = the RQ worker's name, value = JSON.
+#: Which servers each worker finds down (budget/serverreports.py): field = the RQ worker's name, value = JSON.
 SERVER_HEALTH = PREFIX + "server_health"
-#: What each worker does with each of its SGLang servers (budget/serverload.py): field = the RQ worker's name,
-#: value = JSON; for ``produce servers`` and ``produce metrics``.
+#: What each worker does with each of its SGLang servers (budget/serverreports.py): field = the RQ worker's
+#: name, value = JSON; for ``produce servers`` and ``produce metrics``.
 SERVER_LOAD = PREFIX + "server_load"
 #: Which workers share each SGLang server, for their automatic windows (budget/window.py): member
 #: ``"<server>SEP<worker id>"``, score = when that registration lapses (Redis' clock, ms).

@@ -9,7 +9,7 @@ from typing import Any
 
 import redis
 
-from budget import health
+from budget import serverreports
 from budget.ledger import Ledger
 from budget.mix import Mix, MixStore, mix_id
 from budget.outcomes import DatasetState
@@ -311,6 +311,7 @@ def status_text(client: "redis.Redis", rows: list[DatasetStatus]) -> str:
 
 
 def down_servers(client: "redis.Redis") -> str:
-    """The lines naming each worker whose SGLang servers are down (budget/health.py), after the table; '' if none."""
-    lines = health.describe(health.load(client))
+    """The lines naming each worker whose SGLang servers are down (budget/serverreports.py), after the table; '' if
+    none."""
+    lines = serverreports.describe_down(serverreports.read_down(client))
     return "\n" + "\n".join(lines) if lines else ""
