@@ -24,8 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from budget.conversation import Walk, header, walk
-from budget.history import plan
+from budget.history import Walk, header, plan, walk
 from budget.outcomes import EndVerdict, TurnAdmit, TurnVerdict
 from budget.payload import SamplePayload, sampling_params_of, turn_request_key
 from budget.record import BUDGET, CONTEXT, FAILED, make_turn

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Mapping
 import redis
 
 from budget import record, serverreports
-from budget.conversation import end_as_is
+from budget.history import end_as_is
 from budget.ledger import LEASE_MS, REDIS_DOWN, Ledger, default_prior_mean
 from budget.outcomes import DatasetState, EndVerdict
 from budget.runstate import RunState

@@ -13,8 +13,7 @@ import pytest
 import redis
 
 from budget import keys
-from budget.conversation import header, walk
-from budget.history import plan, turn_prompts
+from budget.history import header, plan, turn_prompts, walk
 from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload, SamplePayload
 from budget.record import LENGTH, TOOL_MISMATCH, make_turn, prompt_digest
@@ -242,7 +241,7 @@ def test_a_truncated_turn_ends_the_conversation_unless_it_is_the_last() -> None:
 def test_a_stranded_conversation_is_ended_with_the_turns_it_has(r: "redis.Redis", renderer: Renderer) -> None:
     """No worker may pick it up (its dataset closed after its worker died): end_as_is writes its committed turns
     as one record, stopped_by budget, once; the counted tokens are then in done, nothing is left in Redis."""
-    from budget.conversation import end_as_is
+    from budget.history import end_as_is
     ledger = Ledger(r)
     ledger.set_mode(DS, "drain", MAX_NEW)
     ledger.set_budget(DS, None)
