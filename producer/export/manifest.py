@@ -26,8 +26,8 @@ from producer.errors import ProduceError, UsageError
 from producer.export.files import MANIFEST, ExportError, Results, atomic, failed_ids, read_run_json
 from producer.export.rows import is_truncated
 from producer.generations import MIX_SETTING, TemplateMix, labels
-from producer.ops.lengths import nearest_rank
 from producer.results import RESULTS
+from producer.session.report import nearest_rank
 
 log = logging.getLogger("budgetq.produce")
 

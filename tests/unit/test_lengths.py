@@ -1,5 +1,5 @@
-"""The length picture (producer/ops/lengths.py): fixed lengths in, exact lines out; and the run summary that ends
-with it (producer/session/report.py ``length_pictures``)."""
+"""The length picture (producer/session/report.py ``picture``): fixed lengths in, exact lines out; and the run
+summary that ends with it (``length_pictures``)."""
 from __future__ import annotations
 
 import json
@@ -7,9 +7,16 @@ from pathlib import Path
 from typing import Any
 
 from budget.record import RECORD_VERSION
-from producer.ops.lengths import Lengths, bar, nearest_rank, picture, read_lengths
 from producer.results import RESULTS
-from producer.session.report import DatasetSummary, length_pictures
+from producer.session.report import (
+    DatasetSummary,
+    Lengths,
+    bar,
+    length_pictures,
+    nearest_rank,
+    picture,
+    read_lengths,
+)
 
 
 def record(*turns: tuple[int, str], cap: int = 512) -> dict[str, Any]:
