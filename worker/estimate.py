@@ -497,7 +497,7 @@ class LengthModels:
         below the length of the latest of them to end, so Kaplan-Meier counts none of them at risk there and its
         survival falls to 0 past that length: the model collapses to the lengths seen (offline, 1024 in flight of
         the reference lengths: a mean of 3,143 instead of 4,294 the moment a first-wave request of 6,444 ended; 6 of
-        70 runs over the bound, 1 of 70 published ahead; tests/close_sim.py, docs/budget.md). A request that ends
+        85 runs over the bound, 1 of 85 published ahead; tests/close_sim.py, docs/budget.md). A request that ends
         before its next restatement is counted as at risk a little past its length until then: a bias toward long,
         the safe side for a budget."""
         return self.rates.progress(elapsed + (self.lag() if lag is None else lag))
