@@ -56,16 +56,33 @@ def build_tokenizer(directory: Path) -> Path:
 
 
 class Watch(threading.Thread):
-    """Polls the dataset's counter and status every 20 ms to time the 90% mark and the close."""
+    """Polls the dataset's counter and status every 20 ms to time the 90% mark and the close, and every ~0.2 s
+    builds predict's length model from what the workers' models read (the ledger's length sample), to see how far
+    it strays from the run's own lengths (issue 24: a model that collapses to the lengths seen)."""
 
     def __init__(self, stack: Stack, name: str, budget: int) -> None:
         super().__init__(daemon=True)
         self.r = stack.client()
+        self.stack = stack
         self.name, self.budget = name, budget
         self.t90: float | None = None
         self.t_closed: float | None = None
         self.stop_flag = threading.Event()
         self.history: list[tuple[float, int, int, int]] = []  # (t, used, reserved, in flight) every ~0.2 s
+        #: (t, lengths seen, running, young, mean, sd) of the length model every ~0.2 s, predict only
+        self.models: list[tuple[float, int, int, bool, float, float]] = []
+        #: (t, used, the simulator's completion tokens, its requests running) every ~0.2 s: what the server has
+        #: answered and the ledger not yet counted (one server, one dataset: the run's whole traffic)
+        self.server: list[tuple[float, int, int, int]] = []
+
+    def _model(self, now: float) -> None:
+        from budget.ledger import Ledger
+        from worker.estimate import LengthModel
+        sample = Ledger(self.r).length_sample(self.name)
+        if sample.mode != "predict" or not sample.max_new_tokens:
+            return
+        m = LengthModel(sample.lengths, sample.prior_mean, sample.max_new_tokens, running=sample.running)
+        self.models.append((now, m.observed, len(sample.running), m.young, m.mean(), m.sd()))
 
     def run(self) -> None:
         used_key, meta = f"bq:ds:{{{self.name}}}:used", f"bq:ds:{{{self.name}}}"
@@ -80,6 +97,9 @@ class Watch(threading.Thread):
                 resv = sum(int(x) for x in self.r.hvals(meta + ":resv"))
                 inflight = sum(int(x) for x in self.r.hvals(meta + ":inflight"))
                 self.history.append((now, used, resv, inflight))
+                sim = self.stack.sim_stats()
+                self.server.append((now, used, int(sim["completion_tokens_total"]), int(sim["running"])))
+                self._model(now)
             time.sleep(0.02)
 
 
@@ -142,7 +162,14 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
         sim_stats = stack.sim_stats()
         t90 = watch.t90 or t_end
         (Path(args.history_dir) if args.history_dir else work).mkdir(parents=True, exist_ok=True)
-        (Path(args.history_dir or work) / f"{label}-history.json").write_text(json.dumps(watch.history))
+        (Path(args.history_dir or work) / f"{label}-history.json").write_text(
+            json.dumps({"ledger": watch.history, "models": watch.models, "server": watch.server}))
+        # answered by the server and not yet committed, in tokens, over the run and when the dataset closed
+        behind = [sim_tokens - used_now for _t, used_now, sim_tokens, _n in watch.server]
+        at_close = [sim_tokens - used_now for t, used_now, sim_tokens, _n in watch.server
+                    if watch.t_closed is not None and t >= watch.t_closed][:1]
+        lengths = [x["completion_tokens"] for x in recs]
+        informed = [m for m in watch.models if not m[3]]  # what admission priced by (a young model prices the cap)
         stopped: dict[str, int] = {}
         for x in recs:
             key = str(x.get("stopped_by"))
@@ -161,6 +188,13 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
             "sim_s_90_to_close": ((watch.t_closed - t90) * args.time_scale) if watch.t_closed else None,
             "sim_s_90_to_end": (t_end - t90) * args.time_scale,
             "sim_completed": sim_stats["completed"], "sim_aborted": sim_stats["aborted"],
+            # the length model against the run's own mean: how often, and how low, it strayed below 90% of it
+            "run_mean": statistics.fmean(lengths) if lengths else None,
+            "model_reads": len(informed),
+            "model_below_90pct": sum(m[4] < 0.9 * statistics.fmean(lengths) for m in informed) if lengths else None,
+            "model_lowest_mean": min((m[4] for m in informed), default=None),
+            "uncommitted_max": max(behind, default=None), "uncommitted_median": statistics.median(behind) if behind else None,
+            "uncommitted_at_close": at_close[0] if at_close else None,
         }
 
 

@@ -54,7 +54,7 @@ def cell_args(median: int, in_flight: int, speed: str, args: argparse.Namespace)
         mean=mean, sigma=0.8, max_tokens=cap, in_flight=in_flight, workers=workers, chunk_size=256,
         per_request_tps=mean / seconds, time_scale=scale, reserve_interval=1.0 / scale,
         no_expect_mean=not args.expect_mean,
-        timeout=args.timeout, turn_length_scale="", history_dir=args.history_dir, budget=0, seed=1)
+        timeout=args.timeout, turn_length_scale="", history_dir=args.history_dir, budget=0, seed=1, auto_window=False)
 
 
 def summary(rows: list[dict[str, Any]]) -> str:

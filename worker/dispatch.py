@@ -437,14 +437,15 @@ class Dispatcher:
                         turn_progress = [[] for _ in range(TURN_BUCKETS)]
                     lag = self.length_models.lag()  # one restatement: the same for every flight
                     for f in rc.flights.values():
-                        done = self.length_models.rates.progress(now - f.started)
-                        ahead = self.length_models.ahead(now - f.started, lag)  # priced at the next restatement
+                        # Priced, and published as its censored length, at the progress it will have when the next
+                        # restatement replaces both (LengthModels.ahead says why).
+                        ahead = self.length_models.ahead(now - f.started, lag)
                         if f.conversation and turn_models is not None and turn_progress is not None:
                             f.reserved = turn_models.current(f.turn, ahead) + f.future
-                            turn_progress[turn_bucket(f.turn)].append(int(done))
+                            turn_progress[turn_bucket(f.turn)].append(int(ahead))
                         else:
                             f.reserved = model.reserve(ahead, self.length_models.model_error) + f.future
-                            progress.append(int(done))
+                            progress.append(int(ahead))
                     reserved = sum(f.reserved for f in rc.flights.values())
                 else:
                     priced = now  # none of this chunk's prices stands

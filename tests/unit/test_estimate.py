@@ -59,3 +59,22 @@ def test_the_model_error_margin_lands_a_2x_budget_the_plain_model_overshoots() -
     margin, _ = run(budget, taper=2.0, seed=13, model="km", z=1.0)
     assert plain > CAP
     assert 0 <= margin <= CAP
+
+
+def test_a_cohort_censored_behind_its_latest_length_collapses_the_model() -> None:
+    """Requests that started together (a first wave): when the one of length x ends, the ones still running are
+    at x too. Censored an interval behind (their progress as published a restatement ago), none is at risk at x,
+    Kaplan-Meier's survival falls to 0 past x and the model is the lengths seen; censored where they will be at
+    the next restatement (worker/estimate.py LengthModels.ahead), the tail stays (priced at the cap beyond what
+    was seen: on the safe side of the true mean)."""
+    rng = np.random.default_rng(4)
+    truth = float(np.mean(_lengths(rng, 400_000)))
+    wave = np.sort(np.array(_lengths(rng, 1024)))
+    x = float(wave[int(0.85 * len(wave))])  # the latest to end: 15% of the wave still runs
+    ended = [int(v) for v in wave[wave <= x]]
+    survivors = int((wave > x).sum())
+    behind = LengthModel(ended, None, CAP, running=[x - 60] * survivors)
+    ahead = LengthModel(ended, None, CAP, running=[x + 60] * survivors)
+    assert behind.mean() < 0.9 * truth
+    assert ahead.mean() > truth
+    assert behind.expected(x - 60) < x + 100 < ahead.expected(x - 60)
