@@ -283,20 +283,22 @@ class Ledger:
     def _reopen(self) -> Script:
         return self.r.register_script(scripts.REOPEN)
 
-    def admit_turn(self, name: str, sample: str, turn: int, chunk: str, reservation: int = 0) -> TurnAdmission:
-        return run(self.admit_turn_call(name, sample, turn, chunk, reservation))
+    def admit_turn(self, name: str, sample: str, turn: int, chunk: str, reservation: int = 0,
+                   duration_ms: int = 0) -> TurnAdmission:
+        return run(self.admit_turn_call(name, sample, turn, chunk, reservation, duration_ms))
 
     def admit_turn_call(self, name: str, sample: str, turn: int, chunk: str,
-                        reservation: int = 0) -> Call[TurnAdmission]:
+                        reservation: int = 0, duration_ms: int = 0) -> Call[TurnAdmission]:
         """May turn ``turn`` (>= 1) of conversation ``sample``, held by ``chunk``, start now? Started ones go on
         while the dataset is closed (drain, predict; strict while the turn fits); ``reservation`` is what the
-        turn reserves in predict mode. A START is settled by the turn's commit_turn (pass it its ``reserved``)."""
+        turn reserves in predict mode. A START is settled by the turn's commit_turn (pass it its ``reserved``).
+        ``duration_ms`` as for ``admit_call``: a turn that could not end by the deadline stops the conversation."""
         keys.turn_field(sample, turn)
         if turn < 1:
             raise ValueError("admit_turn admits turns >= 1; turn 0 is a new conversation: admit")
         k = self._keys(name)
         return Call(self._admit_turn, [k.meta, k.chunks, k.pending, k.done, k.convs, k.used, k.resv, k.inflight],
-                    [chunk, sample, turn, int(reservation)], parse_turn_admission)
+                    [chunk, sample, turn, int(reservation), max(0, int(duration_ms))], parse_turn_admission)
 
     def end_conversation(self, name: str, sample: str, turns: int, header: dict[str, Any],
                          planned: int = 0) -> EndOutcome:

@@ -444,7 +444,8 @@ ADMIT_TURN = _CLOSE_IF_SPENT + _RESERVED + _DEADLINE + """
 -- KEYS[1] meta hash, KEYS[2] chunks zset, KEYS[3] pending hash, KEYS[4] done hash, KEYS[5] conversations hash,
 -- KEYS[6] used counter, KEYS[7] reservations hash, KEYS[8] in-flight hash
 -- ARGV[1] chunk id, ARGV[2] sample key, ARGV[3] turn index (>= 1), ARGV[4] tokens the turn reserves in predict
--- mode (the caller's expectation; drain and an unlimited budget reserve nothing, strict max_new_tokens)
+-- mode (the caller's expectation; drain and an unlimited budget reserve nothing, strict max_new_tokens),
+-- ARGV[5] how long the turn may take, ms (one that could not end by the deadline stops the conversation)
 -- returns {verdict, reserved}. verdict 1 start it; 0 stop the conversation with stopped_by budget (the budget
 -- was lowered to <= used: meta cut; or strict, and the turn cannot fit even alone); -1 chunk revoked (start
 -- nothing more); -2 skip (the conversation is not this chunk's, is written, or has not exactly this many
@@ -460,7 +461,7 @@ if redis.call('HEXISTS', KEYS[4], sample) == 1 or redis.call('HGET', KEYS[3], sa
   return {-2, 0}
 end
 if redis.call('HEXISTS', KEYS[1], 'cut') == 1 then return {0, 0} end
-if past_deadline(KEYS[1], 0) then return {0, 0} end  -- past the deadline no later turn starts
+if past_deadline(KEYS[1], tonumber(ARGV[5])) then return {0, 0} end  -- nor one that could not end by it
 local mode = redis.call('HGET', KEYS[1], 'mode') or 'drain'
 local budget = redis.call('HGET', KEYS[1], 'budget')
 local res = 0

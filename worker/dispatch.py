@@ -266,20 +266,21 @@ class Dispatcher:
         conversation's expected tokens for all its turns (turn 0 and the later ones, each priced by its own
         model: ``TurnModels.conversation``), so that the conversations it lets start fit the budget to the end
         (docs/budget.md). They go in one round trip all the same."""
+        pooled = (await self.length_models.model(rc.dataset))[1]
         groups: dict[int, list[int]] = {}
         for i, sample in enumerate(batch):
             groups.setdefault(sample.get("turns", 1) if rc.chunk.get("conversation") else 1, []).append(i)
 
         def call(turns: int, ids: list[str]) -> Any:
             """A conversation is priced whole, and its margin and taper are multiples of its whole spread."""
-            price, spread = expected, sd
+            price, spread, first = expected, sd, pooled
             if turns > 1:
                 price = turn_models.conversation(turns) if turn_models is not None else expected * turns
                 spread = turn_models.sd(turns) if turn_models is not None else sd
-            seconds = self.length_models.rates.seconds_for(price)  # a deadline's admission asks (docs/mix.md)
+                first = turn_models.model(0) if turn_models is not None else pooled
             return self.batcher.call_until_answered("admit", self.ledger.admit_call(
                 rc.dataset, ids, rc.id, price, self.config.predict_margin * spread,
-                self.config.predict_taper * spread, duration_ms=round(seconds * 1000) if seconds else 0))
+                self.config.predict_taper * spread, duration_ms=self.length_models.deadline_ms(first)))
 
         if len(groups) == 1:
             (turns,) = groups

@@ -244,13 +244,14 @@ async def _admit(ctx: RequestContext, rc: RunningChunk, sid: str, turn: int, fli
         if rc.lost.is_set():
             return TurnAdmit.REVOKED
         reservation = 0
-        mode, _model = await ctx.length_models.model(rc.dataset)
+        mode, model = await ctx.length_models.model(rc.dataset)
         if mode == "predict":
             models = await ctx.length_models.turns(rc.dataset)
             flight.future = models.future(turn, turn + 1 + later)
             reservation = models.current(turn, 0.0) + flight.future
+            model = models.model(turn)
         admission = await ctx.batcher.call_until_answered("admit turn", ctx.ledger.admit_turn_call(
-            rc.dataset, sid, turn, rc.id, reservation))
+            rc.dataset, sid, turn, rc.id, reservation, duration_ms=ctx.length_models.deadline_ms(model)))
         if admission.verdict is TurnAdmit.START:
             flight.reserved = admission.reserved
             flight.started = time.monotonic()

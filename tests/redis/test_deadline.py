@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from budget import keys
 from budget.ledger import Ledger
-from budget.outcomes import Admit
+from budget.outcomes import Admit, TurnAdmit
 from producer.cli import main
 from tests.demo_data import CODE
 from tests.procs import run_keys
@@ -39,6 +39,18 @@ def test_a_request_that_could_not_end_by_the_deadline_closes_the_dataset(r: "red
     ledger.set_deadline("ds", None)
     _chunk(r, "ds", "c2", ["z"])
     assert ledger.admit("ds", "z", "c2", duration_ms=10**9).verdict is Admit.START  # no deadline: no limit
+
+
+def test_a_later_turn_that_could_not_end_by_the_deadline_stops_the_conversation(r: "redis.Redis") -> None:
+    ledger = Ledger(r)
+    ledger.set_mode("ds", "drain", 100)
+    ledger.set_budget("ds", None)
+    _chunk(r, "ds", "c1", ["a", "b"])
+    r.hset(keys.DatasetKeys("ds").convs, mapping={"a": 1, "b": 1})  # both have their turn 0 committed
+    ledger.set_deadline("ds", round((time.time() + 60) * 1000))
+    assert ledger.admit_turn("ds", "a", 1, "c1", duration_ms=1_000).verdict is TurnAdmit.START
+    assert ledger.admit_turn("ds", "b", 1, "c1", duration_ms=120_000).verdict is TurnAdmit.STOP
+    assert r.hget(keys.DatasetKeys("ds").meta, "closed_by") == b"deadline"
 
 
 def test_a_rerun_after_the_deadline_passed_sends_nothing(tmp_path: Path, redis_url: str, r: "redis.Redis",
