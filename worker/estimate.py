@@ -212,14 +212,6 @@ class LengthModel:
             return 0.0
         return math.sqrt(self.tail_var[bisect_right(self.knots, progress)]) / s
 
-    def quantile(self, q: float) -> int:
-        """The length that ``q`` of the dataset's requests stay under (the model's survival falls to 1 - q there);
-        max_new_tokens while the model is ``young``. A deadline's admission prices a request at it."""
-        if self.young:
-            return self.max_new
-        at = next((t for t, s in zip(self.knots, self.surv, strict=True) if s <= 1.0 - q), self.max_new)
-        return min(self.max_new, max(1, math.ceil(at)))
-
     def reserve(self, progress: float, z: float) -> int:
         """What a request reserves: ``expected(progress)`` plus z standard errors of the model, capped; max_new_tokens
         while the model is ``young`` (strict's price: before a model has lengths, no estimate is safe)."""
@@ -230,12 +222,6 @@ class LengthModel:
             return base
         return min(self.max_new, base + math.ceil(z * self.error(progress)))
 
-
-#: A deadline's admission prices a request at this quantile of its dataset's lengths (of the 4,096 kept, about the
-#: 4th longest) and lets it run past the deadline by this quantile of the worker's request times
-#: (``LengthModels.deadline_ms``).
-DEADLINE_QUANTILE: Final = 0.999
-GRACE_QUANTILE: Final = 0.99
 
 #: Pseudo-observations of "went on" behind each turn's continuation share: 1 until that many conversations ended.
 CONTINUATION_PRIOR: Final = 8
@@ -343,13 +329,6 @@ class RateTracker:
             overhead, per_token = fitted
             return overhead + tokens * per_token
         return tokens / self.rate if self.rate else None
-
-    def seconds_quantile(self, q: float) -> float | None:
-        """The request time (start to answer) that ``q`` of the window's requests stayed under; None before the first."""
-        if not self.window:
-            return None
-        times = sorted(s for _, s in self.window)
-        return times[min(len(times) - 1, int(q * len(times)))]
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -536,18 +515,11 @@ class LengthModels:
 
     def deadline_ms(self, model: LengthModel) -> int:
         """What a request of ``model`` tells a deadline's admission (``duration_ms``: admitted only if it would end by
-        the deadline), so that it ends within one p99 request time of it (docs/mix.md, "The deadline's end").
-
-        Its time is that of a long request of the dataset (the ``DEADLINE_QUANTILE`` of its lengths at this
-        worker's speed), less ``GRACE_QUANTILE`` of this worker's recent request times: a request drawn as long
-        as the dataset's longest still ends within one p99 request time of the deadline. Priced at its mean
-        instead, a long member's length tail ran past that (one of three bench runs, by 16 s). 0, which admits
-        until the deadline, before this worker has timed a request."""
-        longest = self.rates.seconds_for(model.quantile(DEADLINE_QUANTILE))
-        if longest is None:
-            return 0
-        grace = self.rates.seconds_quantile(GRACE_QUANTILE) or 0.0
-        return max(0, round((longest - grace) * 1000))
+        the deadline): its expected duration, the tokens predict reserves for a new request of it at this worker's
+        speed. 0, which admits until the deadline, before this worker has timed a request. Priced at a tail
+        quantile instead, the data ended 3-21 pp off the mix and the end came no nearer the deadline (docs/mix.md, "Why the rule is not tightened")."""
+        seconds = self.rates.seconds_for(model.reserve(self.ahead(0.0), self.model_error))
+        return round(seconds * 1000) if seconds else 0
 
     async def sd(self, dataset: str) -> float:
         """The spread of the dataset's lengths: predict's margin and taper are multiples of it."""

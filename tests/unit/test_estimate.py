@@ -80,19 +80,14 @@ def test_a_cohort_censored_behind_its_latest_length_collapses_the_model() -> Non
     assert behind.expected(x - 60) < x + 100 < ahead.expected(x - 60)
 
 
-def test_a_deadline_prices_a_request_at_a_long_one_less_a_p99_request_time() -> None:
-    from worker.estimate import DEADLINE_QUANTILE, LengthModels
+def test_a_deadline_prices_a_request_at_its_expected_duration() -> None:
+    from worker.estimate import LengthModels
 
-    lengths = list(range(1, 1001))  # 1..1000 tokens, evenly
-    model = LengthModel(lengths, None, max_new=4096)
-    assert model.quantile(0.5) == 500 and model.quantile(DEADLINE_QUANTILE) == 999
-    assert LengthModel(lengths[:5], None, max_new=4096).quantile(0.5) == 4096  # young: the cap
+    model = LengthModel(list(range(1, 1001)), None, max_new=4096)  # 1..1000 tokens, evenly: mean 500.5
     models = LengthModels(fetch=None)  # type: ignore[arg-type]  # deadline_ms reads no dataset
     assert models.deadline_ms(model) == 0  # no request timed yet: nothing to price it by
-    for n in range(100):  # 10 ms a token, no overhead: 1..100 tokens take 0.01..1 s
+    for n in range(100):  # 10 ms a token, no overhead
         models.rates.observe(n + 1, (n + 1) / 100)
-    assert models.rates.seconds_quantile(0.99) == 1.0
-    # 999 tokens take 9.99 s; the grace is the p99 of the window, 1 s
-    assert abs(models.deadline_ms(model) - 8_990) <= 1
-    short = LengthModel([50] * 200, None, max_new=4096)
-    assert models.deadline_ms(short) == 0  # 0.5 s: within the grace, admitted up to the deadline
+    assert abs(models.deadline_ms(model) - model.reserve(models.ahead(0.0), models.model_error) * 10) <= 1
+    assert 5_000 <= models.deadline_ms(model) <= 6_000  # about its mean, 500 tokens: 5 s
+    assert models.deadline_ms(LengthModel(list(range(1, 6)), None, max_new=4096)) == 40_960  # young: max_new_tokens
