@@ -74,7 +74,7 @@ def budgetq_window(stack: Stack, worker: subprocess.Popen[bytes], committed: Any
 def _by_thread(pid: int, before: dict[int, float], after: dict[int, float], n: int) -> dict[str, float]:
     """The worker's CPU per committed sample, by thread. Threads carry no OS names, so they are told apart by
     what they do: the process's own thread is RQ's main thread; of the others, the busiest is the request
-    loop (worker/jobs.py) and the next the ledger thread (worker/batch.py); the rest idle."""
+    loop (worker/rqworker.py) and the next the ledger thread (worker/batch.py); the rest idle."""
     used = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
     main = used.pop(pid, 0.0)
     others = sorted(used.values(), reverse=True) + [0.0, 0.0]
@@ -140,7 +140,7 @@ CATEGORIES = [
 ]
 SOCKET_LEAVES = ("send_packed_command", "read_from_socket", "recv", "sendall", "can_read")
 MAIN_CATEGORIES = [
-    ("RQ: waiting for the job's samples to start (Runtime.run_chunk)", ("run_chunk (worker/jobs.py",)),
+    ("RQ: waiting for the job's samples to start (Runtime.run_chunk)", ("run_chunk (worker/rqworker.py",)),
     ("RQ: dequeue (BLMOVE/BLPOP and job fetch)", ("dequeue_job_and_maintain_ttl (rq/",)),
     ("RQ: job bookkeeping (prepare, status, result, registries)", ("perform_job (rq/", "handle_job_success (rq/",
                                                                     "prepare_job_execution (rq/",
@@ -162,7 +162,7 @@ def summarize(text: str) -> dict[str, Any]:
             continue
         frames = stack.split(";")
         thread = _thread_of(frames)
-        if "budgetq-requests" in thread or any("_serve (worker/jobs.py" in f for f in frames):
+        if "budgetq-requests" in thread or any("_serve (worker/rqworker.py" in f for f in frames):
             name = "requests"
         elif "MainThread" in thread:
             name = "main"

@@ -23,7 +23,7 @@ REASONING_PARSERS: Final[tuple[str, ...]] = (
 
 #: The job function, named by dotted string so the producer never imports worker code; the worker class
 #: runs nothing else.
-JOB_FUNCTION = "worker.jobs.run_chunk"
+JOB_FUNCTION = "worker.rqworker.run_chunk"
 
 
 class _SamplePayloadRequired(TypedDict):

@@ -1,4 +1,4 @@
-"""A ``Dispatcher`` (worker/dispatch.py) built in-process on the test's event loop, as worker/jobs.py builds one
+"""A ``Dispatcher`` (worker/dispatch.py) built in-process on the test's event loop, as worker/rqworker.py builds one
 in a worker, and a poll for a state of that loop's objects."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from worker.sglang import SGLangClient
 
 @contextlib.asynccontextmanager
 async def dispatcher(redis_url: str, sim_url: str, concurrency: int, **config: Any) -> AsyncIterator[Dispatcher]:
-    """A Dispatcher as worker/jobs.py builds one, on this event loop; drained and closed on exit."""
+    """A Dispatcher as worker/rqworker.py builds one, on this event loop; drained and closed on exit."""
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     cfg = WorkerConfig(servers=(sim_url,), concurrency=concurrency, retry_for=120.0, **config)
     d = Dispatcher(Ledger(redis.Redis.from_url(redis_url)), SGLangClient(session, cfg), cfg)

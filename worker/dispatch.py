@@ -48,9 +48,8 @@ from worker import window
 from worker.batch import Batcher, in_thread_until_answered
 from worker.config import WorkerConfig
 from worker.estimate import LengthModels, TurnModels
-from worker.running import ChunkReport, Flight, RunningChunk
 from worker.sglang import GenerateError, Generation, SGLangClient
-from worker.trip import CLOSE_REASON, RequestContext, result_record
+from worker.trip import CLOSE_REASON, ChunkReport, Flight, RequestContext, RunningChunk, result_record
 from worker.turns import run_conversation
 from worker.window import Slots
 

@@ -32,9 +32,8 @@ from budget.serverinfo import public_url
 from budget.vocab import turn_refusal
 from render import RenderError
 from worker.batch import in_thread_until_answered
-from worker.running import Flight, RunningChunk
 from worker.sglang import GenerateError, Generation
-from worker.trip import RequestContext, parse_response
+from worker.trip import Flight, RequestContext, RunningChunk, parse_response
 
 if TYPE_CHECKING:
     import redis

@@ -96,7 +96,7 @@ def worker_restart(ctx: Ctx) -> Result:
         copies = 0
         for cid in running[:1] + queued[:1]:
             job = Job.fetch(cid, connection=r, serializer=JSONSerializer)
-            q.enqueue("worker.jobs.run_chunk", job.args[0], job_id=f"{cid}-copy", at_front=True)
+            q.enqueue("worker.rqworker.run_chunk", job.args[0], job_id=f"{cid}-copy", at_front=True)
             copies += 1
         res.figures["chunks_enqueued_twice"] = copies
         rc = prod.finish(st, 180 + s.prompts / 10, res=res)

@@ -275,7 +275,7 @@ def test_every_page_works_in_a_browser_while_workers_are_busy(
                                   screenshot=shots / "dashboard-busy-workers.png" if shots else None)
         assert "Loading" not in workers_page
         for name, job_id in current.items():  # each worker's row names its own chunk
-            assert re.search(rf"{name} worker\.jobs\.run_chunk\(.*?'chunk': '{job_id}'", workers_page), workers_page
+            assert re.search(rf"{name} worker\.rqworker\.run_chunk\(.*?'chunk': '{job_id}'", workers_page), workers_page
     finally:
         for proc in procs:  # their requests would take minutes to finish: a warm stop would wait for them
             proc.kill()

@@ -60,13 +60,13 @@ def test_job_data_is_standard_json_that_rq_reads(r: "redis.Redis") -> None:
     assert isinstance(raw, bytes) and raw[:2] == b"\x78\x01"  # zlib header, FLEVEL 0: the fastest level
     text = zlib.decompress(raw)
     func, instance, args, kwargs = json.loads(text, parse_constant=pytest.fail)  # strict standard JSON
-    assert (func, instance, kwargs) == ("worker.jobs.run_chunk", None, {})
+    assert (func, instance, kwargs) == ("worker.rqworker.run_chunk", None, {})
     assert args == [{"v": VERSION, "dataset": "ds", "chunk": cids[0], "sampling_params": params, "think": think,
                      "reasoning_parser": "none", "samples": [{"id": "a", "input_ids": [0, 7, 151_643, 2**31 - 1], "opens_think": True},
                                  {"id": "b", "input_ids": [1, 2, 3], "opens_think": False}]}]
     job = rq_reader(r).fetch_job(cids[1])
     assert job is not None and type(job) is Job
-    assert job.func_name == "worker.jobs.run_chunk"
+    assert job.func_name == "worker.rqworker.run_chunk"
     assert job.args[0]["samples"] == [{"id": "c", "input_ids": [5], "opens_think": False}]
     assert job.meta == {"dataset": "ds", "samples": 1, "first": "c", "last": "c"}
     assert job.description == "ds: 1 samples (c .. c)"
@@ -80,7 +80,7 @@ def test_chunk_job_hash_is_rqs_own_but_for_the_zlib_level(r: "redis.Redis") -> N
     payload = {"samples": [{"id": "a", "input_ids": list(range(500)), "opens_think": False}]}
     made = {}
     for cls, serializer in ((Job, JSONSerializer), (ChunkJob, ChunkSerializer)):
-        job = cls.create("worker.jobs.run_chunk", args=(payload,), connection=r, id="bq-x-0000001",
+        job = cls.create("worker.rqworker.run_chunk", args=(payload,), connection=r, id="bq-x-0000001",
                          timeout=60, result_ttl=70, failure_ttl=80, description="d", meta={"m": 1},
                          origin=keys.QUEUE_NAME, serializer=serializer)
         job.created_at = job.enqueued_at = datetime(2026, 1, 1, tzinfo=timezone.utc)

@@ -222,7 +222,7 @@ def test_enqueue_batch_is_atomic_with_bookkeeping(r: "redis.Redis") -> None:
     k = keys.DatasetKeys("ds")
     assert r.zcard(k.chunks) == 3 and r.hlen(k.pending) == 6 and r.llen(keys.RQ_QUEUE) == 3
     job = Queue(keys.QUEUE_NAME, connection=r, serializer=JSONSerializer).fetch_job(ids[0])
-    assert job is not None and job.func_name == "worker.jobs.run_chunk"
+    assert job is not None and job.func_name == "worker.rqworker.run_chunk"
     assert job.timeout == JobSettings().job_timeout and job.failure_ttl == JobSettings().failure_ttl
     raw = zlib.decompress(replies.raw(r.hget(keys.rq_job_key(ids[0]), "data")))  # RQ zlib-compresses job data
     assert json.loads(raw)[2][0]["samples"][0]["input_ids"] == [1, 2, 3]  # JSON on the wire, never pickle

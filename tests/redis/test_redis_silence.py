@@ -26,7 +26,7 @@ from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_que
 from tests.procs import wait_for
 from worker import dispatch
 from worker.config import WorkerConfig
-from worker.jobs import Runtime
+from worker.rqworker import Runtime
 
 N = 48
 #: How long Redis stays frozen at least: past the ledger's socket timeout, so that a Redis call made on the

@@ -115,7 +115,7 @@ def test_preflight_warns_once_when_no_worker_listens(r: "redis.Redis") -> None:
     said, warned = _preflight(r, to_enqueue=0)
     assert warned == [] and said == [f"no rq worker listens on queue {keys.QUEUE_NAME}; SGLang servers as the "
                                      "workers record them: none recorded yet"], "nothing to do: nothing to warn of"
-    Queue(keys.QUEUE_NAME, connection=r).enqueue_call("worker.jobs.run_chunk", args=({},))
+    Queue(keys.QUEUE_NAME, connection=r).enqueue_call("worker.rqworker.run_chunk", args=({},))
     assert _preflight(r, to_enqueue=0)[1] != [], "chunks already queued wait for a worker too"
 
 

@@ -192,7 +192,7 @@ def test_dashboard_command_works_with_the_real_rq_dashboard(services: dict[str, 
     assert refused.exit_code == 2 and "RQ_DASHBOARD_USERNAME" in refused.output, "0.0.0.0 without auth"
 
     conn = redis_lib.Redis.from_url(redis_url)
-    job = Queue("budgetq", connection=conn, serializer=JSONSerializer).enqueue("worker.jobs.example", {"a": 1})
+    job = Queue("budgetq", connection=conn, serializer=JSONSerializer).enqueue("worker.rqworker.example", {"a": 1})
     client = started["app"].test_client()
     good = {"Authorization": "Basic " + base64.b64encode(
         f"{DUMMY_AUTH['RQ_DASHBOARD_USERNAME']}:{DUMMY_AUTH['RQ_DASHBOARD_PASSWORD']}".encode()).decode()}

@@ -57,7 +57,7 @@ def test_interface() -> None:
 
 
 def test_a_chunk_naming_an_unknown_parser_is_refused_before_generating() -> None:
-    from worker.jobs import run_chunk
+    from worker.rqworker import run_chunk
     chunk: Any = {"v": VERSION, "dataset": "ds", "chunk": "c", "sampling_params": {}, "think": None, "samples": [],
                   "reasoning_parser": "qwen4"}
     with pytest.raises(ValueError, match="reasoning_parser 'qwen4' is not one this worker knows"):
@@ -66,7 +66,7 @@ def test_a_chunk_naming_an_unknown_parser_is_refused_before_generating() -> None
 
 @pytest.mark.parametrize("version", [None, 1, 2, 3, VERSION + 1])
 def test_a_chunk_of_another_version_is_refused_before_generating(version: int | None) -> None:
-    from worker.jobs import run_chunk
+    from worker.rqworker import run_chunk
     chunk: Any = {"v": version, "dataset": "ds", "chunk": "c", "sampling_params": {}, "think": None,
                   "samples": [], "reasoning_parser": "qwen3"}
     with pytest.raises(ValueError, match=f"version {version!r}, this worker runs {VERSION}: {OTHER_VERSION}"):
@@ -74,7 +74,7 @@ def test_a_chunk_of_another_version_is_refused_before_generating(version: int | 
 
 
 def test_a_multi_turn_sample_without_a_conversation_block_is_refused() -> None:
-    from worker.jobs import run_chunk
+    from worker.rqworker import run_chunk
     chunk: Any = {"v": VERSION, "dataset": "ds", "chunk": "c", "sampling_params": {}, "think": None,
                   "reasoning_parser": "qwen3", "samples": [{"id": "a", "input_ids": [1], "opens_think": False,
                                                             "messages": [], "turns": 2}]}

@@ -1,10 +1,10 @@
-"""worker/servertime.py: each request is charged dt / N of its server's busy time, so the charges of every request a
+"""worker/sglang.py ServerTime: each request is charged dt / N of its server's busy time, so the charges of every request a
 server ran sum to exactly the time it was busy, and a dataset's server time is what its requests cost."""
 from __future__ import annotations
 
 import pytest
 
-from worker.servertime import ServerTime
+from worker.sglang import ServerTime
 
 
 class Clock:
