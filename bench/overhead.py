@@ -126,7 +126,7 @@ def profile(pid: int, seconds: float, out: Path) -> dict[str, Any] | None:
 CATEGORIES = [
     ("idle: waiting for network events (epoll)", ("select (selectors.py", "poll (selectors.py")),
     ("Redis admit/commit/fail, batched: one pipeline per loop iteration (worker/batch.py)",
-     ("run_many (budget/pipeline.py", "admit_call (budget/ledger.py", "commit_call (budget/ledger.py",
+     ("run_many (budget/ledger.py", "admit_call (budget/ledger.py", "commit_call (budget/ledger.py",
       "fail_call (budget/ledger.py")),
     ("Redis admit (blocking call on the event loop)", ("admit (budget/ledger.py",)),
     ("Redis commit (blocking call on the event loop)", ("commit (budget/ledger.py",)),
@@ -186,9 +186,8 @@ def summarize(text: str) -> dict[str, Any]:
 
 def redis_round_trips(redis_url: str, n: int = 2048, batch: int = 64) -> dict[str, Any]:
     """admit + commit for n samples: one call at a time (the worker before worker/batch.py) vs ``batch`` at a
-    time in one pipeline (budget/pipeline.py ``run_many``, what the worker's batcher sends)."""
-    from budget.ledger import Ledger
-    from budget.pipeline import run_many
+    time in one pipeline (budget/ledger.py ``run_many``, what the worker's batcher sends)."""
+    from budget.ledger import Ledger, run_many
     from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
     out: dict[str, Any] = {"samples": n, "batch": batch}
     client = redis.Redis.from_url(redis_url)

@@ -1,37 +1,33 @@
 """Typed Python calls for the budget scripts: the only way the rest of budgetq changes budget state.
 
 The ledger is policy-free mechanism: it answers "is this sample admitted", "was this commit new", "did this
-commit close the dataset" (the answers' types: budget/outcomes.py). Workers and the producer decide what to do with
-the answers. How a worker sends many calls in one round trip is budget/pipeline.py's.
+commit close the dataset", each as a typed value (``Admit``, ``CommitOutcome``, ... below) parsed from the reply
+its script's header in budget/scripts.py names, in the same order, and a dataset's state as one read. Workers
+and the producer decide what to do with the answers.
+
+Each ``*_call`` method builds a ``Call``: the script, its KEYS and ARGV, and how to read its reply. When it is sent
+is the caller's: ``run`` sends one (what the plain methods do), ``run_many`` sends many in one pipeline. The
+worker's ``Batcher`` (worker/batch.py) is what calls ``run_many``: the ledger calls its event loop makes in one
+iteration go to Redis together, from a helper thread. The producer sends each call alone, through the plain
+methods. How calls of one script merge (``Call.merge``) follows from the script's ARGV layout, budget/scripts.py's.
 """
 from __future__ import annotations
 
+import enum
 import functools
 import json
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import orjson
 import redis
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 from budget import keys, scripts
-from budget.outcomes import (
-    Admission,
-    CommitOutcome,
-    DatasetState,
-    EndOutcome,
-    LengthSample,
-    TurnAdmission,
-    TurnOutcome,
-    parse_admissions,
-    parse_commit,
-    parse_end,
-    parse_length_sample,
-    parse_turn_admission,
-    parse_turn_commit,
-    text,
-)
-from budget.pipeline import Call, run
+from budget.keys import SEP
+from budget.keys import TURN_BUCKETS as TURN_BUCKETS
+from budget.keys import turn_bucket as turn_bucket
 
 #: How long a running chunk's lease lasts without a refresh. Workers refresh every LEASE_MS / 4, so a lease
 #: expires only when its worker stopped refreshing (killed, frozen, cut off from Redis) for this long.
@@ -62,7 +58,7 @@ class Ledger:
     """Budget state of every dataset in one Redis database. Pass it the client; it registers the scripts.
 
     Each script has a plain method (``commit``: sent at once, for tests and the producer) and a ``*_call`` form
-    (``commit_call``: a budget/pipeline.py ``Call``, for the worker, whose batcher sends many in one round trip)."""
+    (``commit_call``: a budget/ledger.py ``Call``, for the worker, whose batcher sends many in one round trip)."""
 
     def __init__(self, client: "redis.Redis") -> None:
         self.r = client
@@ -423,3 +419,260 @@ class Ledger:
     def holders(self, name: str) -> dict[str, str]:
         """sample id -> chunk id, for samples the pending hash assigns to a chunk (live or not)."""
         return {text(a): text(b) for a, b in self.r.hgetall(keys.DatasetKeys(name).pending).items()}
+
+
+class Admit(enum.IntEnum):
+    START = 1
+    CLOSED = 0
+    REVOKED = -1
+    SKIP = -2
+    FULL = -3  # the remaining budget is reserved by requests in flight; the dataset is still open
+
+
+@dataclass(frozen=True)
+class Admission:
+    verdict: Admit
+    reserved: int  # tokens this request reserves until its commit (0 in drain mode)
+
+
+@dataclass(frozen=True)
+class LengthSample:
+    lengths: list[int]  # the last 4096 completion lengths
+    running: list[int]  # progress of requests running now: lengths known only to exceed these
+    prior_mean: float | None
+    max_new_tokens: int
+    mode: str
+    #: the recent lengths of conversations' turn j (``lengths:{j}``, j = 0..3): predict's per-turn model
+    per_turn: list[list[int]] = field(default_factory=list)
+    #: the stats hash's ``reached:{j}`` and ``offered:{j}``: how far ended conversations went
+    turn_counts: dict[str, int] = field(default_factory=dict)
+    #: the progress of conversations' running turns, by turn bucket (``running`` holds them too)
+    turn_running: list[list[int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    committed: bool  # False: a duplicate; nothing was changed
+    used: int
+    closed_now: bool  # this commit brought the counter to the budget and closed the dataset
+    late: bool = False  # the chunk had lost its lease while the request ran (its reservation had expired)
+
+
+@dataclass(frozen=True)
+class DatasetState:
+    name: str
+    status: str  # open / closed / '' (never set up)
+    budget: int | None
+    used: int
+    committed: int
+    done: int
+    failed: int
+    live_chunks: int
+    queued_chunks: int
+    unwritten: int  # results in the stream, not yet on disk
+    discarded_chunks: int
+    reserved: int
+    in_flight: int
+    discards_to_mark: int  # discarded chunks whose RQ jobs are not yet marked canceled (an interrupted discard)
+    fields: dict[str, str]
+    stats: dict[str, str]
+
+    @property
+    def mode(self) -> str:
+        return self.fields.get("mode", "drain")
+
+    @property
+    def max_new_tokens(self) -> int:
+        return int(self.fields.get("max_new_tokens", 0) or 0)
+
+    def has_room(self) -> bool:
+        """Could a new request be admitted now? (what the producer asks before enqueueing more)"""
+        if self.status != "open":
+            return False
+        if self.budget is None or self.mode == "drain":
+            return True
+        if self.mode == "strict":
+            return self.used + self.reserved + self.max_new_tokens <= self.budget
+        return self.used + self.reserved < self.budget
+
+
+class TurnVerdict(enum.IntEnum):
+    COMMITTED = 1
+    DUPLICATE = 0  # the turn is committed already, or its conversation is written: nothing changed
+    OUT_OF_ORDER = -1  # not the conversation's next turn (generated on another history): nothing changed
+
+
+@dataclass(frozen=True)
+class TurnOutcome:
+    """What ``commit_turn`` decided for one turn of a conversation (budget/scripts.py COMMIT_TURN)."""
+
+    verdict: TurnVerdict
+    used: int
+    closed_now: bool  # this turn brought the counter to the budget and closed the dataset (no new conversation)
+    late: bool = False  # the chunk had lost its lease while the request ran
+
+    @property
+    def committed(self) -> bool:
+        return self.verdict is TurnVerdict.COMMITTED
+
+
+class TurnAdmit(enum.IntEnum):
+    """admit_turn's verdicts (budget/scripts.py ADMIT_TURN)."""
+
+    START = 1
+    STOP = 0  # end the conversation with stopped_by "budget": the budget was cut, or (strict) the turn cannot fit
+    REVOKED = -1  # the chunk is no longer ours: start nothing more
+    SKIP = -2  # not this chunk's conversation, written already, or not at this turn: someone else carries it on
+    FULL = -3  # strict: the budget is reserved by requests in flight; ask again once they commit
+
+
+@dataclass(frozen=True)
+class TurnAdmission:
+    verdict: TurnAdmit
+    reserved: int  # tokens the turn reserves until its commit_turn (0 in drain mode)
+
+
+class EndVerdict(enum.IntEnum):
+    ENDED = 1
+    DUPLICATE = 0  # ended already (in done): nothing changed
+    MISMATCH = -1  # the conversation has not exactly that many turns committed: nothing changed
+
+
+@dataclass(frozen=True)
+class EndOutcome:
+    """What ``end_conversation`` decided (budget/scripts.py END_CONVERSATION)."""
+
+    verdict: EndVerdict
+    tokens: int  # ENDED/DUPLICATE: the conversation's done value; MISMATCH: the turns committed
+
+    @property
+    def ended(self) -> bool:
+        return self.verdict is EndVerdict.ENDED
+
+
+def parse_turn_admission(reply: Any) -> TurnAdmission:
+    verdict, reserved = reply
+    return TurnAdmission(TurnAdmit(int(verdict)), int(reserved))
+
+
+def parse_end(reply: Any) -> EndOutcome:
+    verdict, tokens = reply
+    return EndOutcome(EndVerdict(int(verdict)), int(tokens))
+
+
+def parse_turn_commit(reply: Any) -> TurnOutcome:
+    verdict, used, closed, late = reply
+    return TurnOutcome(TurnVerdict(int(verdict)), int(used), bool(closed), bool(late))
+
+
+def parse_admissions(reply: Any, n: int) -> list[Admission]:
+    """One verdict per sample of ``n``: the script stops at the first refusal that stops the chunk, and the
+    samples after it get that refusal too."""
+    out = [Admission(Admit(int(reply[i])), int(reply[i + 1])) for i in range(0, len(reply), 2)]
+    return out + [out[-1]] * (n - len(out))
+
+
+def parse_commit(reply: Any) -> CommitOutcome:
+    ok, used, closed, late = reply
+    return CommitOutcome(bool(ok), int(used), bool(closed), bool(late))
+
+
+def parse_length_sample(reply: Any) -> LengthSample:
+    lengths, progress, (prior, max_new, mode) = reply[:3]
+    running = [int(x) for row in progress for x in json.loads(row)]
+    per_turn: list[list[int]] = []
+    counts: dict[str, int] = {}
+    turn_running: list[list[int]] = [[] for _ in range(TURN_BUCKETS)]
+    if len(reply) > 3:  # called with the per-turn keys (Ledger.length_sample_call does)
+        per_turn = [[int(x) for x in rows] for rows in reply[3:3 + TURN_BUCKETS]]
+        flat = reply[3 + TURN_BUCKETS]
+        counts = {text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        fields = reply[4 + TURN_BUCKETS]
+        for i in range(0, len(fields), 2):
+            chunk, sep, b = text(fields[i]).rpartition(SEP)
+            if sep and b.isdigit() and int(b) < TURN_BUCKETS:
+                turn_running[int(b)].extend(int(x) for x in json.loads(fields[i + 1]))
+    return LengthSample([int(x) for x in lengths], running, float(prior) if prior else None,
+                        int(max_new or 0), text(mode) if mode else "drain", per_turn, counts, turn_running)
+
+
+def text(value: Any) -> str:
+    """A Redis reply value as str (the client may or may not decode replies)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One budget script call as a value: sent alone (``run``) or many in one round trip (``run_many``)."""
+
+    script: Script
+    keys: list[str]
+    args: list[Any]
+    parse: Callable[[Any], T]
+    #: Width of one reply in a script that takes repeated groups of ARGV (COMMIT). Calls of such a script
+    #: with the same KEYS go to Redis as one EVALSHA with their ARGV joined (``run_many``); each gets back
+    #: its own ``merge`` values. 0: never merged.
+    merge: int = 0
+
+
+def run(call: Call[T]) -> T:
+    """Send one call on the client its script was registered on; its parsed reply."""
+    return call.parse(call.script(keys=call.keys, args=call.args))
+
+
+def run_many(client: "redis.Redis", calls: Sequence[Call[Any]]) -> list[Any]:
+    """Send ``calls`` in one non-transactional pipeline on ``client`` (the one their scripts were registered on):
+    one round trip instead of len(calls).
+
+    Returns each call's parsed reply, or the exception a call raised (a refused script does not stop the
+    others; each script is atomic on its own, which is all the budget needs). A connection error raises for
+    the whole batch: a caller may resend any of them, because every budget script is idempotent.
+
+    Calls that can merge (``Call.merge``: COMMIT) and share a script and KEYS go as one EVALSHA with their
+    ARGV joined: packing, sending and running one script instead of many is most of what a batch saves. The
+    script still decides each group as if it ran alone, in order; the calls of a batch are concurrent, so
+    no caller relied on an order between them. A refused merged script is refused for each of its calls.
+
+    The pipeline sends plain EVALSHAs, not redis-py's pipeline scripts, which ask SCRIPT EXISTS before every
+    execute (a second round trip); a NOSCRIPT reply (Redis restarted, or SCRIPT FLUSH) means that script did
+    not run, so it is loaded and those sends alone go again."""
+    sends: list[tuple[Call[Any], list[Any], list[int]]] = []  # (call, joined ARGV, indices of its calls)
+    merged: dict[tuple[int, tuple[str, ...]], int] = {}
+    for i, call in enumerate(calls):
+        if call.merge:
+            at = merged.setdefault((id(call.script), tuple(call.keys)), len(sends))
+            if at < len(sends):
+                sends[at][1].extend(call.args)
+                sends[at][2].append(i)
+                continue
+        sends.append((call, list(call.args), [i]))
+    replies: list[Any] = [None] * len(calls)
+    todo = sends
+    for attempt in (1, 2):
+        with client.pipeline(transaction=False) as p:
+            for call, args, _ in todo:
+                p.evalsha(call.script.sha, len(call.keys), *call.keys, *args)
+            raw = p.execute(raise_on_error=False)
+        missing = []
+        for send, reply in zip(todo, raw, strict=True):
+            call, _, members = send
+            if isinstance(reply, NoScriptError) and attempt == 1:
+                missing.append(send)
+            elif isinstance(reply, Exception):
+                for i in members:
+                    replies[i] = reply
+            elif call.merge:
+                w = call.merge
+                for j, i in enumerate(members):
+                    replies[i] = calls[i].parse(reply[j * w:(j + 1) * w])
+            else:
+                replies[members[0]] = call.parse(reply)
+        if not missing:
+            break
+        for script in {id(send[0].script): send[0].script for send in missing}.values():
+            script.sha = client.script_load(script.script)
+        todo = missing
+    return replies

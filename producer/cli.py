@@ -23,8 +23,8 @@ from budget import logs
 from budget.payload import REASONING_PARSERS
 from budget.urls import DEFAULT_SGLANG_URL
 from producer.errors import ProduceError, UsageError
-from producer.order import DEFAULT_SEED, ORDERS
 from producer.preflight import connect
+from producer.settings import DEFAULT_SEED, ORDERS
 
 F = TypeVar("F", bound=Callable[..., Any])
 

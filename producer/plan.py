@@ -57,7 +57,7 @@ class DatasetPlan:
     samples_needed: int | None  # to reach the budget (all remaining when unbudgeted)
     projected_tokens: int | None
     eta_s: float | None
-    order: str = "file"  # the order prompts are sent in (producer/order.py): which ones a budget keeps
+    order: str = "file"  # the order prompts are sent in (producer/settings.py): which ones a budget keeps
     conversations: int = 0  # --turns all: selected samples that are conversations of more than one turn
     conversation_turns: int = 0  # the most turns those make together (a turn may end its conversation early)
     requests_max: int = 0  # the most requests of the selected samples: one each, a conversation's turns

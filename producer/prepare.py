@@ -15,9 +15,7 @@ from budget.payload import ConversationPayload
 from producer.errors import UsageError
 from producer.generations import Variants, rounds, split_key
 from producer.inputs.reader import Problem, ReadResult, Sample
-from producer.order import permute
-from producer.runjson import ALL, DatasetSettings, resolve
-from producer.settings import RunSettings, check_max_tokens
+from producer.settings import ALL, DatasetSettings, RunSettings, check_max_tokens, permute, resolve
 from render.chat import Rendered, Renderer, RenderError
 from render.modeldir import Context, ModelDirError, config_context
 

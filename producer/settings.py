@@ -1,30 +1,51 @@
-"""``produce run``'s options as one checked, frozen value (`RunSettings`), built once from what click parsed.
+"""The settings, each resolved once as a frozen value: ``produce run``'s options (`RunSettings`), a dataset's
+(``resolve``: `DatasetSettings`), what a run stores of them in run.json and how a rerun is compared with it, and
+the order a dataset's prompts are sent in (`Order`).
 
-Everything that can be wrong with the options alone is found here, before a file is read or Redis is touched
-(exit 2, producer/errors.py UsageError); what needs the files (a --budget naming an unknown dataset) is checked
-by `RunSettings.budgets_for` once they are read. docs/cli.md describes every option.
+Options. Everything that can be wrong with the options alone is found here, before a file is read or Redis is
+touched (exit 2, producer/errors.py UsageError); what needs the files (a --budget naming an unknown dataset) is
+checked by `RunSettings.budgets_for` once they are read. docs/cli.md describes every option.
+
+A dataset's settings. A response made under other settings would mix two distributions in one training set (and
+two parsers, two splits of the same text, in one file), so a dataset's settings are stored when its run starts
+and a rerun must give the same ones (producer/session/attach.py checks them before anything is written). The
+settings carry the run format (``version``, budget/payload.py VERSION): a run of another format is refused,
+never read.
+
+The order. The subset a budget keeps is the first prompts of the order. Public datasets are often sorted (by
+source, topic, length, difficulty), so a budget that closes a dataset after 30% of it in file order keeps the
+file's first 30%: a biased subset. ``--order random`` (the default) sends each dataset's prompts in a seeded
+random order instead; ``--order file`` keeps the file's order. The permutation sorts prompts by a keyed hash of
+(seed, id): BLAKE2b of the id, keyed with the seed. A prompt's place depends only on its own id and the seed,
+never on the other ids or on the file's order, so:
+
+- a rerun, a reattach, a budget raised later or a larger ``--max-samples`` extend the same selection: the
+  first N of the order are always the same N prompts;
+- adding or removing other prompts (a file that grew, a line now skipped) does not reorder the rest.
 """
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import re
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Final, Iterable, Mapping, Sequence, TypeVar
 
+from budget.payload import VERSION, ThinkPayload
 from budget.urls import server_urls
 from producer.amount import UNLIMITED, Budget, parse_budget_option, parse_mix
 from producer.errors import UsageError
-from producer.generations import MixError, TemplateMix, parse_temperatures
+from producer.generations import MIX_SETTING, Generations, MixError, TemplateMix, chunk_params, parse_temperatures
+from producer.generations import SETTING as GENERATIONS
 from producer.inputs.records import FieldMapping
-from producer.order import DEFAULT_SEED, RANDOM, Order
+from render.chat import ChatTemplate, Renderer
 
 if TYPE_CHECKING:
     from budget.mix import Mix
-    from render.chat import ChatTemplate
     from render.modeldir import Context
 
 
@@ -304,3 +325,164 @@ def _template_kwargs(text: str | None) -> dict[str, Any]:
     if not isinstance(kwargs, dict):
         raise UsageError("--chat-template-kwargs: expected a JSON object")
     return kwargs
+
+
+RANDOM: Final = "random"
+FILE: Final = "file"
+ORDERS: Final = (RANDOM, FILE)
+DEFAULT_SEED: Final = 0
+
+
+@dataclass(frozen=True)
+class Order:
+    mode: str = RANDOM
+    seed: int = DEFAULT_SEED
+
+    def setting(self) -> dict[str, Any]:
+        """What run.json records (``order``)."""
+        return {"mode": RANDOM, "seed": self.seed} if self.mode == RANDOM else {"mode": FILE}
+
+    def describe(self) -> str:
+        return f"random (seed {self.seed})" if self.mode == RANDOM else "file"
+
+
+def rank(seed: int, sample_id: str) -> bytes:
+    """The sort key of one prompt: BLAKE2b(id) keyed with the seed. 16 bytes: a collision is never seen in
+    practice, and ties fall back to the id, so the order is a function of the ids and the seed alone."""
+    key = str(seed).encode()
+    return hashlib.blake2b(sample_id.encode("utf-8", "surrogatepass"), key=key, digest_size=16).digest()
+
+
+T = TypeVar("T")
+
+
+def permute(items: Sequence[T], order: Order, id_of: Any = None) -> list[T]:
+    """``items`` in ``order``: as given for file order, else sorted by ``rank`` of each one's id
+    (``id_of(item)``, default ``item.id``)."""
+    if order.mode != RANDOM:
+        return list(items)
+    get = id_of or (lambda item: item.id)
+    return sorted(items, key=lambda item: (rank(order.seed, get(item)), get(item)))
+
+
+#: ``--turns``: regenerate every assistant turn of a conversation (``all``, budget/history.py ``plan``), or only
+#: the answer to its last user turn on the dataset's own history (``last``).
+ALL: Final = "all"
+LAST: Final = "last"
+TURNS: Final = (ALL, LAST)  # producer/cli.py spells them out, to keep `produce --help` light (tests check it)
+#: The run.json key of the run format.
+VERSION_KEY: Final = "version"
+#: The run.json key of the run's ``--tokenizer`` (a directory made absolute, or a Hugging Face id as given), for
+#: ``produce export`` to find it. Not a setting: a rerun may name the same tokenizer by another path (the
+#: ``tokenizer`` fingerprint is what must not change), so it is left out of the comparison (`without_location`).
+TOKENIZER_PATH: Final = "tokenizer_path"
+#: The setting of a run's ``--chat-template FILE``: the sha256 of the template text (only with the option), and
+#: the run.json key of the file's absolute path, not a setting, for ``produce export`` (as `TOKENIZER_PATH`).
+CHAT_TEMPLATE: Final = "chat_template"
+CHAT_TEMPLATE_PATH: Final = "chat_template_path"
+_LOCATIONS: Final = (TOKENIZER_PATH, CHAT_TEMPLATE_PATH)
+
+
+def run_json(stored: Mapping[str, Any], tokenizer: str | None,
+             chat_template: ChatTemplate | None = None) -> dict[str, Any]:
+    """What run.json holds: the stored settings, and where the run's tokenizer (`TOKENIZER_PATH`) and its
+    ``--chat-template`` file (`CHAT_TEMPLATE_PATH`) are."""
+    out = dict(stored)
+    if tokenizer:
+        path = Path(tokenizer).expanduser()
+        out[TOKENIZER_PATH] = str(path.resolve()) if path.is_dir() else tokenizer
+    if chat_template is not None:
+        out[CHAT_TEMPLATE_PATH] = chat_template.path
+    return out
+
+
+def without_location(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A run.json's stored settings, without what is not a setting (`TOKENIZER_PATH`, `CHAT_TEMPLATE_PATH`)."""
+    return {k: v for k, v in settings.items() if k not in _LOCATIONS}
+
+
+def stored_settings(renderer: Renderer, sampling_params: dict[str, Any], chat_template_kwargs: dict[str, Any],
+                 system_prompt: str | None, reasoning_parser: str, order: Order, turns: str,
+                 mix: TemplateMix | None, chat_template: ChatTemplate | None = None) -> dict[str, Any]:
+    """What must not change between a run and its resume (run.json, and the dataset's ``settings`` in Redis).
+    ``template_kwargs_mix`` and ``chat_template`` (the --chat-template file's digest; its text is in the
+    ``tokenizer`` fingerprint too) are there only when given; ``generations`` is added by ``resolve`` when above 1."""
+    think = renderer.think
+    settings = {
+        VERSION_KEY: VERSION,
+        "tokenizer": renderer.fingerprint(),
+        "chat_template_kwargs": chat_template_kwargs,
+        "sampling_params": sampling_params,
+        "think": [think.start, think.end] if think else None,
+        "system_prompt": system_prompt,
+        "reasoning_parser": reasoning_parser,
+        "order": order.setting(),
+        "turns": turns,
+    }
+    if mix is not None:
+        settings[MIX_SETTING] = mix.setting()
+    if chat_template is not None:
+        settings[CHAT_TEMPLATE] = chat_template.digest
+    return settings
+
+
+def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            if key == "tokenizer":
+                out.append("tokenizer or chat template differs")
+            elif key == CHAT_TEMPLATE:
+                was, now = (f"sha256 {d[:12]}" if d else "none" for d in (old.get(key), new.get(key)))
+                out.append(f"--chat-template: stored {was}, now {now}")
+            elif key == "sampling_params":
+                a, b = old.get(key) or {}, new.get(key) or {}
+                for p in sorted(set(a) | set(b)):
+                    if a.get(p) != b.get(p):
+                        out.append(f"{p}: stored {a.get(p)!r}, now {b.get(p)!r}")
+            else:
+                out.append(f"{key}: stored {old.get(key)!r}, now {new.get(key)!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class DatasetSettings:
+    """A dataset's settings, resolved once (``resolve``) before it is rendered, and read as they are by every later
+    step: selection, the settings check, the chunks, the loop, the plan. ``stored`` is what run.json and the
+    dataset's ``settings`` in Redis hold."""
+
+    order: Order
+    turns: str  # ALL or LAST
+    reasoning_parser: str
+    chat_template_kwargs: Mapping[str, Any]
+    mix: TemplateMix | None
+    #: run.json's sampling parameters (a --temperature list stays a list), and what a chunk sends: the list's
+    #: first entry, generation 0's (producer/generations.py; a later generation carries its own override).
+    sampling_params: Mapping[str, Any]
+    chunk_params: dict[str, Any]
+    generations: Generations
+    think: ThinkPayload | None  # the chat template's thinking markers
+    stored: Mapping[str, Any]
+
+    @property
+    def max_new_tokens(self) -> int:
+        return int(self.chunk_params["max_new_tokens"])
+
+
+def resolve(s: RunSettings, renderer: Renderer, parser: str) -> DatasetSettings:
+    """The settings of a dataset of ``produce run`` ``s``, with the tokenizer's ``renderer`` and the reasoning
+    ``parser`` (given or detected): skip_special_tokens defaults to what the parser needs of this tokenizer (false
+    when a marker it reads is one of the tokenizer's special tokens, issue 25)."""
+    from producer.parsers import skip_special_tokens_default
+    params = {**s.sampling_params(), "skip_special_tokens": s.skip_special_tokens if s.skip_special_tokens is not None
+              else skip_special_tokens_default(parser, renderer.tokenizer)}
+    kwargs = dict(s.chat_template_kwargs)
+    stored = stored_settings(renderer, params, kwargs, s.mapping.system_prompt, parser, s.order, s.turns, s.template_mix,
+                             s.chat_template)
+    if s.generations > 1:
+        stored[GENERATIONS] = s.generations
+    think = renderer.think
+    return DatasetSettings(order=s.order, turns=s.turns, reasoning_parser=parser, chat_template_kwargs=kwargs,
+                           mix=s.template_mix, sampling_params=params, chunk_params=chunk_params(params),
+                           generations=Generations.from_params(s.generations, params),
+                           think={"start": think.start, "end": think.end} if think else None, stored=stored)

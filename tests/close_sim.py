@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from budget.ledger import default_prior_mean
-from budget.outcomes import LengthSample
+from budget.ledger import LengthSample, default_prior_mean
 from worker.estimate import LengthModel, LengthModels, RateTracker, predict_admits
 
 

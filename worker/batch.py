@@ -10,7 +10,7 @@ that arrived in the same epoll wake-up). The batch goes to Redis as one pipeline
 loop goes on with HTTP while Redis runs the scripts (redis-py releases the GIL while it waits on the socket).
 One batch is in flight at a time; calls made meanwhile form the next one, sent as soon as the reply is back,
 so batches grow with the load by themselves. Commits of one dataset in a batch merge into one script run, and
-a chunk's free slots are admitted by one (budget/pipeline.py ``run_many``, ``Call.merge``). Each script decides
+a chunk's free slots are admitted by one (budget/ledger.py ``run_many``, ``Call.merge``). Each script decides
 each sample as if alone and stays idempotent, so batching changes no budget decision, and a resend after a lost
 connection is harmless (budget/ledger.py).
 
@@ -34,8 +34,7 @@ from typing import Any, Awaitable, Callable
 
 import redis
 
-from budget.ledger import REDIS_DOWN
-from budget.pipeline import Call, T, run_many
+from budget.ledger import REDIS_DOWN, Call, T, run_many
 
 log = logging.getLogger("budgetq.worker")
 

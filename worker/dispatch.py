@@ -41,8 +41,7 @@ from typing import Any, Callable, Mapping
 import redis
 from rq.serializers import JSONSerializer
 
-from budget.ledger import LEASE_MS, Ledger
-from budget.outcomes import TURN_BUCKETS, Admission, Admit, turn_bucket
+from budget.ledger import LEASE_MS, TURN_BUCKETS, Admission, Admit, Ledger, turn_bucket
 from budget.payload import ChunkPayload, SamplePayload, sampling_params_of
 from worker import window
 from worker.batch import Batcher, in_thread_until_answered

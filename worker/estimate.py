@@ -64,7 +64,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Final, Mapping, Sequence
 
-from budget.outcomes import TURN_BUCKETS, LengthSample, turn_bucket
+from budget.ledger import TURN_BUCKETS, LengthSample, turn_bucket
 
 log = logging.getLogger("budgetq.worker")
 

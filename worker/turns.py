@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from budget.history import Walk, header, plan, walk
-from budget.outcomes import EndVerdict, TurnAdmit, TurnVerdict
+from budget.ledger import EndVerdict, TurnAdmit, TurnVerdict
 from budget.payload import SamplePayload, sampling_params_of, turn_request_key
 from budget.record import BUDGET, CONTEXT, FAILED, make_turn
 from budget.serverinfo import public_url

@@ -69,7 +69,7 @@ from producer.export.rows import (
 )
 from producer.generations import record_key
 from producer.results import RESULTS
-from producer.runjson import CHAT_TEMPLATE, CHAT_TEMPLATE_PATH, TOKENIZER_PATH
+from producer.settings import CHAT_TEMPLATE, CHAT_TEMPLATE_PATH, TOKENIZER_PATH
 from render.chat import ChatTemplate, Renderer, RenderError, load_tokenizer, read_chat_template
 
 if TYPE_CHECKING:

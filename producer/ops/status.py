@@ -10,9 +10,8 @@ from typing import Any
 import redis
 
 from budget import serverreports
-from budget.ledger import Ledger
+from budget.ledger import DatasetState, Ledger
 from budget.mix import Mix, MixStore, mix_id
-from budget.outcomes import DatasetState
 from budget.runstate import RunState
 from producer.amount import parse_amount, parse_mix
 from producer.errors import UsageError

@@ -35,8 +35,8 @@ from producer.errors import ProduceError, UsageError
 from producer.generations import SETTING as GENERATIONS
 from producer.prepare import Prepared
 from producer.results import RESULTS, RUN, ResultsFile, check_version
-from producer.runjson import VERSION_KEY, run_json, settings_diff, without_location
 from producer.session.state import DatasetRun, RunOptions
+from producer.settings import VERSION_KEY, run_json, settings_diff, without_location
 from render import tokfiles
 from render.chat import ChatTemplate
 from render.modeldir import ModelDirError, resolve_tokenizer
@@ -231,7 +231,7 @@ class Attacher:
         chunk_samples = self._live_chunk_samples(p.name)
         held = {sid for samples in chunk_samples.values() for sid in samples}
         done_ids = (set(done) | set(out.tokens)) - resuming
-        # The to-do list: the selected samples in the run's order (producer/order.py), in rounds of generations
+        # The to-do list: the selected samples in the run's order (producer/settings.py), in rounds of generations
         # (producer/generations.py) - done - held by a live chunk.
         # A started conversation (in convs) is not done: unless a live chunk holds it, it is enqueued again and its
         # worker resumes it at the turn Redis has (docs/multiturn.md).

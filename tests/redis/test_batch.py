@@ -1,4 +1,4 @@
-"""Ledger calls in one round trip (budget/pipeline.py run_many, worker/batch.py) on a real redis-server."""
+"""Ledger calls in one round trip (budget/ledger.py run_many, worker/batch.py) on a real redis-server."""
 from __future__ import annotations
 
 import asyncio
@@ -7,9 +7,7 @@ import pytest
 import redis
 
 from budget import keys
-from budget.ledger import Ledger
-from budget.outcomes import Admit, CommitOutcome
-from budget.pipeline import run_many
+from budget.ledger import Admit, CommitOutcome, Ledger, run_many
 from worker.batch import Batcher, BatcherClosed
 
 

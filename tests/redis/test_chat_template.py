@@ -19,8 +19,8 @@ from producer.errors import ProduceError
 from producer.export.writer import ExportError, ExportJob, ExportOptions
 from producer.prepare import Inputs, load_inputs
 from producer.results import RESULTS, RUN
-from producer.runjson import ALL, CHAT_TEMPLATE, CHAT_TEMPLATE_PATH
 from producer.session.loop import Producer
+from producer.settings import ALL, CHAT_TEMPLATE, CHAT_TEMPLATE_PATH
 from render.chat import Renderer, load_tokenizer, read_chat_template
 from tests.chats import DS, SIM_ARGS, options, write_dataset
 from tests.producers import run_settings

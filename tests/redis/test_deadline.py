@@ -10,8 +10,7 @@ import redis
 from click.testing import CliRunner
 
 from budget import keys
-from budget.ledger import Ledger
-from budget.outcomes import Admit, TurnAdmit
+from budget.ledger import Admit, Ledger, TurnAdmit
 from producer.cli import main
 from tests.demo_data import CODE
 from tests.procs import run_keys

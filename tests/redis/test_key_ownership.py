@@ -151,8 +151,8 @@ def test_a_run_sends_every_command_on_a_bq_key_from_budget(redis_url: str, token
     for who, counts in (("produce", senders), ("the worker", key_senders.read_sink(sink))):
         foreign = {f: n for f, n in counts.items() if not f.startswith("budget/")}
         assert not foreign, f"commands on bq: keys that {who} sent from outside budget/: {foreign}"
-        # The recorder saw the ledger's traffic: its scripts go out from budget/pipeline.py, its reads from ledger.py.
-        assert counts.get("budget/ledger.py", 0) + counts.get("budget/pipeline.py", 0) > 20, (who, counts)
+        # The recorder saw the ledger's traffic: its scripts go out from budget/ledger.py, its reads from ledger.py.
+        assert counts.get("budget/ledger.py", 0) + counts.get("budget/ledger.py", 0) > 20, (who, counts)
     assert senders.get("budget/runstate.py", 0) > 10
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     fields = set(r.hgetall(keys.DatasetKeys("glaive_fc").meta))

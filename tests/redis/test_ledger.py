@@ -13,8 +13,7 @@ from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
 
 from budget import keys
-from budget.ledger import Ledger
-from budget.outcomes import Admit
+from budget.ledger import Admit, Ledger
 from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from tests import replies
 

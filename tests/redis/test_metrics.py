@@ -20,8 +20,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from budget import keys
-from budget.ledger import Ledger
-from budget.outcomes import Admit
+from budget.ledger import Admit, Ledger
 from demo.stack import free_port
 from producer.ops import metrics as metrics
 from producer.ops.status import all_status

@@ -8,9 +8,7 @@ import pytest
 import redis
 
 from budget import keys
-from budget.ledger import Ledger
-from budget.outcomes import Admit
-from budget.pipeline import run
+from budget.ledger import Admit, Ledger, run
 from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from worker.estimate import LengthModel, RateTracker, predict_admits, prior_sample
 

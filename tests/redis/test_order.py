@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from budget import keys
-from producer.order import FILE, RANDOM, Order, permute, rank
 from producer.session.enqueue import ASSUMED_WORKERS, MIN_CHUNK, TAIL_SPREAD, chunk_size_for
+from producer.settings import FILE, RANDOM, Order, permute, rank
 from tests.exactly_once import check_exact
 from tests.procs import produce, produce_cmd, read_jsonl, wait_for
 from tests.rq_jobs import job_payloads

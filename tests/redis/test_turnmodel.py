@@ -7,7 +7,7 @@ import random
 import pytest
 import redis
 
-from budget.outcomes import turn_bucket as bucket
+from budget.ledger import turn_bucket as bucket
 from worker.estimate import CONTINUATION_PRIOR, LengthModel, TurnModels
 
 MAX_NEW = 16384
@@ -116,7 +116,7 @@ def test_running_turns_progress_is_kept_by_turn_and_dropped_with_the_chunk(r: "r
         r.zadd(k.chunks, {chunk: "+inf"})
         r.hset(k.resv, chunk, 0)
     assert ledger.start_chunk("ds", "c1") == "ok" and ledger.start_chunk("ds", "c2") == "ok"
-    from budget.pipeline import run
+    from budget.ledger import run
     assert run(ledger.refresh_chunk_call("ds", "c1", reserved=10, progress=[5], turn_progress=[[1], [200], [], [9]]))
     assert run(ledger.refresh_chunk_call("ds", "c2", reserved=10, progress=[7]))
     sample = ledger.length_sample("ds")

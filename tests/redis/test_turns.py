@@ -15,9 +15,7 @@ import pytest
 import redis
 
 from budget import keys, record, scripts
-from budget.ledger import Ledger
-from budget.outcomes import EndOutcome, EndVerdict, TurnAdmission, TurnAdmit, TurnVerdict
-from budget.pipeline import run, run_many
+from budget.ledger import EndOutcome, EndVerdict, Ledger, TurnAdmission, TurnAdmit, TurnVerdict, run, run_many
 from budget.runstate import RunState
 from producer.results import RESULTS, ResultsFile, collect
 from tests.replies import entries

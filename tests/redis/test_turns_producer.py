@@ -23,9 +23,9 @@ from producer.ops.status import all_status, status_table
 from producer.plan import plan_dataset, sequential_eta
 from producer.prepare import Inputs, first_turn, load_inputs
 from producer.results import RESULTS, RUN
-from producer.runjson import ALL, LAST
 from producer.session.loop import Producer
 from producer.session.state import RunOptions
+from producer.settings import ALL, LAST
 from render.chat import Renderer, load_tokenizer
 from tests.chats import DS, MESSAGES, SIM_ARGS, SYSTEM, options, turn, write_dataset
 from tests.producers import run_settings
@@ -410,6 +410,6 @@ def test_the_turns_option_offers_exactly_the_modes_runjson_knows() -> None:
     """cli.py writes the --turns choices out (importing runjson would load jinja2 for ``produce --help``): they
     must be runjson's, with its default."""
     from producer.cli import run_cmd
-    from producer.runjson import ALL, TURNS
+    from producer.settings import ALL, TURNS
     [option] = [p for p in run_cmd.params if p.name == "turns"]
     assert isinstance(option.type, click.Choice) and tuple(option.type.choices) == TURNS and option.default == ALL

@@ -20,9 +20,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from budget import keys
-from budget.ledger import Ledger
-from budget.outcomes import Admit
-from budget.pipeline import run
+from budget.ledger import Admit, Ledger, run
 from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from worker.estimate import predict_admits
 

@@ -12,7 +12,7 @@ from typing import TypedDict
 
 import pytest
 
-from budget.outcomes import LengthSample
+from budget.ledger import LengthSample
 from tests.close_sim import run
 from worker.estimate import FAST_REFRESH_LENGTHS, MIN_OBSERVED, YOUNG_PER_RUNNING, LengthModel, LengthModels, TurnModels
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from budget.outcomes import LengthSample
+from budget.ledger import LengthSample
 from worker.estimate import LengthModel, LengthModels, RateTracker
 
 
