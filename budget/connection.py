@@ -14,7 +14,7 @@ passed explicitly here, and setup.cfg pins the major this was tested with. Resen
 script is idempotent (a resent commit hits the done guard), and RQ's enqueue of a chunk is guarded by
 START_CHUNK (a chunk runs once however often its job is delivered).
 
-``redis_now`` is Redis' own clock: what every worker and reader of a worker's entries (budget/serverreports.py,
+``redis_now`` is Redis' own clock: what every worker and reader of a worker's entries (budget/serverinfo.py,
 budget/serverinfo.py) compares ages with, so the hosts' clocks never matter.
 """
 from __future__ import annotations

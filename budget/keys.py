@@ -12,12 +12,12 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 | ``bq:server_info``          | hash   | worker (serverinfo)      | "host url" -> JSON: SGLang's /get_server_info,    |
 |                             |        |                          | SERVER_INFO_KEYS only; expires with the workers   |
 | ``bq:server_health``       | hash   | worker (health)          | RQ worker name -> JSON: the servers it finds down |
-|                             |        |                          | (budget/serverreports.py); rewritten every 10 s   |
+|                             |        |                          | (budget/serverinfo.py); rewritten every 10 s   |
 |                             |        |                          | while any is down, deleted when all answer;       |
 |                             |        |                          | entries older than 30 s are dead workers': pruned |
 | ``bq:server_load``          | hash   | worker (loadreport)      | RQ worker name -> JSON: per server its requests   |
 |                             |        |                          | in flight, window, max_running_requests, tokens/s |
-|                             |        |                          | and last error (budget/serverreports.py);         |
+|                             |        |                          | and last error (budget/serverinfo.py);         |
 |                             |        |                          | rewritten every 5 s, deleted at stop; entries     |
 |                             |        |                          | older than 30 s are dead workers': pruned         |
 | ``bq:window``               | zset   | worker (window)          | "<server>SEP<worker id>" -> Redis time (ms) when  |
@@ -25,7 +25,7 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 |                             |        |                          | window on each SGLang server (budget/window.py);  |
 |                             |        |                          | renewed every second, lapsed after 10 s; expires  |
 |                             |        |                          | with the last worker                              |
-| ``bq:tok:{fp}``             | hash   | producer (tokstore)      | file name -> zlib bytes: the tokenizer files of   |
+| ``bq:tok:{fp}``             | hash   | producer (runstate)      | file name -> zlib bytes: the tokenizer files of   |
 |                             |        |                          | the run whose Renderer fingerprint is fp, for the |
 |                             |        |                          | workers that render later turns; HSETNX, never    |
 |                             |        |                          | changed (docs/multiturn.md)                       |
@@ -105,7 +105,7 @@ The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default):
 |                    |                                         | budget ``produce budget`` set since; unset: none     |
 
 Who may send commands on these keys: budget/ alone (ledger.py and its scripts, runstate.py, serverinfo.py,
-tokstore.py, serverreports.py, window.py).
+window.py).
 producer/, render/, worker/ and demo/ call those and never name a key; tests/redis/test_key_ownership.py enforces it. RQ's keys
 are RQ's: read or written through RQ's API, or by our scripts where a decision needs them (below).
 
@@ -126,9 +126,9 @@ EPOCH = PREFIX + "epoch"
 #: What each worker's SGLang servers say about themselves (budget/serverinfo.py): field ``"<worker host> <url>"``,
 #: value JSON of SERVER_INFO_KEYS plus when it was fetched. Never an API key: only the listed keys are kept.
 SERVER_INFO = PREFIX + "server_info"
-#: Which servers each worker finds down (budget/serverreports.py): field = the RQ worker's name, value = JSON.
+#: Which servers each worker finds down (budget/serverinfo.py): field = the RQ worker's name, value = JSON.
 SERVER_HEALTH = PREFIX + "server_health"
-#: What each worker does with each of its SGLang servers (budget/serverreports.py): field = the RQ worker's
+#: What each worker does with each of its SGLang servers (budget/serverinfo.py): field = the RQ worker's
 #: name, value = JSON; for ``produce servers`` and ``produce metrics``.
 SERVER_LOAD = PREFIX + "server_load"
 #: Which workers share each SGLang server, for their automatic windows (budget/window.py): member
@@ -142,7 +142,7 @@ def mix(mix_id: str) -> str:
 
 
 def tokenizer_files(fingerprint: str) -> str:
-    """The hash of a run's tokenizer files (budget/tokstore.py), by its Renderer fingerprint: content-addressed,
+    """The hash of a run's tokenizer files (budget/runstate.py), by its Renderer fingerprint: content-addressed,
     so runs with one tokenizer and template share it. Only a sha256 hex digest is accepted, so no value can name
     another key."""
     if len(fingerprint) != 64 or fingerprint.strip("0123456789abcdef"):

@@ -56,7 +56,7 @@ class SamplePayload(_SamplePayloadRequired, total=False):
 
 class ConversationPayload(TypedDict):
     """What a worker needs to render later turns itself (docs/multiturn.md): the run's tokenizer files are in
-    Redis under this fingerprint (budget/tokstore.py), and the Renderer it builds must give that fingerprint."""
+    Redis under this fingerprint (budget/runstate.py), and the Renderer it builds must give that fingerprint."""
 
     tokenizer: str  # Renderer.fingerprint() of the producer's renderer
     chat_template_kwargs: dict[str, Any]

@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import redis
 
-from producer.amount import Budget, budget_limit
 from producer.errors import ProduceError
 from producer.prepare import Inputs
-from producer.settings import RunSettings, check_max_tokens
+from producer.settings import Budget, RunSettings, budget_limit, check_max_tokens
 
 if TYPE_CHECKING:
     from budget.runstate import RunState

@@ -12,7 +12,7 @@ While *every* server is down the worker holds (``on_change(True)``): worker/disp
 producer re-enqueues them when the chunk ends, as after a warm stop, not a reclaim), and worker/rqworker.py takes
 no chunk from RQ, so the healthy workers take them. This thread asks each down server's /health again with a
 backoff (PROBE_FIRST_S doubling up to PROBE_MAX_S); the first one that answers releases the hold. Meanwhile the
-worker's entry in ``bq:server_health`` (budget/serverreports.py) names the host and the servers, for ``produce``,
+worker's entry in ``bq:server_health`` (budget/serverinfo.py) names the host and the servers, for ``produce``,
 ``produce status`` and ``produce metrics``.
 
 A thread of its own with blocking http.client, like worker/serverinfo.py: a probe that waits BUDGETQ_CONNECT_TIMEOUT
@@ -31,7 +31,7 @@ from typing import Callable
 
 import redis
 
-from budget import serverreports
+from budget import serverinfo
 from budget.serverinfo import public_url
 from worker.config import WorkerConfig
 
@@ -140,7 +140,7 @@ class HealthMonitor:
             self.checked.set()
             waits = [t - time.monotonic() for t in due.values()]
             if self.down:
-                waits.append(serverreports.DOWN_REFRESH_S)
+                waits.append(serverinfo.DOWN_REFRESH_S)
             self._wake.wait(max(0.05, min(waits)) if waits else None)
             self._wake.clear()
         self._clear_record()
@@ -185,10 +185,10 @@ class HealthMonitor:
         """Best effort: a Redis error is logged and the next round writes again."""
         with self._lock:
             down = dict(self.down)
-        if down == self._last and (not down or time.monotonic() - self._written < serverreports.DOWN_REFRESH_S):
+        if down == self._last and (not down or time.monotonic() - self._written < serverinfo.DOWN_REFRESH_S):
             return
         try:
-            self._since = serverreports.store_down(self.r, self.worker, self.host, os.getpid(), down,
+            self._since = serverinfo.store_down(self.r, self.worker, self.host, os.getpid(), down,
                                                    self._since or None)
             self._written = time.monotonic()
             self._last = down
@@ -197,6 +197,6 @@ class HealthMonitor:
 
     def _clear_record(self) -> None:
         try:
-            serverreports.clear_down(self.r, self.worker)
+            serverinfo.clear_down(self.r, self.worker)
         except redis.RedisError:
             pass  # it expires by itself

@@ -1,4 +1,4 @@
-"""Each worker tells Redis what it does with each of its SGLang servers (``bq:server_load``, budget/serverreports.py):
+"""Each worker tells Redis what it does with each of its SGLang servers (``bq:server_load``, budget/serverinfo.py):
 its requests in flight there, its window, the server's max_running_requests as the automatic window read it, the
 tokens it answered and its last error. ``produce servers`` and ``produce metrics`` read it, so that the per-server
 view needs no request to SGLang from the producer's machine.
@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from budget import serverreports
+from budget import serverinfo
 from worker.config import WorkerConfig
 from worker.dispatch import Dispatcher
 
@@ -27,7 +27,7 @@ log = logging.getLogger("budgetq.worker")
 
 class LoadReporter:
     def __init__(self, connection: "redis.Redis", config: WorkerConfig, dispatcher: Dispatcher, *, worker: str,
-                 host: str | None = None, refresh_s: float = serverreports.LOAD_REFRESH_S) -> None:
+                 host: str | None = None, refresh_s: float = serverinfo.LOAD_REFRESH_S) -> None:
         self.r = redis.Redis(connection_pool=connection.connection_pool)  # the worker's short-timeout pool
         self.config = config
         self.dispatcher = dispatcher
@@ -62,7 +62,7 @@ class LoadReporter:
                 self._stop.wait(self.refresh_s)
         finally:
             try:
-                serverreports.clear_load(self.r, self.worker)
+                serverinfo.clear_load(self.r, self.worker)
             except redis.RedisError:
                 pass  # it goes stale and is pruned
 
@@ -98,7 +98,7 @@ class LoadReporter:
 
     def report(self) -> None:
         servers = self.snapshot()
-        serverreports.store_load(self.r, self.worker, self.host, os.getpid(), servers,
+        serverinfo.store_load(self.r, self.worker, self.host, os.getpid(), servers,
                          concurrency=self.config.concurrency, window=self.dispatcher.slots.size,
-                         prune=self.reported % serverreports.PRUNE_EVERY == 0)
+                         prune=self.reported % serverinfo.PRUNE_EVERY == 0)
         self.reported += 1

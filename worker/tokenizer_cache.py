@@ -1,7 +1,7 @@
 """The run's Renderer on a GPU worker, from the tokenizer files in Redis (docs/multiturn.md, "Where rendering
 happens"): worker/turns.py renders a conversation's turns i > 0 with it.
 
-`renderer_for(client, fingerprint, ...)` fetches ``bq:tok:{fingerprint}`` (budget/tokstore.py), writes the files
+`renderer_for(client, fingerprint, ...)` fetches ``bq:tok:{fingerprint}`` (budget/runstate.py), writes the files
 to ``$TMPDIR/budgetq-tok/{fingerprint}/`` (render/tokfiles.py: a temporary directory renamed into place; reused
 when present), loads them with transformers offline (render/chat.py ``load_tokenizer``, ``local_files_only``),
 builds the Renderer with the run's chat_template_kwargs and checks that its fingerprint is the one asked for. One
@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from budget import tokstore
+from budget import runstate
 
 if TYPE_CHECKING:
     import redis
@@ -87,13 +87,13 @@ def _build(client: "redis.Redis", fingerprint: str, kwargs: Mapping[str, Any] | 
             except TokenizerFault as exc:  # a stale or damaged local copy: Redis holds the run's files
                 log.warning("tokenizer cache %s is not usable (%s): fetching it again", directory, exc)
                 tokfiles.discard(directory)
-        files = tokstore.fetch_files(client, files_key)
+        files = runstate.fetch_files(client, files_key)
         if not files:
             raise TokenizerFault(f"Redis holds no tokenizer files for fingerprint {files_key[:12]} "
                                  "(the run's produce has not stored them)")
         tokfiles.unpack(files, directory)
         renderer = _load(directory, fingerprint, kwargs, opens_markers)
-    except (tokfiles.TokenizerFilesError, tokstore.TokenizerStoreError, ValueError, OSError) as exc:
+    except (tokfiles.TokenizerFilesError, runstate.TokenizerStoreError, ValueError, OSError) as exc:
         raise TokenizerFault(f"tokenizer {fingerprint[:12]}: {exc}") from exc
     log.info("tokenizer %s loaded from Redis into %s", fingerprint[:12], directory)
     return renderer

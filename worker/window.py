@@ -50,7 +50,7 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 
-from budget import serverreports
+from budget import serverinfo
 from budget import window as window_record
 from budget.serverinfo import is_router, public_url
 from worker.config import WorkerConfig
@@ -292,7 +292,7 @@ class ServerWindow:
         self.window = min(max(self.window, 1.0), float(self.capacity + 2 * h))
 
 
-server_name = serverreports.server_name  # one naming for bq:window and bq:server_load
+server_name = serverinfo.server_name  # one naming for bq:window and bq:server_load
 
 
 # -- the thread ------------------------------------------------------------------------------------------------

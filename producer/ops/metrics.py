@@ -21,7 +21,7 @@ from typing import Callable
 import redis
 from rq import Queue
 
-from budget import keys, serverreports
+from budget import keys, serverinfo
 from producer.errors import ProduceError
 from producer.ops.servers import ServersView, ServerUse, read_view
 from producer.ops.status import DatasetStatus, all_status
@@ -120,11 +120,11 @@ def render_metrics(client: "redis.Redis", now: float | None = None) -> str:
             [(f'{{dataset="{_label(r.name)}",finish_reason="{reason}"}}', count) for r in rows
              for reason, count in (("stop", r.finish_stop), ("length", r.finish_length))])
     try:
-        down = serverreports.read_down(client)
+        down = serverinfo.read_down(client)
     except redis.RedisError:
         down = []
     _family(lines, "budgetq_server_down_seconds", "Seconds since a worker found this SGLang server down (no connection, "
-            "or /health 503); only down servers are listed (budget/serverreports.py).",
+            "or /health 503); only down servers are listed (budget/serverinfo.py).",
             [(f'{{worker="{_label(str(e.get("worker")))}",host="{_label(str(e.get("host")))}",'
               f'server="{_label(url)}"}}', round(e["for_s"], 1)) for e in down for url in sorted(e["down"])])
     try:

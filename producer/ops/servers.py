@@ -2,9 +2,9 @@
 ``produce run`` says of the workers and servers before it enqueues.
 
 Sources, all written by the workers, none asked over the network from here: RQ's worker registry of budgetq's queue
-(who listens, on which host), ``bq:server_load`` (budget/serverreports.py: each worker's requests in flight, window,
-max_running_requests, tokens/s and last error per server) and ``bq:server_health`` (budget/serverreports.py: who finds
-which server down, since when). A server is named as the workers name it (budget/serverreports.py ``server_name``):
+(who listens, on which host), ``bq:server_load`` (budget/serverinfo.py: each worker's requests in flight, window,
+max_running_requests, tokens/s and last error per server) and ``bq:server_health`` (budget/serverinfo.py: who finds
+which server down, since when). A server is named as the workers name it (budget/serverinfo.py ``server_name``):
 its URL, with the host in front of a loopback one. Its state: ``down`` when a worker finds it down (no connection,
 or /health 503), ``slow`` when a request to it timed out or was answered 5xx or 429 within SLOW_S, else ``ok``.
 """
@@ -16,7 +16,7 @@ from typing import Any, Callable
 import redis
 from rq import Queue, Worker
 
-from budget import keys, serverreports
+from budget import keys, serverinfo
 from budget.connection import redis_now
 from budget.serverinfo import utc_iso
 
@@ -72,7 +72,7 @@ def server_uses(loads: list[dict[str, Any]], down: list[dict[str, Any]], now: fl
     uses: dict[tuple[str, str], ServerUse] = {}
 
     def use(url: str, host: str) -> ServerUse:
-        name = serverreports.server_name(url, host)
+        name = serverinfo.server_name(url, host)
         return uses.setdefault((name, host), ServerUse(name, host))
 
     for entry in loads:
@@ -88,7 +88,7 @@ def server_uses(loads: list[dict[str, Any]], down: list[dict[str, Any]], now: fl
             if isinstance(f.get("tok_s"), (int, float)):
                 u.tok_s = _add(u.tok_s, float(f["tok_s"]))
             unavailable = f.get("unavailable_age_s")
-            if isinstance(unavailable, (int, float)) and unavailable + age <= serverreports.SLOW_S:
+            if isinstance(unavailable, (int, float)) and unavailable + age <= serverinfo.SLOW_S:
                 u.slow = True
             error_age = f.get("error_age_s")
             if isinstance(f.get("last_error"), str) and isinstance(error_age, (int, float)) \
@@ -163,7 +163,7 @@ def read_view(client: "redis.Redis") -> ServersView:
     """Read the view from Redis (raises redis.RedisError)."""
     now = redis_now(client)
     listening = listening_workers(client)
-    uses = server_uses(serverreports.read_load(client), serverreports.read_down(client), now)
+    uses = server_uses(serverinfo.read_load(client), serverinfo.read_down(client), now)
     return ServersView(rq_workers=[str(w.name) for w in listening],
                        rq_hosts=sorted({str(w.hostname) for w in listening if w.hostname}),
                        uses=uses, rows=server_rows(uses, now))

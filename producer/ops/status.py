@@ -9,12 +9,12 @@ from typing import Any
 
 import redis
 
-from budget import serverreports
+from budget import serverinfo
 from budget.ledger import DatasetState, Ledger
 from budget.mix import Mix, MixStore, mix_id
 from budget.runstate import RunState
-from producer.amount import parse_amount, parse_mix
 from producer.errors import UsageError
+from producer.settings import parse_amount, parse_mix
 
 RATE_WINDOW_S = 60  # tokens/s over the last minute of 10-second buckets
 
@@ -310,7 +310,7 @@ def status_text(client: "redis.Redis", rows: list[DatasetStatus]) -> str:
 
 
 def down_servers(client: "redis.Redis") -> str:
-    """The lines naming each worker whose SGLang servers are down (budget/serverreports.py), after the table; '' if
+    """The lines naming each worker whose SGLang servers are down (budget/serverinfo.py), after the table; '' if
     none."""
-    lines = serverreports.describe_down(serverreports.read_down(client))
+    lines = serverinfo.describe_down(serverinfo.read_down(client))
     return "\n" + "\n".join(lines) if lines else ""

@@ -26,17 +26,16 @@ from typing import Any, Callable, Iterable
 
 import redis
 
-from budget import tokstore
+from budget import runstate
 from budget.ledger import Ledger
 from budget.payload import OTHER_VERSION, VERSION
 from budget.runstate import RunState
-from producer.amount import budget_limit
 from producer.errors import ProduceError, UsageError
 from producer.generations import SETTING as GENERATIONS
 from producer.prepare import Prepared
 from producer.results import RESULTS, RUN, ResultsFile, check_version
 from producer.session.state import DatasetRun, RunOptions
-from producer.settings import VERSION_KEY, run_json, settings_diff, without_location
+from producer.settings import VERSION_KEY, budget_limit, run_json, settings_diff, without_location
 from render import tokfiles
 from render.chat import ChatTemplate
 from render.modeldir import ModelDirError, resolve_tokenizer
@@ -98,9 +97,9 @@ def share_tokenizer(client: "redis.Redis", tokenizer: str | Path, fingerprint: s
     ``--tokenizer``); a ``--chat-template`` goes as their chat_template.jinja. Returns the files newly stored (0: stored by an earlier run). Raises UsageError (exit 2)
     naming the directory (missing files, over the size limit)."""
     try:
-        return tokstore.store_files(client, fingerprint, tokfiles.pack(
+        return runstate.store_files(client, fingerprint, tokfiles.pack(
             resolve_tokenizer(tokenizer), chat_template=None if chat_template is None else chat_template.text))
-    except (ModelDirError, tokfiles.TokenizerFilesError, tokstore.TokenizerStoreError) as exc:
+    except (ModelDirError, tokfiles.TokenizerFilesError, runstate.TokenizerStoreError) as exc:
         raise UsageError(f"--turns all: cannot share the tokenizer with the workers: {exc} (the workers render a "
                          "conversation's later turns with the run's tokenizer; --turns last regenerates only the "
                          "last turn)") from None

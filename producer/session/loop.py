@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import redis
 
-from budget import record, serverreports
+from budget import record, serverinfo
 from budget.history import end_as_is
 from budget.ledger import LEASE_MS, REDIS_DOWN, DatasetState, EndVerdict, Ledger, default_prior_mean
 from budget.mix import Mix, MixStore, mix_id
@@ -84,7 +84,7 @@ class Producer:
         # ``runs`` yet, and its lock must still be released (else a rerun from another host waits out its TTL).
         self._locks: dict[str, str] = {}
         self._last_progress = 0.0
-        self._down: set[tuple[str, str]] = set()  # (worker, server) pairs last said down (budget/serverreports.py)
+        self._down: set[tuple[str, str]] = set()  # (worker, server) pairs last said down (budget/serverinfo.py)
         self._last_stale_check = 0.0
         self._grace_until = 0.0
         self.epoch = ""
@@ -194,9 +194,9 @@ class Producer:
     def _warn_down_servers(self) -> None:
         """Name each worker whose SGLang servers are down once when that starts, and say when they answer again:
         its chunks went back to the queue for the others, but the run has that much less throughput."""
-        entries = serverreports.read_down(self.r)
+        entries = serverinfo.read_down(self.r)
         down = {(str(e.get("worker")), url) for e in entries for url in e["down"]}
-        for line, e in zip(serverreports.describe_down(entries), entries, strict=True):
+        for line, e in zip(serverinfo.describe_down(entries), entries, strict=True):
             if any((str(e.get("worker")), url) not in self._down for url in e["down"]):
                 self.echo(f"warning: {line}")
         for worker, url in sorted(self._down - down):

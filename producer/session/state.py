@@ -13,11 +13,11 @@ from typing import Any, Mapping
 
 from budget.mix import Mix
 from budget.payload import ConversationPayload
-from producer.amount import Budget
 from producer.generations import Variants
 from producer.prepare import Prepared
 from producer.results import ResultsFile
 from producer.session.enqueue import JobSettings
+from producer.settings import Budget
 from render.chat import ChatTemplate
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import redis
 
-from budget import keys, serverreports
+from budget import keys, serverinfo
 from producer.ops.metrics import render_metrics
 from sglang_sim.launch import SimProcess, free_port
 from tests.demo_data import GLAIVE
@@ -97,7 +97,7 @@ def test_a_worker_on_a_dead_port_takes_nothing_and_the_healthy_one_finishes_the_
     assert dead_proc.wait(15) == 0
     stopped = time.monotonic() - t1
     assert "Traceback" not in dead.log("dead0")
-    assert not serverreports.read_down(r), "the stopped worker left its health entry"
+    assert not serverinfo.read_down(r), "the stopped worker left its health entry"
     print(f"run of {N} done in {took:.1f} s beside a dead-server worker; its SIGTERM exit took {stopped:.2f} s")
 
 
@@ -150,7 +150,7 @@ def test_a_server_that_dies_mid_run_has_its_chunks_given_back_and_work_resumes_w
     # Given back, not reclaimed: produce reclaims a chunk only once its lease (LEASE_MS) has lapsed, and says so.
     said = (tmp_path / "produce.out").read_text() + (tmp_path / "produce.err").read_text()
     assert "lost its worker" not in said, said[-3000:]
-    assert not serverreports.read_down(r)
+    assert not serverinfo.read_down(r)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0
     assert "Traceback" not in w.log("w0")

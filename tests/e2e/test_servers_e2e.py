@@ -1,7 +1,7 @@
 """``produce servers`` and ``produce run``'s pre-flight with real workers (issue 29, "Expected and missing").
 
 Real parts: ``rq worker -w worker.Worker`` processes (one pointed at a port nothing listens on, one at the simulator),
-``produce`` as a user runs it. The per-server view is read from what those workers record (budget/serverreports.py); produce asks no SGLang server for it.
+``produce`` as a user runs it. The per-server view is read from what those workers record (budget/serverinfo.py); produce asks no SGLang server for it.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import redis
 from rq import Queue
 
-from budget import keys, serverreports
+from budget import keys, serverinfo
 from sglang_sim.launch import free_port
 from tests.demo_data import GLAIVE
 from tests.procs import produce, wait_for
@@ -64,7 +64,7 @@ def test_the_view_names_the_dead_server_its_host_and_the_live_one_with_its_load(
     assert run.returncode == 0, run.stderr
     assert "2 rq workers listen on queue budgetq" in run.stderr
     wait_for(lambda: any(e["worker"] == "good0" and e["servers"][sim.url]["tokens"] > 0
-                         for e in serverreports.read_load(r)), 30, "good0 to record the tokens it got")
+                         for e in serverinfo.read_load(r)), 30, "good0 to record the tokens it got")
 
 
 def test_produce_run_with_no_worker_warns_and_the_work_waits_queued(

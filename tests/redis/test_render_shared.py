@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 import redis
 
-from budget import keys, tokstore
+from budget import keys, runstate
 from demo.tokenizer import build_tokenizer
 from producer.errors import UsageError
 from producer.session.attach import share_tokenizer
@@ -164,8 +164,8 @@ def test_size_limits(r: "redis.Redis", tmp_path: Path) -> None:
     with pytest.raises(tokfiles.TokenizerFilesError, match=f"hold {total:,} bytes .* more than the 1,000 bytes"):
         tokfiles.pack(directory, limit=1000)
     assert tokfiles.MAX_BYTES == 64 * 1024 * 1024
-    with pytest.raises(tokstore.TokenizerStoreError, match="more than the 67,108,864"):
-        tokstore.store_files(r, "cd" * 32, {"tokenizer.json": bytes(tokfiles.MAX_BYTES + 1)})
+    with pytest.raises(runstate.TokenizerStoreError, match="more than the 67,108,864"):
+        runstate.store_files(r, "cd" * 32, {"tokenizer.json": bytes(tokfiles.MAX_BYTES + 1)})
     assert not r.exists(keys.tokenizer_files("cd" * 32))
     # A zip bomb edited into Redis is refused while inflating, not after.
     bomb = {"tokenizer.json": zlib.compress(bytes(2_000_000)), "tokenizer_config.json": zlib.compress(b"{}")}

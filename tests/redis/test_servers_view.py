@@ -1,6 +1,6 @@
 """``produce servers``, its metrics and ``produce run``'s pre-flight lines, read from what workers record (issue 29).
 
-Real Redis; the records are written through budget/ (serverreports.store_load, serverreports.store_down) as workers write them, and the
+Real Redis; the records are written through budget/ (serverinfo.store_load, serverinfo.store_down) as workers write them, and the
 RQ workers are registered through RQ's own API (``register_birth``), as ``rq worker`` registers itself.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import redis
 from rq import Queue, Worker
 
-from budget import keys, serverreports
+from budget import keys, serverinfo
 from producer.cli import main
 from producer.ops.metrics import render_metrics
 from producer.ops.servers import preflight, read_view, servers_table
@@ -23,7 +23,7 @@ LOCAL = "http://127.0.0.1:30000"
 
 
 def _fields(**kw: Any) -> dict[str, Any]:
-    return {k: kw.get(k) for k in serverreports.SERVER_FIELDS} | {"in_flight": kw.get("in_flight", 0)}
+    return {k: kw.get(k) for k in serverinfo.SERVER_FIELDS} | {"in_flight": kw.get("in_flight", 0)}
 
 
 def _rq_worker(r: "redis.Redis", name: str) -> Worker:
@@ -35,14 +35,14 @@ def _rq_worker(r: "redis.Redis", name: str) -> Worker:
 def _record_two_hosts(r: "redis.Redis") -> None:
     """gpu1's worker uses the shared server (auto window) and its own loopback one; gpu2's finds the shared one
     down."""
-    serverreports.store_load(r, "a", "gpu1", 11, {
+    serverinfo.store_load(r, "a", "gpu1", 11, {
         SHARED: _fields(in_flight=40, window=48, capacity=64, peers=2, tokens=9000, tok_s=812.5),
         LOCAL: _fields(in_flight=3, window=16, capacity=16, peers=1, tokens=100, tok_s=20.0,
                        last_error="HTTP 503: overloaded", error_age_s=4.0, unavailable_age_s=4.0),
     }, concurrency=None, window=64)
-    serverreports.store_load(r, "b", "gpu2", 22, {SHARED: _fields(in_flight=0, window=None, tokens=0, tok_s=0.0)},
+    serverinfo.store_load(r, "b", "gpu2", 22, {SHARED: _fields(in_flight=0, window=None, tokens=0, tok_s=0.0)},
                      concurrency=8, window=8)
-    serverreports.store_down(r, "b", "gpu2", 22, {SHARED: "connection refused"})
+    serverinfo.store_down(r, "b", "gpu2", 22, {SHARED: "connection refused"})
 
 
 def test_the_view_has_one_row_per_server_with_its_hosts_state_load_and_last_error(r: "redis.Redis") -> None:
@@ -85,17 +85,17 @@ def test_the_metrics_give_each_host_and_server_its_own_series(r: "redis.Redis") 
 
 
 def test_a_dead_workers_stale_load_is_left_out(r: "redis.Redis") -> None:
-    serverreports.store_load(r, "live", "gpu1", 1, {SHARED: _fields(in_flight=2)}, concurrency=4, window=4)
+    serverinfo.store_load(r, "live", "gpu1", 1, {SHARED: _fields(in_flight=2)}, concurrency=4, window=4)
     sec, _ = r.time()
-    stale = {"worker": "gone", "host": "gpu9", "pid": 9, "at": float(sec) - serverreports.TTL_S - 5, "concurrency": 4,
+    stale = {"worker": "gone", "host": "gpu9", "pid": 9, "at": float(sec) - serverinfo.TTL_S - 5, "concurrency": 4,
              "window": 4, "servers": {"http://10.0.0.9:30000": _fields(in_flight=7)}}
     r.hset(keys.SERVER_LOAD, "gone", json.dumps(stale))
     assert [row.server for row in read_view(r).rows] == [SHARED]
-    serverreports.store_load(r, "live", "gpu1", 1, {SHARED: _fields(in_flight=1)}, concurrency=4, window=4, prune=False)
+    serverinfo.store_load(r, "live", "gpu1", 1, {SHARED: _fields(in_flight=1)}, concurrency=4, window=4, prune=False)
     assert r.hexists(keys.SERVER_LOAD, "gone")
-    serverreports.store_load(r, "live", "gpu1", 1, {SHARED: _fields(in_flight=1)}, concurrency=4, window=4)
+    serverinfo.store_load(r, "live", "gpu1", 1, {SHARED: _fields(in_flight=1)}, concurrency=4, window=4)
     assert not r.hexists(keys.SERVER_LOAD, "gone"), "a write prunes dead workers' entries"
-    serverreports.clear_load(r, "live")
+    serverinfo.clear_load(r, "live")
     assert "no worker has recorded an SGLang server" in servers_table(read_view(r))
 
 
@@ -122,12 +122,12 @@ def test_preflight_warns_once_when_no_worker_listens(r: "redis.Redis") -> None:
 def test_preflight_counts_the_workers_and_names_every_server_when_all_are_down(r: "redis.Redis") -> None:
     _rq_worker(r, "a")
     _rq_worker(r, "b")
-    serverreports.store_load(r, "a", "gpu1", 11, {SHARED: _fields()}, concurrency=8, window=8)
+    serverinfo.store_load(r, "a", "gpu1", 11, {SHARED: _fields()}, concurrency=8, window=8)
     said, warned = _preflight(r)
     assert said == [f"2 rq workers listen on queue {keys.QUEUE_NAME}, on 1 host ({socket.gethostname()}); SGLang "
                     "servers as the workers record them: 1 ok"] and warned == []
-    serverreports.store_down(r, "a", "gpu1", 11, {SHARED: "connection refused"})
-    serverreports.store_down(r, "b", "gpu2", 22, {"http://10.0.0.6:30000": "/health answered 503"})
+    serverinfo.store_down(r, "a", "gpu1", 11, {SHARED: "connection refused"})
+    serverinfo.store_down(r, "b", "gpu2", 22, {"http://10.0.0.6:30000": "/health answered 503"})
     said, warned = _preflight(r)
     assert said[0].endswith("SGLang servers as the workers record them: 2 down")
     assert warned == [f"warning: every SGLang server the workers recorded is down: {SHARED} on gpu1 (connection "

@@ -14,7 +14,7 @@ import click
 import pytest
 import redis
 
-from budget import keys, tokstore
+from budget import keys, runstate
 from budget.history import plan
 from budget.ledger import Ledger
 from producer.errors import ProduceError
@@ -152,7 +152,7 @@ def test_a_chunk_of_conversations_carries_messages_turns_and_the_conversation_bl
         assert by_id[sid]["conversation"] == inputs.conversation(inputs.context)
     # The tokenizer files are in Redis once, under the run's fingerprint.
     fp = inputs.settings.stored["tokenizer"]
-    assert set(tokstore.fetch_files(r, fp)) >= {"tokenizer.json", "tokenizer_config.json"}
+    assert set(runstate.fetch_files(r, fp)) >= {"tokenizer.json", "tokenizer_config.json"}
     assert r.keys("bq:tok:*") == [keys.tokenizer_files(fp).encode()]
     stored = json.loads((tmp_path / "out" / DS / RUN).read_text())
     assert stored["turns"] == ALL and json.loads(r.hget(keys.DatasetKeys(DS).meta, "settings") or "{}")["turns"] == ALL

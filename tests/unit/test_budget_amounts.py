@@ -1,11 +1,11 @@
-"""Tests for producer.amount: budget amounts and repeated --budget options."""
+"""Tests for producer.settings: budget amounts and repeated --budget options."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producer.amount import MAX_AMOUNT, UNLIMITED, parse_amount, parse_budget_option
+from producer.settings import MAX_AMOUNT, UNLIMITED, parse_amount, parse_budget_option
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -148,7 +148,7 @@ def test_fuzz_parse_budget_option(values: tuple[str, ...]) -> None:
 
 
 def test_budget_option_takes_unlimited_as_explicitly_none() -> None:
-    from producer.amount import budget_limit
+    from producer.settings import budget_limit
     assert parse_budget_option(("unlimited", "b=None", "c=10k")) == (UNLIMITED, {"b": UNLIMITED, "c": 10_000})
     assert [budget_limit(x) for x in (None, UNLIMITED, 5)] == [None, None, 5]
     with pytest.raises(ValueError, match="already given"):
