@@ -61,10 +61,10 @@ from producer.generations import MIX_SETTING, Generations, MixError, TemplateMix
 from producer.generations import SETTING as GENERATIONS
 from producer.inputs.reader import valid_name
 from producer.inputs.records import FieldMapping
-from render.chat import ChatTemplate, Renderer
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # render.chat loads jinja2: not for `produce --help` (tests/redis/test_turns_producer.py)
     from budget.mix import Mix
+    from render.chat import ChatTemplate, Renderer
     from render.modeldir import Context
 
 

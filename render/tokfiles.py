@@ -2,7 +2,7 @@
 
 A worker renders a conversation's later turns with the run's own tokenizer, but a GPU host has only Redis and the
 SGLang URL, not the producer's ``--tokenizer`` directory. So the producer packs the files that decide the ids
-(`pack`: name -> zlib bytes; budget/tokstore.py keeps them in Redis under the run's fingerprint) and a worker
+(`pack`: name -> zlib bytes; budget/runstate.py keeps them in Redis under the run's fingerprint) and a worker
 writes them back to a private cache directory (`unpack`) that transformers loads with ``local_files_only``.
 
 Pure file work: no Redis, no transformers. Names are checked on both sides (`allowed_name`): a name read back

@@ -406,9 +406,8 @@ def test_a_conversation_whose_workers_keep_dying_is_written_failed_unless_it_pro
     producer.release()
 
 
-def test_the_turns_option_offers_exactly_the_modes_runjson_knows() -> None:
-    """cli.py writes the --turns choices out (importing runjson would load jinja2 for ``produce --help``): they
-    must be runjson's, with its default."""
+def test_the_turns_option_offers_exactly_the_modes_the_settings_know() -> None:
+    """cli.py's --turns choices and default are producer/settings.py's."""
     from producer.cli import run_cmd
     from producer.settings import ALL, TURNS
     [option] = [p for p in run_cmd.params if p.name == "turns"]

@@ -136,3 +136,14 @@ def test_no_import_cycle_not_even_under_type_checking() -> None:
 
 def test_the_cycle_check_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_produce_command_loads_no_template_engine_until_it_renders() -> None:
+    """``produce --help``, ``status`` and the other commands import producer/cli.py; jinja2 (render/chat.py) and
+    transformers load only once a prompt is rendered, so they stay quick to start."""
+    import subprocess
+    import sys
+
+    code = "import sys, producer.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'jinja2', 'transformers'}))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
