@@ -44,6 +44,7 @@ from typing import Any
 from bench.harness import scratch
 from bench.multiturn import DATASET as CONV_DATASET
 from bench.multiturn import PARSER, write_conversations
+from budget.keys import DatasetKeys
 from demo.stack import Stack, produce_cmd
 from demo.synthetic import write_prompts
 
@@ -85,7 +86,8 @@ class Watch(threading.Thread):
         self.models.append((now, m.observed, len(sample.running), m.young, m.mean(), m.sd()))
 
     def run(self) -> None:
-        used_key, meta = f"bq:ds:{{{self.name}}}:used", f"bq:ds:{{{self.name}}}"
+        ks = DatasetKeys(self.name)
+        used_key, meta = ks.used, ks.meta
         while not self.stop_flag.is_set():
             used = int(self.r.get(used_key) or 0)
             now = time.monotonic()
@@ -154,10 +156,11 @@ def run_mode(mode: str, args: argparse.Namespace, tok: Path, data: Path, work: P
             raise RuntimeError(f"{mode}: produce failed: {res.stderr[-2000:]}")
         recs = [json.loads(line) for line in (out / name / "raw_responses.jsonl").read_text().splitlines()]
         r = stack.client()
-        meta = _text_hash(r.hgetall(f"bq:ds:{{{name}}}"))
-        stats = _text_hash(r.hgetall(f"bq:ds:{{{name}}}:stats"))
-        used = int(r.get(f"bq:ds:{{{name}}}:used") or 0)
-        unwritten = sum(int(v) for v in r.hvals(f"bq:ds:{{{name}}}:turns"))
+        ks = DatasetKeys(name)
+        meta = _text_hash(r.hgetall(ks.meta))
+        stats = _text_hash(r.hgetall(ks.stats))
+        used = int(r.get(ks.used) or 0)
+        unwritten = sum(int(v) for v in r.hvals(ks.turns))
         total = sum(x["completion_tokens"] for x in recs)
         sim_stats = stack.sim_stats()
         t90 = watch.t90 or t_end

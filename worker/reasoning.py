@@ -59,8 +59,8 @@ terminator. Where budgetq differs from SGLang, on purpose:
   returns nothing).
 - Several answer parts (a commentary preamble, then the final message) are joined by a blank line, each stripped.
 - The text fallback (markers deleted by ``skip_special_tokens=true``: "analysis...assistantfinal...") is parsed as
-  TextStrategy does, so records written before budgetq kept the markers still split; their tool calls cannot be
-  recovered (the markers that framed them are gone).
+  SGLang's TextStrategy does, so such a completion still splits; its tool calls cannot be recovered (the markers
+  that framed them are gone).
 """
 from __future__ import annotations
 
