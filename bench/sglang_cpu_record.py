@@ -161,7 +161,7 @@ def record_all(url: str, out: Path, starting: dict[str, Any], model: Path, conte
 
 
 def record_crash(url: str, out: Path, vocab: int, server: Any, server_log: Path) -> None:
-    """Last: an id == vocab_size, which kills the server (budget/vocab.py exists because of it)."""
+    """Last: an id == vocab_size, which kills the server (budget/serverinfo.py exists because of it)."""
     rec = Recorder(url, out)
     # An id at vocab_size itself is served: SGLang pads its embedding (to a multiple of 64 rows), and the padding
     # rows take it, meaninglessly. Past the padding, the embedding fails and the server dies.

@@ -62,7 +62,7 @@ class ConversationPayload(TypedDict):
     chat_template_kwargs: dict[str, Any]
     max_context: int  # what produce checked turn 0 against; turn i stops with "context" past it
     open_markers: list[str] | None  # [start, end] when the parser's think markers are not the template's (Kimi)
-    vocab_size: NotRequired[int]  # the model's vocabulary when known (budget/vocab.py): later turns are checked
+    vocab_size: NotRequired[int]  # the model's vocabulary when known (budget/serverinfo.py): later turns are checked
 
 
 class ThinkPayload(TypedDict):

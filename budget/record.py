@@ -119,3 +119,13 @@ def _ordered_turn(turn: Any) -> Any:
     out = {k: turn.get(k) for k in TURN_FIELDS}
     out.update((k, v) for k, v in turn.items() if k not in out)
     return out
+
+
+def is_truncated(rec: Mapping[str, Any]) -> bool:
+    """A record that ``--truncated drop`` leaves out: incomplete (its conversation ended before
+    its last user turn, or its last turn is unfinished), or with a turn cut by max_new_tokens or stopped inside
+    an unclosed thinking block (a multi-turn record's truncated last turn is not ``incomplete``). A chat template
+    would still close such a turn as a finished one."""
+    return bool(rec["incomplete"]) or any(
+        t.get("finish_reason") == "length" or t.get("reasoning_truncated") or t.get("reasoning_unclosed")
+        for t in rec["turns"])

@@ -118,11 +118,10 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
         connect,
         recheck_context,
     )
-    from producer.session.attach import check_out_dir
+    from producer.session.attach import RunOptions, check_out_dir
     from producer.session.enqueue import JobSettings
     from producer.session.loop import Producer
     from producer.session.report import length_pictures, summary_table
-    from producer.session.state import RunOptions
     s = settings
     names = set(budgets)
     params = inputs.settings.chunk_params

@@ -1,6 +1,6 @@
 """Checks before a run writes anything: the output folders, the Redis it is about to trust with its budget state,
 what the workers recorded of their SGLang servers (``bq:server_info``: reasoning parser, context, seed), and the
-prompts' ids against the model's vocabulary (budget/vocab.py).
+prompts' ids against the model's vocabulary (budget/serverinfo.py).
 
 A queue on an evicting Redis loses jobs and counters silently under memory pressure; a Redis without AOF loses
 everything since its last snapshot on a crash (with AOF everysec, a kill -9 lost nothing acknowledged here).
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import redis
 
 from budget import connection, logs, serverinfo
-from budget.vocab import Vocab, check_prompts, config_vocab, servers_vocab, smallest
+from budget.serverinfo import Vocab, check_prompts, config_vocab, servers_vocab, smallest
 from producer.errors import ProduceError, UsageError
 from render.modeldir import Context, ModelDirError, resolve_tokenizer, sane_context
 

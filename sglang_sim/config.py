@@ -101,7 +101,7 @@ class SimConfig:
     # server's side (docs/simulator.md, "Request log"). None = no log.
     request_log: str | None = None
     # The model's vocabulary size: reported in /server_info as `vocab_size` (SGLang 0.5.23 reports none; budgetq's
-    # producer checks prompts against it when a server says, budget/vocab.py). None = unknown, nothing reported.
+    # producer checks prompts against it when a server says, budget/serverinfo.py). None = unknown, nothing reported.
     vocab_size: int | None = None
     # Die as SGLang does on an input id past its embedding (vocab_size padded to a multiple of 64; or < 0): IndexError,
     # and the scheduler's death takes the whole server down, every connection dropped, the port closed. Off.

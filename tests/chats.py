@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from producer.prepare import Inputs
-    from producer.session.state import RunOptions
+    from producer.session.attach import RunOptions
 
 DS = "chats"
 SYSTEM = {"role": "system", "content": "Be brief."}
@@ -36,7 +36,7 @@ SIM_ARGS = ("--tokens-per-second-per-request", "2000", "--prefix-cache-pages", "
 
 def options(tmp_path: Path, inputs: "Inputs", tokenizer: Path | None, **kw: Any) -> "RunOptions":
     """produce's run options for the chats dataset as the producer tests attach it (chunks of 2, no budget)."""
-    from producer.session.state import RunOptions
+    from producer.session.attach import RunOptions
     return RunOptions(out_dir=tmp_path / "out", conversation=inputs.conversation(inputs.context),
                       tokenizer=str(tokenizer) if tokenizer else None,
                       **{"chunk_size": 2, "budgets": {DS: None}, **kw})

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from producer.prepare import Inputs, load_inputs
-from producer.session.state import RunOptions
+from producer.session.attach import RunOptions
 from producer.settings import RunSettings
 from tests.demo_data import CODE
 

@@ -28,8 +28,7 @@ from budget.history import Walk, header, plan, walk
 from budget.ledger import EndVerdict, TurnAdmit, TurnVerdict
 from budget.payload import SamplePayload, sampling_params_of, turn_request_key
 from budget.record import BUDGET, CONTEXT, FAILED, make_turn
-from budget.serverinfo import public_url
-from budget.vocab import turn_refusal
+from budget.serverinfo import public_url, turn_refusal
 from render import RenderError
 from worker.batch import in_thread_until_answered
 from worker.sglang import GenerateError, Generation
@@ -133,7 +132,7 @@ class _Conversation:
         if not isinstance(prompt, _Prompt):
             return prompt
         if (oov := turn_refusal(prompt.input_ids, self.rc.chunk["conversation"], i)) is not None:
-            return _End(FAILED, oov)  # budget/vocab.py: an id the model cannot take is never sent
+            return _End(FAILED, oov)  # budget/serverinfo.py: an id the model cannot take is never sent
         max_new = int(self.sampling_params["max_new_tokens"])
         if len(prompt.input_ids) + max_new > self.rc.chunk["conversation"]["max_context"]:
             return _End(CONTEXT)

@@ -23,10 +23,8 @@ import redis
 from budget import record, serverinfo
 from budget.urls import server_urls
 from producer.errors import ProduceError, UsageError
-from producer.export.files import MANIFEST, ExportError, Results, atomic, failed_ids, read_run_json
-from producer.export.rows import is_truncated
 from producer.generations import MIX_SETTING, TemplateMix, labels
-from producer.results import RESULTS
+from producer.results import MANIFEST, RESULTS, ExportError, Results, atomic, failed_ids, read_run_json
 from producer.session.report import nearest_rank
 
 log = logging.getLogger("budgetq.produce")
@@ -203,7 +201,7 @@ class Stats:
     def add(self, rec: Mapping[str, Any]) -> None:
         turns = rec["turns"]
         self.samples += 1
-        self.truncated += is_truncated(rec)
+        self.truncated += record.is_truncated(rec)
         self.reasoning_truncated += any(t.get("reasoning_truncated") for t in turns)
         self.reasoning_unclosed += any(t.get("reasoning_unclosed") for t in turns)
         self.prompt_tokens += sum(t["prompt_tokens"] for t in turns)

@@ -6,8 +6,14 @@ SpecForge, SFT tools) want one conversation per line with the model's own answer
 module is that conversion and nothing else: the CLI (``produce export``) only parses options into an `ExportJob`
 and calls `export_datasets`, which decides where each dataset goes and which servers its manifest names, then
 `export_dataset` for each. docs/export.md describes the formats, the decisions and their sharp edges. The pieces live
-beside it: producer/export/files.py (reading and checking the files, the atomic write), producer/export/rows.py
-(the conversation rows), producer/export/manifest.py (the manifest), budget/history.py (which messages each turn answers).
+beside it: producer/results.py (reading and checking the files, the atomic write), producer/export/manifest.py
+(the manifest), budget/history.py (which messages each turn answers).
+
+The rows a conversation export writes are built here too (`conversation_row`, `turn_rows`): a record's
+conversation in OpenAI messages or ShareGPT shape, whole (every regenerated turn in place, the dataset's assistant
+turns never) or one row per regenerated turn (``--per-turn``: the history the turn's prompt was rendered from, then
+the turn); docs/export.md ("Multi-turn records") shows the shapes. Below them: whether a row trains on exactly
+what the model generated, rendered as its trainer renders it (`trained_conversations`, `is_exact`).
 
 Rules kept here:
 
@@ -34,17 +40,6 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final, Iterator, Mapping, Sequence
 
 from budget import history, record, serverinfo
-from producer.export.files import (
-    DEFAULT_THINK,
-    MANIFEST,
-    ExportError,
-    Results,
-    atomic,
-    check_dest,
-    failed_ids,
-    markers,
-    read_run_json,
-)
 from producer.export.manifest import (
     Stats,
     budget_state,
@@ -57,18 +52,19 @@ from producer.export.manifest import (
     write_manifest,
     write_manifest_of,
 )
-from producer.export.rows import (
-    SHAREGPT_FROM,
-    answers,
-    conversation_row,
-    generation,
-    is_exact,
-    is_truncated,
-    trained_conversations,
-    turn_rows,
-)
 from producer.generations import record_key
-from producer.results import RESULTS
+from producer.results import (
+    DEFAULT_THINK,
+    MANIFEST,
+    RESULTS,
+    ExportError,
+    Results,
+    atomic,
+    check_dest,
+    failed_ids,
+    markers,
+    read_run_json,
+)
 from producer.settings import CHAT_TEMPLATE, CHAT_TEMPLATE_PATH, TOKENIZER_PATH
 from render.chat import ChatTemplate, Renderer, RenderError, load_tokenizer, read_chat_template
 
@@ -112,7 +108,7 @@ class ExportOptions:
     # reads exactly (PER_TURN_FOR), and without a trainer a conversation of several turns is refused
     per_turn: bool | None = None
     trainer: str | None = None  # "specforge" | "speculators" (``--for``)
-    # conversation rows a trainer would not train on exactly (producer/export/rows.py; checked when the run's
+    # conversation rows a trainer would not train on exactly (producer/export/writer.py; checked when the run's
     # tokenizer is given): "drop" leaves them out, "keep" writes them with "inexact": true; both count them
     inexact: str = "drop"
 
@@ -164,7 +160,7 @@ class ExportReport:
     template_hash: str | None = None
     tokenizer_revision: str | None = None
     superseded: int = 0  # failed conversations a rerun's record of the same id replaced (only the last is exported)
-    # conversation rows checked as their trainer renders them (producer/export/rows.py), with the run's tokenizer:
+    # conversation rows checked as their trainer renders them (producer/export/writer.py), with the run's tokenizer:
     inexact: int = 0  # rows that would not train on exactly the generated ids (left out with inexact="drop")
     inexact_ids: list[str] = field(default_factory=list)  # the first of their conversations, for the message
     unchecked: int = 0  # rows written unchecked: no tokenizer given, or a turn without server ids
@@ -337,7 +333,7 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
         raise ExportError(f"{source} not found: nothing was collected for this dataset yet")
     check_dest(dest, dataset_dir)
     failed = failed_ids(dataset_dir)
-    # The run's tokenizer also checks conversation rows (producer/export/rows.py): given, it is used.
+    # The run's tokenizer also checks conversation rows (producer/export/writer.py): given, it is used.
     ids = _TokenIds(tokenizer, settings) if options.needs_tokenizer or tokenizer is not None else None
     think = markers(settings)
     report = ExportReport(written=0, dropped_truncated=0, skipped_failed=len(failed), path=dest,
@@ -354,7 +350,7 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
             stats.add(rec)
             if record_key(rec) in failed:
                 return
-            if options.truncated == "drop" and is_truncated(rec):
+            if options.truncated == "drop" and record.is_truncated(rec):
                 _points(rec, number, source)  # a malformed record is an error whether it would be written or not
                 report.dropped_truncated += 1
                 reason = _ended_early(rec)
@@ -393,7 +389,7 @@ def export_dataset(dataset_dir: Path, dest: Path, options: ExportOptions, *, tok
 def _ended_early(rec: Mapping[str, Any]) -> str | None:
     """Why an incomplete conversation ended before its last user turn (its ``stopped_by``: budget, failed,
     context, tool_mismatch), or None for one dropped because a turn was cut (length, an unclosed thinking block)."""
-    if not rec["incomplete"] or is_truncated({**rec, "incomplete": False}):
+    if not rec["incomplete"] or record.is_truncated({**rec, "incomplete": False}):
         return None
     stopped_by = rec.get("stopped_by")
     if stopped_by in (record.LENGTH, record.REASONING_UNCLOSED):
@@ -523,7 +519,7 @@ def _token_rows(rec: Mapping[str, Any], checked: list[tuple[list[int], list[int]
         prompt, output = pair
         row: dict[str, Any] = {"id": rec["id"], **generation(rec), "turn": i, "input_ids": prompt + output,
                                "loss_mask": [0] * len(prompt) + [1] * len(output)}
-        if is_truncated(rec):
+        if record.is_truncated(rec):
             row["truncated"] = True
         row.update(template_hash=ids.template_hash, tokenizer_revision=ids.revision)
         out.append(row)
@@ -532,7 +528,7 @@ def _token_rows(rec: Mapping[str, Any], checked: list[tuple[list[int], list[int]
 
 def _trained(rec: Mapping[str, Any], points: list[int], options: ExportOptions,
              think: tuple[str, str]) -> list[list[tuple[int, list[dict[str, Any]]]]]:
-    """What the trainer renders for each turn of each row (producer/export/rows.py)."""
+    """What the trainer renders for each turn of each row (producer/export/writer.py)."""
     return trained_conversations(rec["messages"], answers(rec, options.reasoning, think),
                                  [history.history_message(t) for t in rec["turns"]], points,
                                  per_turn=options.rows_per_turn, trainer=options.trainer)
@@ -636,3 +632,170 @@ class _TokenIds:
                 out.append(None)
         return out
 
+
+#: OpenAI role -> ShareGPT "from". SpecForge's parser maps human/gpt back and passes system/tool through.
+SHAREGPT_FROM: Final = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
+
+
+def assistant_turn(reasoning: str | None, content: str, mode: str, think: tuple[str, str],
+                    tool_calls: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """The regenerated turn. Inline is the shape Qwen3/DeepSeek-R1 templates render and split again. Parsed tool
+    calls go in ``tool_calls`` (OpenAI shape), where chat templates render them back as the model wrote them."""
+    if mode == "inline" and reasoning is not None:
+        start, end = think
+        turn: dict[str, Any] = {"role": "assistant", "content": f"{start}\n{reasoning}\n{end}\n\n{content}"}
+    else:
+        turn = {"role": "assistant", "content": content}
+        if mode == "field" and reasoning is not None:
+            turn["reasoning_content"] = reasoning
+    if tool_calls:
+        turn["tool_calls"] = [dict(call) for call in tool_calls]
+    return turn
+
+
+def sharegpt_turn(message: Mapping[str, Any]) -> dict[str, Any]:
+    """One message as a ShareGPT turn: ``from``/``value``, every other key kept as it is (``tool_calls``,
+    ``reasoning_content``, ``tool_call_id``, ``name``). SpecForge and speculators both read ``from``/``value`` and
+    keep ``tool_calls`` on the turn, which the chat template renders as the model wrote them; a null content (a
+    turn that only calls tools) is ``""``, which templates render as null."""
+    role = message.get("role")
+    if role not in SHAREGPT_FROM:
+        raise ExportError(f"message role {role!r} has no ShareGPT equivalent")
+    content = message.get("content")
+    turn: dict[str, Any] = {"from": SHAREGPT_FROM[str(role)], "value": content if isinstance(content, str) else ""}
+    turn.update((key, value) for key, value in message.items() if key not in ("role", "content"))
+    return turn
+
+
+def answers(rec: Mapping[str, Any], reasoning_mode: str, think: tuple[str, str]) -> list[dict[str, Any]]:
+    """Every regenerated turn as the assistant message the export writes (``--reasoning`` applied)."""
+    out = []
+    for t in rec["turns"]:
+        reasoning = None if reasoning_mode == "drop" else t.get("reasoning")
+        out.append(assistant_turn(reasoning, t["content"], reasoning_mode, think, t.get("tool_calls") or ()))
+    return out
+
+
+def _shaped(fmt: str, messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    # Both formats under ``conversations``: the only key SpecForge's and speculators' loaders read.
+    if fmt == "openai-messages":
+        return {"conversations": [dict(m) for m in messages]}
+    return {"conversations": [sharegpt_turn(m) for m in messages]}
+
+
+def generation(rec: Mapping[str, Any]) -> dict[str, int]:
+    """A row's ``generation`` (docs/generations.md), after its ``id``: the record's; none for a record
+    without one."""
+    return {"generation": int(rec["generation"])} if "generation" in rec else {}
+
+
+def template_kwargs(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """A row's ``chat_template_kwargs``: the record's own, which a --template-kwargs-mix drew for it (a trainer
+    renders the row with them, e.g. gpt-oss's reasoning_effort); none for every other record (the run's)."""
+    kwargs = rec.get("chat_template_kwargs")
+    return {"chat_template_kwargs": kwargs} if kwargs is not None else {}
+
+
+def record_tools(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """A row's ``tools``: the tool definitions its prompts were rendered with (a trainer renders the row with
+    them too); none for a record without any."""
+    tools = rec.get("tools")
+    return {"tools": tools} if tools else {}
+
+
+def conversation_row(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, think: tuple[str, str],
+                     points: Sequence[int]) -> dict[str, Any]:
+    """One conversation: the record's messages with every regenerated turn at its answer point (a one-turn
+    record: the messages, then the turn)."""
+    out: dict[str, Any] = {"id": rec["id"], **generation(rec)}
+    out.update(_shaped(fmt, history.conversation(rec["messages"], answers(rec, reasoning_mode, think), points)))
+    out.update(template_kwargs(rec))
+    out.update(record_tools(rec))
+    if record.is_truncated(rec):
+        out["truncated"] = True
+    return out
+
+
+def turn_rows(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, think: tuple[str, str],
+              points: Sequence[int]) -> list[dict[str, Any]]:
+    """``--per-turn``: one row per regenerated turn, its history exactly the messages its prompt was rendered
+    from (earlier turns as budget.history.history_message: the template decides what of them it renders, as it
+    did for the prompt), then the turn itself as the answer, ``--reasoning`` applied to it alone."""
+    written = answers(rec, reasoning_mode, think)
+    past = [history.history_message(t) for t in rec["turns"]]
+    rows = []
+    for i, answer in enumerate(written):
+        row: dict[str, Any] = {"id": rec["id"], **generation(rec), "turn": i}
+        row.update(_shaped(fmt, [*history.conversation(rec["messages"], past, points, upto=i), answer]))
+        row.update(template_kwargs(rec))
+        row.update(record_tools(rec))
+        if record.is_truncated(rec):
+            row["truncated"] = True
+        rows.append(row)
+    return rows
+
+
+# Whether a conversation row trains on exactly what the model generated, rendered the way its trainer renders it.
+#
+# A row is exact when, for every turn it trains, the trainer's rendering of the row (or of the part it trains that
+# turn on) starts with that turn's prompt ids, the ones the worker sent (checked by their digest), followed by the
+# server's ``output_ids``: the trainer then supervises the model's own tokens, from the prompt's end. How each
+# trainer renders a row (read from their source; tests/e2e/test_trainers.py runs both):
+#
+# - SpecForge renders a row whole and supervises its assistant spans; with ``train_only_last_turn`` (which
+#   ``--for specforge`` rows need: one row per turn) only the last. A whole row (``--whole``) trains every turn on
+#   the whole row's rendering, where templates that drop earlier turns' reasoning (Qwen3, GLM-4.5, DeepSeek-R1,
+#   Kimi-K2) render the earlier turns without it: not exact.
+# - speculators renders every assistant turn on its own prefix (the conversation through that turn) and
+#   supervises each: a whole row (``--for speculators``) is exact turn by turn; a per-turn row would train its
+#   history's turns again, so that combination is refused (producer/export/writer.py).
+#
+# Both render without budgetq's ``chat_template_kwargs`` (neither takes them from a row), so the check renders
+# without them too; both render with the row's ``tools`` (the record's), so the check renders with them. The check needs the run's tokenizer (``produce export --tokenizer``); producer/export/writer.py counts
+# the rows that fail it and leaves them out unless asked (``--inexact keep``).
+
+
+#: The message keys speculators passes to the template (data_generation/preprocessing.py
+#: ``_normalize_conversation``): a tool message's ``name`` is not one of them.
+SPECULATORS_KEYS: Final = ("role", "content", "tool_calls", "tool_call_id", "reasoning_content")
+
+
+def trained_conversations(messages: Sequence[Mapping[str, Any]], written: Sequence[Mapping[str, Any]],
+                          past: Sequence[Mapping[str, Any]], points: Sequence[int], *, per_turn: bool,
+                          trainer: str | None) -> list[list[tuple[int, list[dict[str, Any]]]]]:
+    """For each row a record gives, the turns it trains and the messages its trainer renders for each: a
+    per-turn row trains its last turn on the row itself; a whole row trains every turn, on the row (SpecForge)
+    or on the conversation through that turn (speculators, and by default), each message with only the keys
+    speculators keeps."""
+    if trainer == "speculators":
+        messages, written = [_speculators(m) for m in messages], [_speculators(m) for m in written]
+    if per_turn:
+        return [[(i, [*history.conversation(messages, past, points, upto=i), dict(written[i])])]
+                for i in range(len(written))]
+    if trainer == "specforge":
+        whole = history.conversation(messages, written, points)
+        return [[(i, whole) for i in range(len(written))]]
+    return [[(i, [*history.conversation(messages, written, points, upto=i), dict(written[i])])
+             for i in range(len(written))]]
+
+
+def _speculators(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as speculators gives it to the template: content always (null as ""), the other keys it keeps
+    only when they are not empty."""
+    out = {"role": message["role"], "content": message.get("content") or ""}
+    out.update((k, message[k]) for k in SPECULATORS_KEYS[2:] if message.get(k))
+    return out
+
+
+def is_exact(renderer: Renderer, conversation: list[dict[str, Any]], prompt: list[int],
+             output: Sequence[int], tools: Sequence[Mapping[str, Any]] | None = None) -> bool:
+    """The trainer's rendering of ``conversation`` (no generation prompt) starts with ``prompt`` + ``output``.
+    ``tools``: the record's (the row's ``tools``), which both trainers pass to the chat template with the row
+    (SpecForge's parsers: ``apply_chat_template(messages, tools=tools or None)``; speculators: the render
+    request's ``tools``), as the prompt was rendered with them."""
+    try:
+        ids = renderer.render(conversation, tools or None, generation_prompt=False).input_ids
+    except RenderError:
+        return False
+    want = [*prompt, *output]
+    return ids[:len(want)] == want

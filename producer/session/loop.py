@@ -40,7 +40,7 @@ from producer.errors import ProduceError
 from producer.generations import record_key, split_key
 from producer.prepare import Prepared, Prompt, progress_bar
 from producer.results import FAILED_FILE, collect, write_failed
-from producer.session.attach import LOCK_TTL_MS, Attacher
+from producer.session.attach import LOCK_TTL_MS, Attacher, DatasetRun, RunOptions
 from producer.session.enqueue import (
     BATCH_CHUNKS,
     COMPRESS_THREADS,
@@ -51,7 +51,6 @@ from producer.session.enqueue import (
     make_queue,
 )
 from producer.session.report import DatasetSummary, progress_line, summaries
-from producer.session.state import DatasetRun, RunOptions
 
 log = logging.getLogger("budgetq.produce")
 

@@ -31,7 +31,7 @@ from producer.ops.status import (
     tokens_per_second,
 )
 from producer.results import RESULTS, iter_results
-from producer.session.state import DatasetRun
+from producer.session.attach import DatasetRun
 
 BAR_WIDTH: Final = 24  # characters of the tallest bar
 _EIGHTHS: Final = " ▏▎▍▌▋▊▉"  # a partial block, by eighths of a character

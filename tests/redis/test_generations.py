@@ -19,8 +19,8 @@ from producer.generations import Generations, derived_seed, parse_temperatures, 
 from producer.plan import plan_dataset
 from producer.prepare import Inputs, load_inputs
 from producer.results import FAILED_FILE, RESULTS, RUN, ResultsFile, collect, write_failed
+from producer.session.attach import RunOptions
 from producer.session.loop import Producer
-from producer.session.state import RunOptions
 from tests.producers import run_settings
 from tests.rq_jobs import job_payloads
 

@@ -11,8 +11,8 @@ import redis
 from budget import keys
 from producer.ops.status import all_status, deadline_lines, deadline_total
 from producer.prepare import load_inputs
+from producer.session.attach import RunOptions
 from producer.session.loop import Producer
-from producer.session.state import RunOptions
 from tests.demo_data import CODE, GLAIVE
 from tests.producers import code_inputs, run_settings
 

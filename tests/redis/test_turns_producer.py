@@ -23,8 +23,8 @@ from producer.ops.status import all_status, status_table
 from producer.plan import plan_dataset, sequential_eta
 from producer.prepare import Inputs, first_turn, load_inputs
 from producer.results import RESULTS, RUN
+from producer.session.attach import RunOptions
 from producer.session.loop import Producer
-from producer.session.state import RunOptions
 from producer.settings import ALL, LAST
 from render.chat import Renderer, load_tokenizer
 from tests.chats import DS, MESSAGES, SIM_ARGS, SYSTEM, options, turn, write_dataset

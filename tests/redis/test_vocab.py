@@ -1,4 +1,4 @@
-"""Ids the served model cannot take are refused before any request carries them (budget/vocab.py).
+"""Ids the served model cannot take are refused before any request carries them (budget/serverinfo.py).
 
 The real engine dies on an input id >= its vocabulary size (IndexError in the embedding, then the whole server
 shuts down: /work/shared/reference/sglang-cpu.md), and so does the simulator with --oov-crash. End to end:
@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from budget import keys, serverinfo
-from budget.vocab import Vocab, check_prompts, config_vocab, first_outside, servers_vocab, turn_refusal
+from budget.serverinfo import Vocab, check_prompts, config_vocab, first_outside, servers_vocab, turn_refusal
 from tests.procs import produce, read_jsonl, sim_stats, wait_for
 
 DATA = Path(__file__).resolve().parents[2] / "demo" / "data"

@@ -410,7 +410,7 @@ def test_multi_turn_rows_follow_the_trainer(tmp_path: Path, family: tuple[str, A
 
 def test_rows_are_checked_as_their_trainer_renders_them(tmp_path: Path, family: tuple[str, Any]) -> None:
     """With the run's tokenizer every row is rendered as its trainer renders it and compared with each trained
-    turn's prompt ids + output ids (producer/export/rows.py). SpecForge's per-turn rows and speculators' whole
+    turn's prompt ids + output ids (producer/export/writer.py). SpecForge's per-turn rows and speculators' whole
     rows are exact with both templates; a whole row read by SpecForge trains the earlier turns on the whole
     conversation's rendering, which the Qwen3-style template renders without their reasoning: counted and left
     out, or kept marked. speculators with per-turn rows would train each turn's history again: refused."""

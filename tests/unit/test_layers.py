@@ -130,7 +130,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle_not_even_under_type_checking() -> None:
     graph = _import_graph(("budget", "render", "producer", "worker", "sglang_sim"))
-    assert len(graph) > 80
+    assert {"budget.ledger", "producer.cli", "worker.dispatch", "render.chat", "sglang_sim.server"} <= set(graph)
     assert _cycles(graph) == []
 
 

@@ -12,10 +12,9 @@ import pytest
 from budget.payload import OTHER_VERSION
 from budget.record import RECORD_VERSION
 from producer.errors import UsageError
-from producer.export.files import ExportError, Results
 from producer.generations import sample_key
 from producer.plan import existing_turns
-from producer.results import RESULTS, ReadEnd, ResultsFile, iter_results
+from producer.results import RESULTS, ExportError, ReadEnd, Results, ResultsFile, iter_results
 
 DS = "ds"
 
