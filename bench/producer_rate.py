@@ -197,7 +197,7 @@ PRODUCE_CATEGORIES = [
     ("render: other", ("Renderer.render_many (render/chat.py", "Renderer._apply (render/chat.py")),
     ("tokenizer load", ("load_tokenizer (render/chat.py",)),
     ("settings fingerprint", ("fingerprint (render/chat.py",)),
-    ("read + validate", ("(producer/inputs/reader.py", "(producer/inputs/records.py", "(producer/inputs/jsonl.py")),
+    ("read + validate", ("(producer/inputs/reader.py", "(producer/inputs/records.py")),
     ("prepare: select, to arrays", ("prepare (producer/prepare.py",)),
     ("attach (Redis checks, reconcile)", ("(producer/session/attach.py", "check_redis (producer/preflight.py")),
 ]

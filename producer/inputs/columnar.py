@@ -16,8 +16,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from producer.inputs.records import FieldMapping, RecordError, normalize
-from producer.inputs.samples import Collector, InputError, Problem, file_error
+from producer.inputs.records import Collector, FieldMapping, InputError, Problem, RecordError, file_error, normalize
 
 if TYPE_CHECKING:
     import pyarrow as pa
