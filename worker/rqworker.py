@@ -66,6 +66,8 @@ log = logging.getLogger("budgetq.worker")
 EXIT_CONFIG = 78
 #: Seconds a blocking dequeue waits before it looks whether a configuration fault has stopped the worker.
 FAULT_POLL_S = 2
+#: Seconds teardown waits for the pubsub thread once its connection is closed under it (``Worker.unsubscribe``).
+UNSUBSCRIBE_WAIT_S = 5
 
 
 def _setup_logging() -> None:
@@ -288,6 +290,37 @@ class Worker(SimpleWorker):
         if not pubsub_thread._running.is_set():  # redis-py's PubSubWorkerThread: cleared by stop()
             return
         BaseWorker._pubsub_exception_handler(self, exc, pubsub, pubsub_thread)
+
+    def unsubscribe(self) -> None:
+        """rq's unsubscribe, with one thread only ever closing the pubsub. rq's sends UNSUBSCRIBE, stops the
+        thread, waits 1 s for it and closes the pubsub from this thread. On a silent connection the thread is
+        still blocked in its read then (the reply never comes), and the close's disconnect wakes it: the thread
+        ends and closes the same pubsub itself, and when that lands between the disconnect and the rest of this
+        thread's close, redis-py's reset meets ``connection = None`` (an AttributeError out of teardown: the
+        worker exited 1; the chaos suite's redis-blackhole scenario met it). Here the blocked thread is woken by
+        a disconnect alone and left to close the pubsub; this thread closes it only once that thread has ended
+        (then the close has nothing left to race). A Redis error sending UNSUBSCRIBE still stops the thread."""
+        pubsub, thread = self.pubsub, self.pubsub_thread
+        if not thread or pubsub is None:
+            return
+        self.log.info("Worker %s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
+        try:
+            pubsub.unsubscribe()
+        except REDIS_DOWN as exc:
+            log.warning("unsubscribing from the worker channel: %s", exc)
+        finally:
+            thread.stop()
+        thread.join(timeout=1)
+        if thread.is_alive():
+            conn = pubsub.connection
+            if conn is not None:
+                conn.disconnect()  # wakes the blocked read; the thread then ends and closes the pubsub
+            thread.join(timeout=UNSUBSCRIBE_WAIT_S)
+        if not thread.is_alive():
+            pubsub.close()  # a no-op where the thread closed it; the thread never runs again
+        else:
+            log.warning("the worker channel's thread did not end in %d s; leaving it to close its connection",
+                        1 + UNSUBSCRIBE_WAIT_S)
 
     def heartbeat(self, *args: Any, **kwargs: Any) -> None:
         self._guard(super().heartbeat, *args, **kwargs)

@@ -5,12 +5,16 @@ once: tests/chaos/test_chaos.py)."""
 from __future__ import annotations
 
 import logging
+import threading
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import redis
 from redis.client import PubSubWorkerThread
 
+from demo.stack import RedisServer
+from tests.chaos.blackhole import BlackHole
 from worker.rqworker import Worker
 
 CLOSED_SOCKET = TypeError("argument must be an int, or have a fileno() method.")  # redis-py's, on a closed socket
@@ -37,3 +41,35 @@ def test_a_stopped_pubsub_thread_ends_quietly_on_its_closed_socket(r: "redis.Red
         handle(worker, pubsub, thread)
     finally:
         pubsub.close()
+
+
+def test_teardown_on_a_silent_connection_closes_the_pubsub_once(redis_server: RedisServer) -> None:
+    """The worker's channel goes silent (tests/chaos/blackhole.py), so the thread never reads UNSUBSCRIBE's
+    reply and is still blocked when teardown closes its connection. The worst interleaving is forced: the
+    thread, woken by the disconnect, ends and closes the pubsub before teardown's own thread goes on. rq's
+    unsubscribe then dies in redis-py's reset on ``connection = None`` (the worker exited 1 in the chaos
+    suite); Worker.unsubscribe must end the thread, close the pubsub and raise nothing."""
+    with BlackHole(upstream_port=redis_server.port) as hole:
+        client = redis.Redis(port=hole.port)
+        worker = SimpleNamespace(name="w", log=logging.getLogger("test.rqworker"), pubsub_channel_name="bq-ch")
+        pubsub = client.pubsub()
+        pubsub.subscribe(**{"bq-ch": lambda message: None})
+        thread = pubsub.run_in_thread(sleep_time=60, daemon=True, exception_handler=lambda exc, ps, t:
+                                      Worker._pubsub_exception_handler(worker, exc, ps, t))  # type: ignore[arg-type]
+        assert pubsub.connection is not None
+        assert hole.silence() == 1
+        conn = pubsub.connection
+        real_disconnect = conn.disconnect
+        main = threading.current_thread()
+
+        def disconnect(*args: Any, **kwargs: Any) -> None:
+            real_disconnect(*args, **kwargs)
+            if threading.current_thread() is main:
+                thread.join(10)  # the thread wakes, ends and closes the pubsub before this thread goes on
+
+        conn.disconnect = disconnect  # type: ignore[method-assign]
+        worker.pubsub, worker.pubsub_thread = pubsub, thread
+        Worker.unsubscribe(worker)  # type: ignore[arg-type]
+        assert not thread.is_alive()
+        assert pubsub.connection is None
+        client.close()
