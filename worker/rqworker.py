@@ -173,6 +173,9 @@ class Worker(SimpleWorker):
     def request_stop(self, signum: Any, frame: Any) -> None:
         # Warm shutdown: the chunk being dispatched gives its unstarted samples back at once (the producer
         # re-enqueues them); requests already running finish and are committed before the worker exits.
+        # Marked here too: rq marks a stop only while a job runs and otherwise raises StopRequested, so a Redis
+        # error in the teardown that follows read as a lost Redis to work() below, which started the loop again.
+        self._stop_requested = True
         self._stop_dispatching()
         super().request_stop(signum, frame)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -37,6 +38,29 @@ def set_faults(sim_url: str, body: dict[str, Any]) -> None:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=5) as resp:
         assert resp.status == 200
+
+
+def test_sigterm_while_redis_is_frozen_ends_the_worker(own_redis: RedisServer, tmp_path: Path,
+                                                       sim_factory: Any) -> None:
+    """An idle worker stopped while Redis answers nothing: rq raises StopRequested from the idle worker's signal
+    handler without marking a stop, and its teardown (register_death) times out on the frozen server. That Redis
+    error must end the worker; it used to read as a lost Redis, and the worker waited for Redis to come back
+    and started its work loop again, so a SIGTERM did not stop it (the chaos suite's black hole met it: the
+    harness had to SIGKILL the workers)."""
+    sim = sim_factory()
+    pool = Workers(own_redis.url, sim.url, tmp_path)
+    r = redis.Redis.from_url(own_redis.url)
+    try:
+        proc = pool.start("w0")
+        wait_for(lambda: r.hget("rq:worker:w0", "state") == b"idle", 60, "the worker waiting for a chunk")
+        own_redis.send_signal(signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0, pool.log("w0")
+        assert "waiting for Redis to come back" not in pool.log("w0")
+    finally:
+        own_redis.send_signal(signal.SIGCONT)
+        pool.stop_all()
+        r.close()
 
 
 def test_redis_kill9_and_restart_mid_run(own_redis: RedisServer, tokenizer_dir: Path, tmp_path: Path,
