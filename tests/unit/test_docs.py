@@ -284,6 +284,20 @@ def test_the_code_maps_name_every_module_on_a_samples_walk() -> None:
 
 
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+
+
+def test_bench_results_hold_only_what_the_docs_cite() -> None:
+    """bench/results keeps the measurements a figure of the docs rests on, nothing else: each entry (a file, or a
+    folder of one comparison's runs) is named in docs/ or the README, or is what a command the docs give writes
+    by default (``python -m bench.NAME``: NAME.json, and its console output NAME.log), or the NAME.log of a cited
+    NAME.json. A new measurement is cited where its figure is given, or not committed."""
+    text = "\n".join(p.read_text(encoding="utf-8") for p in DOCS)
+    entries = list((ROOT / "bench" / "results").iterdir())
+    cited = {e.name for e in entries if e.name in text
+             or (e.suffix in (".json", ".log") and re.search(rf"python -m bench\.{re.escape(e.stem)}\b", text))}
+    uncited = sorted(e.name for e in entries if e.name not in cited
+                     and not (e.suffix == ".log" and e.with_suffix(".json").name in cited))
+    assert uncited == [], "bench/results entries that no doc cites: cite them where their figure is, or delete them"
 #: A test file named in the docs: ``tests/test_x.py`` (a path from the root) or ``test_x.py`` (found anywhere under
 #: tests/), optionally with ``::name`` (a test function or class) and ``::name`` (a method of that class).
 TEST_REF = re.compile(r"(?<![\w/.-])(tests/(?:[\w-]+/)*)?(test_\w+)\.py(?:::(\w+))?(?:::(\w+))?")
