@@ -283,6 +283,25 @@ def test_the_code_maps_name_every_module_on_a_samples_walk() -> None:
     assert missing == [], "modules on the walk that docs/architecture.md's code maps do not name"
 
 
+def test_the_walk_counts_in_the_architecture_doc_are_walk_json_s() -> None:
+    """The module counts docs/architecture.md gives for the walk are those of bench/results/walk.json (as
+    ``python -m bench.walk`` counts them: producer/, worker/, budget/; and without the modules only the stage
+    ``produce`` ran), so a fold that is measured again shows in the doc too."""
+    walks = json.loads(WALK.read_text(encoding="utf-8"))["walks"]
+    counts = []
+    for name in ("one turn", "conversation"):
+        stages = walks[name]
+        modules = {m for stage in stages.values() for m in stage if m.split(".")[0] in ("producer", "worker", "budget")}
+        elsewhere = {m for s, stage in stages.items() if s != "produce" for m in stage}
+        counts.append((len(modules), len(modules & elsewhere)))
+    (one, one_core), (conv, conv_core) = counts
+    text = " ".join((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8").split())
+    said = re.search(r"At walk\.json's commit: (\d+) modules .*? for a one-turn line, (\d+) for a conversation "
+                     r"\((\d+) and (\d+) without", text)
+    assert said is not None, "docs/architecture.md no longer states the walk's counts"
+    assert tuple(map(int, said.groups())) == (one, conv, one_core, conv_core)
+
+
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 
 
