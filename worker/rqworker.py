@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 import aiohttp
 import redis
+from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
@@ -216,7 +217,8 @@ class Worker(SimpleWorker):
                     log.warning("Redis error in the work loop: %s", exc)
                 if not self._redis_lost or self._stop_requested or burst:
                     return worked
-                self._wait_for_redis()
+                if not self._wait_for_redis():
+                    return worked  # stopped while Redis was away
         finally:
             try:
                 self.runtime.close()
@@ -228,19 +230,28 @@ class Worker(SimpleWorker):
                             "--api-key) and start the worker again", EXIT_CONFIG)
                 raise SystemExit(EXIT_CONFIG)  # the configuration fault outranks whatever work() was returning
 
-    def _wait_for_redis(self) -> None:
+    def _wait_for_redis(self) -> bool:
+        """Until Redis answers (True) or a stop is asked (False). rq's signal handlers, once its loop has run,
+        raise StopRequested out of the sleep; budgetq's, before that, only mark the stop: both end the wait, and
+        nothing more is sent to a Redis that is still away."""
         delay = 0.5
         log.warning("waiting for Redis to come back")
-        while not self._stop_requested:
-            try:
-                self.connection.ping()
-                break
-            except REDIS_DOWN:
-                time.sleep(delay)
-                delay = min(5.0, delay * 2)
+        try:
+            while not self._stop_requested:
+                try:
+                    self.connection.ping()
+                    break
+                except REDIS_DOWN:
+                    time.sleep(delay)
+                    delay = min(5.0, delay * 2)
+        except StopRequested:
+            self._stop_requested = True
+        if self._stop_requested:
+            return False
         # Our registration may have outlived the outage without a death mark: it is ours, clear it.
         self.connection.delete(self.key)
         log.warning("Redis is back: working again")
+        return True
 
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -22,6 +23,7 @@ from tests.procs import Workers, produce, produce_cmd, read_jsonl, sim_stats, wa
 from tests.replies import raw
 
 pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -61,6 +63,54 @@ def test_sigterm_while_redis_is_frozen_ends_the_worker(own_redis: RedisServer, t
         own_redis.send_signal(signal.SIGCONT)
         pool.stop_all()
         r.close()
+
+
+#: A worker.Worker built while Redis is up, whose work() starts only once the test has killed Redis (a line on
+#: stdin), so that its loop meets the lost Redis and waits for it (Worker._wait_for_redis). ``rq``: rq's own signal
+#: handlers installed first, as they are when Redis is lost mid-run (rq installs them once its loop has started).
+WAITING_WORKER = """
+import sys
+import redis
+from worker.rqworker import Worker
+w = Worker(["budgetq"], connection=redis.Redis.from_url(sys.argv[1]), name="w-wait")
+if sys.argv[2] == "rq":
+    w._install_signal_handlers()
+print("built", flush=True)
+sys.stdin.readline()
+w.work()
+print("work returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("handlers", ["rq", "budgetq"])
+def test_sigterm_while_waiting_for_redis_ends_the_worker(own_redis: RedisServer, tmp_path: Path, sim_factory: Any,
+                                                         handlers: str) -> None:
+    """A worker waiting for a lost Redis to come back is stopped: the SIGTERM ends the wait and the worker (exit 0,
+    no traceback). rq's idle handler raises StopRequested out of the wait's sleep, and budgetq's own handler ended
+    the wait into a DEL of the worker's key on the Redis still down: both used to leave work() as a traceback."""
+    sim = sim_factory()
+    log = tmp_path / "w-wait.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", WAITING_WORKER, own_redis.url, handlers], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, text=True,
+                                env={**os.environ, "SGLANG_URL": sim.url, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == "built\n", log.read_text()
+        own_redis.kill()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        wait_for(lambda: "waiting for Redis to come back" in log.read_text() or proc.poll() is not None, 60,
+                 "the worker waiting for Redis")
+        assert proc.poll() is None, log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+        assert proc.stdout.read().endswith("work returned\n")  # (rq logs its own stop to stdout)
+        assert "Traceback" not in log.read_text(), log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_redis_kill9_and_restart_mid_run(own_redis: RedisServer, tokenizer_dir: Path, tmp_path: Path,
