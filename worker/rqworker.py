@@ -244,8 +244,8 @@ class Worker(SimpleWorker):
                 except REDIS_DOWN:
                     time.sleep(delay)
                     delay = min(5.0, delay * 2)
-        except StopRequested:
-            self._stop_requested = True
+        except StopRequested:  # rq's handler: Worker.request_stop has marked the stop
+            return False
         if self._stop_requested:
             return False
         # Our registration may have outlived the outage without a death mark: it is ours, clear it.

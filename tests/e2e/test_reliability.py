@@ -16,14 +16,13 @@ import pytest
 import redis
 
 from budget import keys
-from demo.stack import RedisServer
+from demo.stack import RedisServer, worker_env
 from tests.demo_data import CODE, GLAIVE, TRACES
 from tests.exactly_once import check_exact
 from tests.procs import Workers, produce, produce_cmd, read_jsonl, sim_stats, wait_for
 from tests.replies import raw
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -92,8 +91,7 @@ def test_sigterm_while_waiting_for_redis_ends_the_worker(own_redis: RedisServer,
     log = tmp_path / "w-wait.log"
     with open(log, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-c", WAITING_WORKER, own_redis.url, handlers], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, text=True,
-                                env={**os.environ, "SGLANG_URL": sim.url, "PYTHONPATH": str(ROOT)})
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=worker_env(own_redis.url, sim.url))
     try:
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline() == "built\n", log.read_text()

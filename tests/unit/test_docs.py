@@ -317,6 +317,8 @@ def test_bench_results_hold_only_what_the_docs_cite() -> None:
     uncited = sorted(e.name for e in entries if e.name not in cited
                      and not (e.suffix == ".log" and e.with_suffix(".json").name in cited))
     assert uncited == [], "bench/results entries that no doc cites: cite them where their figure is, or delete them"
+
+
 #: A test file named in the docs: ``tests/test_x.py`` (a path from the root) or ``test_x.py`` (found anywhere under
 #: tests/), optionally with ``::name`` (a test function or class) and ``::name`` (a method of that class).
 TEST_REF = re.compile(r"(?<![\w/.-])(tests/(?:[\w-]+/)*)?(test_\w+)\.py(?:::(\w+))?(?:::(\w+))?")
