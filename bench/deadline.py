@@ -1,6 +1,8 @@
 """Benchmark: a mix run stopped by its deadline (issue 27 §3, docs/mix.md "A deadline").
 
     python -m bench.deadline --repeats 2          # ~4 minutes a repeat; results in bench/results/deadline.json
+    python -m bench.deadline --total 19000000 --calibration-total 600000 --prompts 25000 --timeout 3600 \
+        --out deadline_long                       # a 30-minute deadline, where the 2% term of the bound rules
 
 One stack (redis-server, sglang-sim at --time-scale, --workers workers x 16 in flight) and, per repeat, two runs
 of the mix of bench/mix_proportion.py (a, b, c, weights 1:1:2, mean lengths --lengths, default 1:4:8):
@@ -53,7 +55,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bench.harness import save_results, scratch, sim_args
-from bench.mix_proportion import Mix, Trace, build_mix, deviation, length_sim_args, run_produce
+from bench.mix_proportion import PROMPTS, Mix, Trace, build_mix, deviation, length_sim_args, run_produce
 from budget.keys import DatasetKeys
 from budget.payload import request_id
 from demo.appending import read_jsonl
@@ -239,8 +241,11 @@ def _text(value: bytes | str | None) -> str:
 
 def run_once(stack: Stack, work: Path, tok: Path, base: Mix, prefix: str, args: argparse.Namespace,
              deadline_in: float | None) -> tuple[dict[str, Any], Trace]:
-    """One produce of the mix named with ``prefix``; with ``deadline_in`` seconds, a --deadline that far ahead."""
+    """One produce of the mix named with ``prefix``: with ``deadline_in`` seconds, a --deadline that far ahead and
+    the budget --total; without, the calibration, whose budget is --calibration-total."""
     m = base.named(prefix)
+    if deadline_in is None and args.calibration_total:
+        args = argparse.Namespace(**{**vars(args), "total": args.calibration_total})
     extra: list[str] = []
     deadline = None
     if deadline_in is not None:
@@ -300,6 +305,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="calibration + deadline pairs (default %(default)s)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--total", type=int, default=600_000, help="the mix's total budget (default %(default)s)")
+    ap.add_argument("--calibration-total", type=int, default=None,
+                    help="the calibration's budget, when smaller than --total: R is a steady rate, so a long deadline "
+                         "run needs no calibration as long (default: --total)")
+    ap.add_argument("--prompts", type=int, default=PROMPTS,
+                    help="prompts in each of a, b, c: enough that none runs dry by the deadline (default %(default)s)")
     ap.add_argument("--fraction", type=float, default=0.6,
                     help="the deadline, as a fraction of the time the budget needs at the calibration run's steady "
                          "throughput (default %(default)s)")
@@ -320,7 +330,7 @@ def main() -> None:
     with scratch("deadline") as work:
         from demo.tokenizer import build_tokenizer
         tok = build_tokenizer(work / "tok", thinking="none")
-        base = build_mix(work, 0)
+        base = build_mix(work, 0, args.prompts)
         sim = sim_args(mean=args.mean, per_request_tps=100, saturation=64, time_scale=args.time_scale,
                        seed=args.seed, extra=["--context-length", "65536", "--request-log", str(work / "requests.jsonl"),
                                              *length_sim_args(tok, lengths)])
@@ -330,12 +340,14 @@ def main() -> None:
             for rep in range(args.repeats):
                 cal, cal_trace = run_once(stack, work, tok, base, f"cal{rep}", args, None)
                 tps = cal["steady_tokens_per_s"]
-                cal["needs_s"] = round(args.total / tps, 2)
+                cal["needs_s"] = round(args.total / tps, 2)  # --total's time at the calibration's rate
                 print(json.dumps(cal), flush=True)
                 row, _ = run_once(stack, work, tok, base, f"dl{rep}", args, args.fraction * cal["needs_s"])
                 row["predicted_at_deadline"] = round(tps * row["deadline_after_s"])
                 # the control: what the run without a deadline had committed as long after its start
-                row["calibration_at_same_time"] = used_at(cal_trace, cal["t0"] + row["deadline_after_s"])
+                # (none when a smaller --calibration-total ended before)
+                row["calibration_at_same_time"] = (used_at(cal_trace, cal["t0"] + row["deadline_after_s"])
+                                                   if cal["seconds"] >= row["deadline_after_s"] else None)
                 row["at_deadline_vs_predicted"] = round(row["tokens_at_deadline"] / row["predicted_at_deadline"], 4)
                 row["calibration"] = {k: cal[k] for k in ("run", "seconds", "total_used", "steady_tokens_per_s", "needs_s",
                                                           "thrown_away", "final_pp", "requests")}

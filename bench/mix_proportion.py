@@ -119,9 +119,9 @@ class Mix:
                 "--mix", ",".join(f"{n}={w:g}" for n, w in self.weights.items())]
 
 
-def build_mix(work: Path, dry: int) -> Mix:
-    """a, b, c with PROMPTS prompts each (and d with ``dry`` prompts when > 0), each saying its own marker."""
-    files = {n: write_prompts(work / f"{n}.jsonl", PROMPTS, prefix=marker(n)) for n in WEIGHTS}
+def build_mix(work: Path, dry: int, prompts: int = PROMPTS) -> Mix:
+    """a, b, c with ``prompts`` prompts each (and d with ``dry`` prompts when > 0), each saying its own marker."""
+    files = {n: write_prompts(work / f"{n}.jsonl", prompts, prefix=marker(n)) for n in WEIGHTS}
     weights: dict[str, float] = dict(WEIGHTS)
     if dry > 0:
         files[DRY] = write_prompts(work / f"{DRY}.jsonl", dry, prefix=marker(DRY))
