@@ -108,6 +108,9 @@ class DatasetRun:
     #: line's tok/s, the one ``produce status`` shows (producer/ops/status.py ``tokens_per_second``).
     stats: dict[str, str] = field(default_factory=dict)
     enqueued_samples: int = 0
+    #: How many samples at the front of ``todo`` came back from ended chunks: they go to the front of the RQ queue
+    #: too, ahead of chunks of later samples enqueued meanwhile (producer/session/loop.py ``_batches``).
+    returned: int = 0
     #: Conversations whose record on disk ended ``stopped_by: failed`` and that this run carries on (``reopen``):
     #: not done until their new record is collected, though the file holds an id for them.
     resuming: set[str] = field(default_factory=set)

@@ -168,14 +168,15 @@ def _sample(it: Item) -> dict[str, Any]:
 def enqueue_chunks(client: "redis.Redis", queue: Queue, dataset: str, chunks: Sequence[Sequence[Item]], *,
                    sampling_params: dict[str, Any], think: ThinkPayload | None,
                    settings: JobSettings, reasoning_parser: str = "none", compress: Executor | None = None,
-                   conversation: ConversationPayload | None = None) -> list[str]:
+                   conversation: ConversationPayload | None = None, at_front: bool = False) -> list[str]:
     """Enqueue ``chunks`` (lists of samples) for ``dataset`` in one MULTI/EXEC; returns their chunk ids in order.
 
     The payload is ``budget.payload.ChunkPayload`` on the wire; ``input_ids`` arrays are written as JSON arrays
     without becoming lists first. ``reasoning_parser`` names the parser the workers split the responses with (``none``: no split). With ``compress`` (a thread pool), each chunk's data is compressed there while
     the next chunks are serialized and the jobs built here. A sample with ``turns`` > 1 carries its ``messages`` and
     ``turns``, and its chunk carries ``conversation`` (what a worker needs to render the later turns: required
-    then, and left out of a chunk of one-turn samples)."""
+    then, and left out of a chunk of one-turn samples). ``at_front``: the chunks go to the front of the queue, in
+    their order (samples given back, which come before what is queued)."""
     if not chunks:
         return []
     store = RunState(client)
@@ -204,7 +205,7 @@ def enqueue_chunks(client: "redis.Redis", queue: Queue, dataset: str, chunks: Se
     with client.pipeline(transaction=True) as pipe:
         pipe.multi()  # explicit: RQ's enqueue_job puts a pipeline in MULTI mode itself unless it already is
         store.hold(pipe, dataset, ids, pending)
-        for job in jobs:
-            queue.enqueue_job(job, pipeline=pipe)
+        for job in reversed(jobs) if at_front else jobs:  # each at_front push goes before the one pushed before it
+            queue.enqueue_job(job, pipeline=pipe, at_front=at_front)
         pipe.execute()
     return ids

@@ -27,6 +27,7 @@ import math
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import redis
@@ -66,6 +67,12 @@ POPPED_OVERDUE_S = 3 * LEASE_MS / 1000
 #: After a Redis outage, leases are not reclaimed for one lease and this long: their workers are alive and
 #: refresh them as soon as they reach Redis again.
 OUTAGE_GRACE_S = 5.0
+
+
+def pop_chunk(todo: deque[str], returned: int, size: int) -> list[str]:
+    """Pop the next chunk's sample ids from the front of ``todo``: at most ``size``, and none past the ``returned``
+    front (samples given back) when there is one, so a chunk is all given back (to the queue's front) or all new."""
+    return [todo.popleft() for _ in range(min(size, returned or len(todo)))]
 
 
 class Producer:
@@ -238,6 +245,7 @@ class Producer:
             # To the front: every sample of a chunk came before the whole to-do list in the run's order, so a
             # budget still keeps the first prompts of the order (producer/settings.py).
             d.todo.extendleft(reversed(back))
+            d.returned += len(back)
         state = self.ledger.state(d.name)
         if state.used < d.out.total_tokens:
             # Redis restarted empty since the step began (the epoch check at its start saw the old Redis): say that,
@@ -306,6 +314,7 @@ class Producer:
             ended += 1
         if ended:
             gone = set(started) - d.stranded
+            d.returned = sum(1 for sid in islice(d.todo, d.returned) if sid not in gone)
             d.todo = deque(sid for sid in d.todo if sid not in gone)
             self.echo(f"{d.name}: {ended} started conversations ended with the turns they have (stopped_by budget): "
                       "the dataset closed after the worker carrying them stopped")
@@ -396,18 +405,21 @@ class Producer:
         whole batches, which its rerun finds live and does not enqueue again. Chunk data is compressed in a
         small thread pool while this thread serializes and builds the jobs (producer/session/enqueue.py)."""
         with ThreadPoolExecutor(COMPRESS_THREADS, thread_name_prefix="bq-zlib") as pool:
-            for chunks in self._batches(d, max_chunks, max_samples):
+            for chunks, front in self._batches(d, max_chunks, max_samples):
                 try:
                     settings = d.prepared.settings
                     cids = enqueue_chunks(self.r, self.queue, d.name, chunks, sampling_params=settings.chunk_params,
                                           think=settings.think, settings=self.opt.job, compress=pool,
                                           reasoning_parser=settings.reasoning_parser,
-                                          conversation=self.opt.conversation)
+                                          conversation=self.opt.conversation, at_front=front)
                 except BaseException:
                     # Not enqueued (or, after a lost EXEC reply, perhaps enqueued): the samples go back to the
                     # front of the to-do list either way. Enqueued twice is harmless: the holder hash names the
                     # newer chunk, so the older one's admits are refused, and done samples are skipped.
-                    d.todo.extendleft(reversed([it.id for items in chunks for it in items]))
+                    ids = [it.id for items in chunks for it in items]
+                    d.todo.extendleft(reversed(ids))
+                    if front:
+                        d.returned += len(ids)
                     raise
                 n = 0
                 for cid, items in zip(cids, chunks, strict=True):
@@ -417,26 +429,34 @@ class Producer:
                 if progress is not None:
                     progress(n)
 
-    def _batches(self, d: DatasetRun, max_chunks: int | None, max_samples: int | None) -> Iterator[list[list[Item]]]:
+    def _batches(self, d: DatasetRun, max_chunks: int | None,
+                 max_samples: int | None) -> Iterator[tuple[list[list[Item]], bool]]:
         """Pop ``d``'s to-do samples into chunks, one batch at a time: only the batch being sent exists as Items.
         Each chunk's size is ``chunk_size_for`` the to-do left (producer/session/enqueue.py): --chunk-size at most.
-        Items keep the prepared ``array``s; their JSON is written from the arrays (no Python int per token)."""
+        Items keep the prepared ``array``s; their JSON is written from the arrays (no Python int per token).
+
+        Yields (chunks, front). ``front``: the chunks hold only samples that came back (``d.returned``), which come
+        before every queued chunk in the run's order, so they go to the front of the queue: a budget closing
+        later keeps rounds and the order's first prompts (docs/generations.md). A batch never mixes the two."""
         p = d.prepared
         workers = listening_workers(self.queue)
         samples = len(d.todo) if max_samples is None else max_samples
         chunks_left = max_chunks
         while d.todo and samples > 0 and (chunks_left is None or chunks_left > 0):
             n_chunks = BATCH_CHUNKS if chunks_left is None else min(BATCH_CHUNKS, chunks_left)
+            front = d.returned > 0
             chunks: list[list[Item]] = []
-            while d.todo and samples > 0 and len(chunks) < n_chunks:
+            while d.todo and samples > 0 and len(chunks) < n_chunks and front == (d.returned > 0):
                 # --chunk-size is a maximum: chunks shrink as the to-do list runs out (no idle tail)
                 size = chunk_size_for(len(d.todo), self.opt.chunk_size, workers)
-                ids = [d.todo.popleft() for _ in range(min(size, len(d.todo), samples))]
+                ids = pop_chunk(d.todo, d.returned, min(size, samples))
                 samples -= len(ids)
+                if front:
+                    d.returned -= len(ids)
                 chunks.append([self._item(p, sid) for sid in ids])
             if chunks_left is not None:
                 chunks_left -= len(chunks)
-            yield chunks
+            yield chunks, front
 
     def _item(self, p: Prepared, key: str) -> Item:
         """The sample ``key``: its prompt's rendering, and what its generation sends differently from the chunk

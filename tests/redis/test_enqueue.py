@@ -20,6 +20,7 @@ import threading
 import time
 import zlib
 from array import array
+from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from producer.session.enqueue import (
     enqueue_chunks,
     make_queue,
 )
+from producer.session.loop import pop_chunk
 from tests.demo_data import CODE
 from tests.procs import produce, produce_cmd, read_jsonl
 from tests.rq_jobs import job_payloads, rq_reader
@@ -73,6 +75,28 @@ def test_job_data_is_standard_json_that_rq_reads(r: "redis.Redis") -> None:
     assert (job.timeout, job.result_ttl, job.failure_ttl) == (SETTINGS.job_timeout, SETTINGS.result_ttl,
                                                              SETTINGS.failure_ttl)
     assert job.get_status() == "queued" and job.origin == keys.QUEUE_NAME
+
+
+def test_chunks_at_front_go_before_the_queued_ones_in_their_order(r: "redis.Redis") -> None:
+    """Samples given back come before every queued chunk in the run's order (docs/generations.md, rounds): enqueued
+    ``at_front``, they are the next chunks a worker takes, first chunk first."""
+    queue = make_queue(r)
+    params = {"max_new_tokens": 8}
+    later = enqueue_chunks(r, queue, "ds", [[Item("c", [1], False)], [Item("d", [1], False)]],
+                           sampling_params=params, think=None, settings=SETTINGS)
+    back = enqueue_chunks(r, queue, "ds", [[Item("a", [1], False)], [Item("b", [1], False)]],
+                          sampling_params=params, think=None, settings=SETTINGS, at_front=True)
+    assert queue.get_job_ids() == back + later
+
+
+def test_a_chunk_is_all_given_back_samples_or_all_new_ones() -> None:
+    """The producer's refill keeps the given-back front of the to-do list in chunks of its own, which go to the
+    queue's front; the new samples after it go to the back as before."""
+    todo = deque(["a", "b", "c", "d", "e"])
+    assert pop_chunk(todo, 3, 2) == ["a", "b"]
+    assert pop_chunk(todo, 1, 2) == ["c"]
+    assert pop_chunk(todo, 0, 4) == ["d", "e"]
+    assert not todo
 
 
 def test_chunk_job_hash_is_rqs_own_but_for_the_zlib_level(r: "redis.Redis") -> None:
