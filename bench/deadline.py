@@ -1,8 +1,8 @@
 """Benchmark: a mix run stopped by its deadline (issue 27 §3, docs/mix.md "A deadline").
 
     python -m bench.deadline --repeats 2          # ~4 minutes a repeat; results in bench/results/deadline.json
-    python -m bench.deadline --total 19000000 --calibration-total 600000 --prompts 25000 --timeout 3600 \
-        --out deadline_long                       # a 30-minute deadline, where the 2% term of the bound rules
+    python -m bench.deadline --total 25700000 --calibration-total 600000 --prompts 35000 --timeout 4000 \
+        --out deadline_long                       # a 40-minute deadline: the bound's 2% term (48 s) rules
 
 One stack (redis-server, sglang-sim at --time-scale, --workers workers x 16 in flight) and, per repeat, two runs
 of the mix of bench/mix_proportion.py (a, b, c, weights 1:1:2, mean lengths --lengths, default 1:4:8):
