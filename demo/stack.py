@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -262,9 +263,25 @@ def terminate(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 15.0) -
             p.wait(5)
 
 
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exit_on_sigterm() -> Any:
+    """Make SIGTERM unwind the caller's ``with Stack(...)`` like Ctrl-C does, so that ``kill PID`` of a
+    benchmark or test stops its redis-server, simulators and workers instead of leaving them running (Python's
+    default for SIGTERM ends the process at once, no ``__exit__``). Only from the main thread and only over
+    the default handler: a caller that set its own keeps it. Returns the handler to restore, or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, _raise_system_exit)
+
+
 class Stack:
     """redis-server + sglang-sim (one or several) + N workers, all logging to WORKDIR/NAME.log. Use as a
-    context manager; everything stops on exit, workers first."""
+    context manager; everything stops on exit, workers first, also when SIGTERM ends the caller."""
 
     def __init__(self, workdir: Path, sim_args: Sequence[str] = (), workers: int = 2,
                  worker_env: dict[str, str] | None = None, sim_count: int = 1,
@@ -281,6 +298,7 @@ class Stack:
         self.sims: list[subprocess.Popen[bytes]] = []
         self.sim_urls: list[str] = []
         self.redis_url = ""
+        self._sigterm: Any = None  # the SIGTERM handler to put back on exit, when __enter__ replaced it
 
     def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Another process of the stack (a proxy, a router), stopped with it; ``env`` on top of this one's."""
@@ -357,11 +375,17 @@ class Stack:
         terminate([*self.workers, *[p for p in reversed(self.procs) if p not in self.workers]])
 
     def __enter__(self) -> "Stack":
+        self._sigterm = _exit_on_sigterm()
         try:
             return self.start()
         except BaseException:
-            self.stop()
+            self.__exit__()
             raise
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._sigterm is not None:
+                signal.signal(signal.SIGTERM, self._sigterm)
+                self._sigterm = None

