@@ -16,7 +16,7 @@ from budget import keys
 VERSION: Final = 4
 OTHER_VERSION: Final = "made by another budgetq version: finish it with that version, or start over with --new-run"
 
-#: The reasoning parsers a chunk may name (worker/reasoning.py parses with them; producer/parsers.py chooses one),
+#: The reasoning parsers a chunk may name (worker/reasoning.py parses with them; producer/settings.py chooses one),
 #: spelled as SGLang spells them: the word a user passes to ``sglang.launch_server --reasoning-parser``.
 REASONING_PARSERS: Final[tuple[str, ...]] = (
     "qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi", "kimi_k2", "gpt-oss", "none")

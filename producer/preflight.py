@@ -108,7 +108,7 @@ def check_out_dirs(out_dir: Path, names: Iterable[str]) -> None:
 
 def check_server_parsers(client: "redis.Redis", parser: str, *, warn: Callable[[str], None]) -> None:
     """Warn when a worker recorded a server launched with another --reasoning-parser (bq:server_info)."""
-    from producer.parsers import mismatches
+    from producer.settings import mismatches
     try:
         servers = serverinfo.load(client)
     except redis.RedisError:

@@ -267,7 +267,7 @@ def tools_ignored(renderer: Renderer, prepared: Prepared) -> Problem | None:
 def resolve_parser(choice: str, tokenizer: Any, renderer: Renderer) -> str:
     """``--reasoning-parser``: the name given, or for ``auto`` the one the tokenizer and template point to.
     Raises UsageError (exit 2) naming the candidates when detection is ambiguous."""
-    from producer.parsers import AUTO, AmbiguousParser, detect, evidence
+    from producer.settings import AUTO, AmbiguousParser, detect, evidence
     if choice != AUTO:
         return choice
     try:  # does the generation prompt open <think>? (qwen3 vs qwen3-thinking)
@@ -296,7 +296,7 @@ class Inputs:
         was checked against, and the parser's think markers when they are not the template's (Kimi)."""
         if not any(p.turns for p in self.prepared):
             return None
-        from producer.parsers import PARSER_MARKERS
+        from producer.settings import PARSER_MARKERS
         markers = PARSER_MARKERS[self.settings.reasoning_parser]
         think = self.renderer.think
         return {"tokenizer": str(self.settings.stored["tokenizer"]),
@@ -351,7 +351,7 @@ def load_inputs(s: RunSettings, *, echo: Callable[[str], None], warn: Callable[[
         renderer = Renderer(tok, chat_template_kwargs=kwargs)
     except RenderError as exc:
         raise UsageError(str(exc)) from None
-    from producer.parsers import AUTO, PARSER_MARKERS
+    from producer.settings import AUTO, PARSER_MARKERS
     parser = resolve_parser(s.reasoning_parser, tok, renderer)
     markers = PARSER_MARKERS[parser]
     opens_markers = markers if markers is not None and markers != renderer.think else None

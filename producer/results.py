@@ -312,7 +312,7 @@ def read_run_json(dataset_dir: Path) -> dict[str, Any]:
 
 
 def markers(settings: Mapping[str, Any]) -> tuple[str, str]:
-    from producer.parsers import PARSER_MARKERS
+    from producer.settings import PARSER_MARKERS
     parser_markers = PARSER_MARKERS.get(str(settings.get("reasoning_parser")))
     if parser_markers is not None and parser_markers.start != DEFAULT_THINK[0]:  # Kimi's ◁think▷
         return parser_markers.start, parser_markers.end

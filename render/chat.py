@@ -31,8 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal, Mapping, Sequence
 
-import jinja2
-
 from render import RenderError
 
 if TYPE_CHECKING:
@@ -117,6 +115,8 @@ def read_chat_template(path: str | Path) -> ChatTemplate:
 def _use_template(tokenizer: PreTrainedTokenizerBase, template: ChatTemplate) -> None:
     """Make ``template`` the tokenizer's only chat template, compiled now by transformers' own Jinja environment
     (its extensions, its sandbox), so a syntax error is an error naming the file before any prompt is rendered."""
+    import jinja2  # here, not at import: producer/settings.py imports ThinkMarkers, and `produce --help` no Jinja
+
     tokenizer.chat_template = template.text
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
@@ -353,6 +353,8 @@ class Renderer:
 
     def _apply(self, conversation: list[dict[str, Any]] | list[list[dict[str, Any]]], tools: Tools,
                generation_prompt: bool = True, *, tokenize: bool = True) -> Any:
+        import jinja2  # loaded with transformers already; see _use_template
+
         kwargs = self._kwargs if not tools else {**self._kwargs, "tools": [dict(t) for t in tools]}
         try:
             return self._tokenizer.apply_chat_template(

@@ -244,7 +244,7 @@ def _spec(family: str) -> tuple[str, tuple[str, ...], tuple[str, ...], str, list
         return _KIMI_VL, _KIMI_ROLE_TOKENS, _KIMI_THINK, IM_END, []
     if family == "kimi_k2":
         # The call-section markers are special tokens, as in Kimi-K2's own tokenizer: skip_special_tokens=true
-        # deletes them, so a run sends false (producer.parsers.skip_special_tokens_default, issue 25), as SGLang's
+        # deletes them, so a run sends false (producer.settings.skip_special_tokens_default, issue 25), as SGLang's
         # chat path does whenever tools are declared.
         return _KIMI_K2, _KIMI_ROLE_TOKENS + _KIMI_K2_TOOL_TOKENS, THINK_TOKENS, IM_END, []
     if family == "gpt-oss":

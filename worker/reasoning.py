@@ -131,7 +131,7 @@ _FORCED: Final = frozenset({"qwen3-thinking", "deepseek-r1"})
 #: stop token it matched, and its parsers take out only their own markers (KimiK2Detector's tool-call tokens), so
 #: one the model wrote without stopping on it (not a stop id of the server) would reach the answer, and a trainer
 #: rendering the turn would write the template's end of turn after it again. None is ever a parser's marker
-#: (producer/parsers.py ``PARSER_TEXT_MARKERS``, tests/unit/test_end_tokens.py); harmony's ``<|return|>`` and
+#: (producer/settings.py ``PARSER_TEXT_MARKERS``, tests/unit/test_end_tokens.py); harmony's ``<|return|>`` and
 #: ``<|call|>`` are gpt-oss's markers, read by ``parse_harmony``. ``none``: the family is unknown, so every family's.
 _FAMILY_ENDS: Final[dict[str, tuple[str, ...]]] = {
     "qwen3": ("<|im_end|>", "<|endoftext|>"),

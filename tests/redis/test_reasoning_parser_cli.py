@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from budget import keys
 from producer.cli import main
-from producer.parsers import AmbiguousParser, Evidence, detect, mismatches
 from producer.prepare import resolve_parser
+from producer.settings import AmbiguousParser, Evidence, detect, mismatches
 from render.chat import Renderer, load_tokenizer
 from tests.demo_data import TRACES
 from tests.exactly_once import check_exact

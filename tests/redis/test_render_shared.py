@@ -69,7 +69,7 @@ def test_worker_renders_the_producers_ids_from_redis(r: "redis.Redis", tmp_path:
 
 @pytest.mark.parametrize("family", ["qwen3", "deepseek-r1", "glm45", "kimi", "gpt-oss"])
 def test_model_families_render_alike_on_both_sides(r: "redis.Redis", tmp_path: Path, family: str) -> None:
-    from producer.parsers import PARSER_MARKERS
+    from producer.settings import PARSER_MARKERS
     directory = build_family_tokenizer(tmp_path / family, family)
     markers = PARSER_MARKERS[family]  # kimi's ◁think▷: opens_think looks for the parser's markers, as produce does
     producer = Renderer(load_tokenizer(directory), opens_markers=markers)

@@ -14,7 +14,7 @@ import pytest
 
 from budget.payload import ChunkPayload, SamplePayload
 from producer.export.writer import ExportOptions, export_dataset
-from producer.parsers import PARSER_TEXT_MARKERS, special_markers
+from producer.settings import PARSER_TEXT_MARKERS, special_markers
 from render.chat import Renderer, load_tokenizer
 from tests.exports import write_dataset
 from tests.families import FAMILIES, build_family_tokenizer

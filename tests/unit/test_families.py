@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from producer.parsers import skip_special_tokens_default
+from producer.settings import skip_special_tokens_default
 from render.chat import Renderer, load_tokenizer
 from tests.families import FAMILIES, build_family_tokenizer
 from worker.reasoning import parse_turn, skip_special_tokens_for
