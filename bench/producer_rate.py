@@ -199,7 +199,7 @@ PRODUCE_CATEGORIES = [
     ("settings fingerprint", ("fingerprint (render/chat.py",)),
     ("read + validate", ("(producer/inputs/reader.py", "(producer/inputs/records.py")),
     ("prepare: select, to arrays", ("prepare (producer/prepare.py",)),
-    ("attach (Redis checks, reconcile)", ("(producer/session/attach.py", "check_redis (producer/preflight.py")),
+    ("attach (Redis checks, reconcile)", ("(producer/session/attach.py", "check_redis (producer/launch.py")),
 ]
 
 

@@ -56,7 +56,7 @@ CPU: tests/fixtures/sglang_real/out_of_vocab.json). Ids in the padding are serve
 that does not match the served model would take every server of a run down, one after the other, as the chunks
 are retried. Every id at or above ``vocab_size`` is refused:
 
-- ``produce`` (producer/preflight.py) checks every rendered prompt id against the model's vocabulary before Redis is
+- ``produce`` (producer/launch.py) checks every rendered prompt id against the model's vocabulary before Redis is
   touched (the tokenizer directory's config.json ``vocab_size``, `config_vocab`), and again at attach against
   what the servers say of themselves (``vocab_size`` in the /server_info the workers recorded, `servers_vocab`;
   SGLang 0.5.23 reports none, the simulator does with --vocab-size): exit 2 naming the dataset, the sample, the
@@ -86,7 +86,7 @@ from budget.connection import redis_now
 
 #: What is kept of /get_server_info: what identifies the model and the engine, never the whole dict.
 #: ``context_length`` (a server argument: null unless set) and the scheduler's ``max_total_num_tokens`` (KV cache
-#: size) and ``max_req_input_len`` are the limits SGLang enforces per request (producer/preflight.py server_context).
+#: size) and ``max_req_input_len`` are the limits SGLang enforces per request (producer/launch.py server_context).
 SERVER_INFO_KEYS: Final = (
     "version", "model_path", "served_model_name", "tokenizer_path", "revision", "dtype", "quantization",
     "kv_cache_dtype", "context_length", "max_total_num_tokens", "max_req_input_len", "tp_size", "dp_size",

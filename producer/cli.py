@@ -23,7 +23,7 @@ from budget import logs
 from budget.payload import REASONING_PARSERS
 from budget.urls import DEFAULT_SGLANG_URL
 from producer.errors import ProduceError, UsageError
-from producer.preflight import connect
+from producer.launch import connect
 from producer.settings import DEFAULT_SEED, ORDERS
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -105,7 +105,7 @@ def server_info(cfg: SimConfig, stats: EngineStats) -> dict[str, Any]:
         "tokenizer_path": cfg.tokenizer,
         "max_running_requests": cfg.max_running,
         # What budgetq (budget/serverinfo.py) and SGLang's router read, with 0.5.23's types. No KV-cache limit is
-        # modelled: max_total_num_tokens never binds (producer/preflight.py reads it as a per-request cap).
+        # modelled: max_total_num_tokens never binds (producer/launch.py reads it as a per-request cap).
         "max_total_num_tokens": cfg.context_length * cfg.max_running,
         "max_req_input_len": cfg.context_length - 6,
         "tp_size": 1, "dp_size": 1, "random_seed": cfg.seed, "reasoning_parser": None, "tool_call_parser": None,

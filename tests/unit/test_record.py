@@ -9,7 +9,7 @@ import pytest
 
 from budget import record, serverinfo
 from budget.payload import VERSION, ChunkPayload, SamplePayload
-from producer.preflight import seed_warning
+from producer.launch import seed_warning
 from producer.settings import skip_special_tokens_default
 from worker.sglang import GenerateError, parse_generation
 from worker.trip import result_record

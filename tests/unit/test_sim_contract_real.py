@@ -38,13 +38,13 @@ KNOWN: dict[tuple[str, str], str] = {
     ("*", "meta_info.cached_tokens_details"): "{device, host} once a prefix is cached, null before, as the engine; "
                                               "a replayed request meets the simulator's cold cache",
     ("get_server_info", "context_length"): "the engine reports its --context-length argument (null unless set); "
-                                           "the simulator its context, which producer/preflight.py reads",
+                                           "the simulator its context, which producer/launch.py reads",
     ("get_server_info", "max_running_requests"): "the engine reports its argument (null unless set); the "
                                                  "simulator its --max-running",
     ("server_info", "max_running_requests"): "the engine reports its argument (null unless set); the simulator "
                                              "its --max-running",
     ("server_info", "context_length"): "the engine reports its --context-length argument (null unless set); "
-                                       "the simulator its context, which producer/preflight.py reads",
+                                       "the simulator its context, which producer/launch.py reads",
 }
 #: Errors whose engine message is pydantic's dump of the request, with the server's file paths: compared by shape
 #: and by the phrase both must say.
@@ -225,7 +225,7 @@ def test_model_info_has_the_engines_keys(name: str) -> None:
     run(check)
 
 
-#: What budgetq (budget/serverinfo.py SERVER_INFO_KEYS, producer/preflight.py) and SGLang's router read of
+#: What budgetq (budget/serverinfo.py SERVER_INFO_KEYS, producer/launch.py) and SGLang's router read of
 #: /server_info: these must be there with the engine's types. The engine's other ~500 keys are server arguments
 #: the simulator has no counterpart for (KNOWN).
 SERVER_INFO_READ = ("version", "model_path", "served_model_name", "tokenizer_path", "context_length",
