@@ -82,7 +82,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import redis
 
 from budget import keys
-from budget.connection import redis_now
+from budget.runtime import redis_now
 
 #: What is kept of /get_server_info: what identifies the model and the engine, never the whole dict.
 #: ``context_length`` (a server argument: null unless set) and the scheduler's ``max_total_num_tokens`` (KV cache

@@ -19,7 +19,7 @@ from typing import Any, Callable, TypeVar
 
 import click
 
-from budget import logs
+from budget import runtime
 from budget.payload import REASONING_PARSERS
 from budget.urls import DEFAULT_SGLANG_URL
 from producer.errors import ProduceError, UsageError
@@ -79,7 +79,7 @@ def opt(*decls: str, **kwargs: Any) -> Callable[[F], F]:
 
 def log_options(f: F) -> F:
     """--verbose and --log-format, for the commands that report progress on stderr."""
-    f = opt("--log-format", type=click.Choice(logs.FORMATS), default="text", show_default=True,
+    f = opt("--log-format", type=click.Choice(runtime.FORMATS), default="text", show_default=True,
             help="Progress and event messages on stderr: text, or one JSON object per line (ts, level, logger, "
                  "msg and the event's fields).")(f)
     return opt("--verbose", "-v", is_flag=True, help="Also print debug messages.")(f)
@@ -89,7 +89,7 @@ def _setup_logging(log_format: str, verbose: bool = False, quiet: bool = False) 
     if verbose and quiet:
         raise UsageError("--verbose and --quiet exclude each other")
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
-    logs.configure("budgetq", fmt=log_format, level=level)
+    runtime.configure_logs("budgetq", fmt=log_format, level=level)
     _LOG["json"] = log_format == "json"
 
 
@@ -115,7 +115,7 @@ def _redis_url(ctx: click.Context, param: click.Parameter, value: str | None) ->
         try:
             redis.ConnectionPool.from_url(value)
         except ValueError as exc:
-            raise click.BadParameter(f"{logs.redact(value)}: {exc}", ctx=ctx, param=param) from None
+            raise click.BadParameter(f"{runtime.redact(value)}: {exc}", ctx=ctx, param=param) from None
     return value
 
 
@@ -281,8 +281,8 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
                 screen = status_text(client, rows)
             except redis.RedisError as exc:  # --watch outlives a Redis restart; a single look reports it
                 if not watch:
-                    raise ProduceError(f"Redis at {logs.redact(redis_url)}: {exc}") from None
-                click.echo("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + logs.redact(redis_url)
+                    raise ProduceError(f"Redis at {runtime.redact(redis_url)}: {exc}") from None
+                click.echo("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + runtime.redact(redis_url)
                            + f"\nRedis unreachable ({exc}); retrying every {interval:g} s", err=as_json)
                 time.sleep(interval)
                 continue
@@ -291,7 +291,7 @@ def status_cmd(names: tuple[str, ...], redis_url: str, watch: bool, interval: fl
             else:
                 text = screen
             if watch and not as_json:
-                click.echo("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + logs.redact(redis_url) + "\n" + text)
+                click.echo("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + runtime.redact(redis_url) + "\n" + text)
             else:
                 click.echo(text)
             if not watch:
@@ -346,7 +346,7 @@ def servers_cmd(redis_url: str, as_json: bool) -> None:
     try:
         view = read_view(connect(redis_url))
     except redis.RedisError as exc:
-        raise ProduceError(f"Redis at {logs.redact(redis_url)}: {exc}") from None
+        raise ProduceError(f"Redis at {runtime.redact(redis_url)}: {exc}") from None
     click.echo(json.dumps(view.as_dict(), indent=2) if as_json else servers_table(view))
 
 
@@ -392,7 +392,7 @@ def metrics_cmd(redis_url: str, host: str, port: int, verbose: bool, log_format:
     def ready(server: MetricsServer) -> None:
         bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
         log.info("serving http://%s:%d/metrics (Redis %s); Ctrl-C stops", bound_host, bound_port,
-                 logs.redact(redis_url), extra={"url": f"http://{bound_host}:{bound_port}/metrics"})
+                 runtime.redact(redis_url), extra={"url": f"http://{bound_host}:{bound_port}/metrics"})
 
     try:
         serve_metrics(client, host=host, port=port, on_ready=ready)
@@ -429,7 +429,7 @@ def dashboard_cmd(redis_url: str, host: str, port: int, username: str | None, pa
     def ready(bound_host: str, bound_port: int) -> None:
         url = f"http://{bound_host}:{bound_port}{url_prefix.rstrip('/')}/"
         log.info("serving rq-dashboard at %s (Redis %s, JSON serializer, %s); Ctrl-C stops", url,
-                 logs.redact(redis_url), "basic auth" if username else "no auth", extra={"url": url})
+                 runtime.redact(redis_url), "basic auth" if username else "no auth", extra={"url": url})
 
     try:
         serve(app, host, port, on_ready=ready)

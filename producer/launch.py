@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import redis
 
-from budget import connection, logs, serverinfo
+from budget import runtime, serverinfo
 from budget.serverinfo import Vocab, check_prompts, config_vocab, servers_vocab, smallest
 from producer.errors import ProduceError, UsageError
 from producer.prepare import Inputs
@@ -188,14 +188,14 @@ if TYPE_CHECKING:
 
 
 def connect(redis_url: str) -> "redis.Redis":
-    """A client for ``redis_url`` (budget/connection.py: short explicit timeouts, not redis-py's defaults), pinged
+    """A client for ``redis_url`` (budget/runtime.py: short explicit timeouts, not redis-py's defaults), pinged
     once so that a wrong URL is one clear error (exit 1) now rather than a traceback later."""
-    client = connection.connect(redis_url)
+    client = runtime.connect(redis_url)
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise ProduceError(f"cannot reach Redis at {logs.redact(redis_url)}: {exc}") from None
-    log.debug("connected to Redis at %s", logs.redact(redis_url), extra={"redis": logs.redact(redis_url)})
+        raise ProduceError(f"cannot reach Redis at {runtime.redact(redis_url)}: {exc}") from None
+    log.debug("connected to Redis at %s", runtime.redact(redis_url), extra={"redis": runtime.redact(redis_url)})
     return client
 
 

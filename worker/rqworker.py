@@ -49,8 +49,8 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import BaseWorker, SimpleWorker
 
-from budget import connection as budget_connection
-from budget import logs
+from budget import runtime
+from budget import runtime as budget_connection
 from budget.ledger import REDIS_DOWN, Ledger
 from budget.payload import JOB_FUNCTION, OTHER_VERSION, REASONING_PARSERS, VERSION, ChunkPayload
 from worker.config import WorkerConfig
@@ -74,23 +74,23 @@ UNSUBSCRIBE_WAIT_S = 5
 def _setup_logging() -> None:
     """rq configures its own logger only; give budgetq's messages a handler of their own, once.
 
-    BUDGETQ_LOG_FORMAT=json makes every line of the worker one JSON object (budget/logs.py): budgetq's, rq's own
+    BUDGETQ_LOG_FORMAT=json makes every line of the worker one JSON object (budget/runtime.py): budgetq's, rq's own
     (its handlers are given the same formatter) and anything else that reaches the root logger (other libraries'
     warnings, Python warnings). An invalid value stops the worker at start, naming the variable."""
-    fmt = logs.parse_format(os.environ.get("BUDGETQ_LOG_FORMAT"))
+    fmt = runtime.parse_format(os.environ.get("BUDGETQ_LOG_FORMAT"))
     level = os.environ.get("BUDGETQ_LOG_LEVEL", "INFO").strip().upper() or "INFO"
     if not isinstance(logging.getLevelName(level), int):
         raise ValueError(f"BUDGETQ_LOG_LEVEL={level!r}: expected DEBUG, INFO, WARNING or ERROR")
     root = logging.getLogger("budgetq")
     if root.handlers:
         return
-    logs.configure("budgetq", fmt=fmt, level=level,
-                   text=logs.TextFormatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S"))
+    runtime.configure_logs("budgetq", fmt=fmt, level=level,
+                   text=runtime.TextFormatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S"))
     if fmt == "json":
         for handler in logging.getLogger("rq.worker").handlers:
-            handler.setFormatter(logs.JsonFormatter())
+            handler.setFormatter(runtime.JsonFormatter())
         if not logging.getLogger().handlers:
-            logs.configure("", fmt="json", level=logging.WARNING)
+            runtime.configure_logs("", fmt="json", level=logging.WARNING)
             logging.captureWarnings(True)
 
 
@@ -357,7 +357,7 @@ class Runtime:
                  heartbeat: Callable[[], None] | None = None,
                  on_fault: Callable[[str], None] | None = None, name: str | None = None) -> None:
         self.config = config
-        # A pool of its own, with short timeouts (budget/connection.py), not RQ's: RQ sets 415 s on its pool for
+        # A pool of its own, with short timeouts (budget/runtime.py), not RQ's: RQ sets 415 s on its pool for
         # its blocking dequeue, and a ledger call stuck that long on a silent connection outlives every lease.
         # The loop's ledger calls, the RQ heartbeat and the server-info thread use it; RQ's main thread does not.
         self.redis = budget_connection.like(connection)

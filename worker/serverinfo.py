@@ -32,7 +32,7 @@ class ServerInfoReporter:
     def __init__(self, connection: "redis.Redis", config: WorkerConfig, *, host: str | None = None,
                  refresh_s: float = serverinfo.REFRESH_S, first_retry_s: float = FIRST_RETRY_S,
                  on_router: Callable[[str], None] | None = None) -> None:
-        # The worker's short-timeout pool (budget/connection.py), never RQ's: a silent connection costs this
+        # The worker's short-timeout pool (budget/runtime.py), never RQ's: a silent connection costs this
         # thread seconds, not RQ's 415 s. A pool hands each thread its own connection.
         self.r = redis.Redis(connection_pool=connection.connection_pool)
         self.servers = config.servers

@@ -17,7 +17,7 @@ import redis
 from rq import Queue, Worker
 
 from budget import keys, serverinfo
-from budget.connection import redis_now
+from budget.runtime import redis_now
 from budget.serverinfo import utc_iso
 
 WORKER_COMMAND = "rq worker -w worker.Worker -c worker.settings"

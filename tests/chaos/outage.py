@@ -18,7 +18,7 @@ from tests.chaos.audit import rounded as _r
 from tests.chaos.redis_faults import REDIS_DOWN_TB, _done
 from tests.chaos.run import ChaosStack, Ctx, Watch
 
-#: What a worker logs when a Redis connection went silent or away: budget/connection.py's timeout warning,
+#: What a worker logs when a Redis connection went silent or away: budget/runtime.py's timeout warning,
 #: the dispatcher's wait for Redis, or rq's own dequeue retry.
 LOST_CONNECTION = r"did not answer within|Redis unavailable|could not connect to Redis|Redis error in the work loop"
 #: rq's own tracebacks when it loses Redis, and the socket timeout chained under redis-py's TimeoutError.

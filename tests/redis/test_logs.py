@@ -1,6 +1,6 @@
 """Logs: one line per event, text or JSON (BUDGETQ_LOG_FORMAT / --log-format), levels, --verbose and --quiet.
 
-The formatter (budget/logs.py) is checked on records; the worker as ``rq worker`` runs it (every line of its
+The formatter (budget/runtime.py) is checked on records; the worker as ``rq worker`` runs it (every line of its
 output one JSON object: budgetq's, rq's own, the server-info reporter's with its fields); ``produce`` as a user
 runs it, JSON with debug lines, then text again with --quiet and --verbose on the finished run.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from budget import logs
+from budget import runtime
 from producer.cli import main
 from sglang_sim.responses import VERSION
 from tests.demo_data import GLAIVE
@@ -38,30 +38,30 @@ def record(msg: str, *args: Any, level: int = logging.INFO, exc: bool = False, *
 
 
 def test_json_lines_hold_ts_level_logger_msg_and_the_extra_fields() -> None:
-    line = logs.JsonFormatter().format(record("%s: %d samples", "ds", 3, dataset="ds", samples=[1, 2],
+    line = runtime.JsonFormatter().format(record("%s: %d samples", "ds", 3, dataset="ds", samples=[1, 2],
                                               path=Path("/tmp/x")))
     assert "\n" not in line
     event = json.loads(line)
     assert TS.fullmatch(event.pop("ts"))
     assert event == {"level": "info", "logger": "budgetq.test", "msg": "ds: 3 samples", "dataset": "ds",
                      "samples": [1, 2], "path": "/tmp/x"}
-    failed = json.loads(logs.JsonFormatter().format(record("failed", level=logging.ERROR, exc=True)))
+    failed = json.loads(runtime.JsonFormatter().format(record("failed", level=logging.ERROR, exc=True)))
     assert failed["level"] == "error" and "Traceback" in failed["exc"] and "RuntimeError: boom" in failed["exc"]
 
 
 def test_url_passwords_are_masked_in_every_format() -> None:
     rec = record("cannot reach Redis at %s", "rediss://budgetq:s3cr%2Ft@redis.internal:6379/0", exc=True,
                  url="redis://:hunter2@h:1/0")
-    for formatter in (logs.JsonFormatter(), logs.TextFormatter("%(message)s"), logs.PlainFormatter()):
+    for formatter in (runtime.JsonFormatter(), runtime.TextFormatter("%(message)s"), runtime.PlainFormatter()):
         text = formatter.format(rec)
         assert "s3cr" not in text and "hunter2" not in text, text
         assert "rediss://budgetq:***@redis.internal:6379/0" in text
-    assert logs.redact("http://10.0.0.5:30000/a@b and http://h:30000") == "http://10.0.0.5:30000/a@b and http://h:30000"
+    assert runtime.redact("http://10.0.0.5:30000/a@b and http://h:30000") == "http://10.0.0.5:30000/a@b and http://h:30000"
 
 
 def test_plain_text_is_the_message_and_debug_lines_say_so() -> None:
-    assert logs.PlainFormatter().format(record("ds: 3 samples ready")) == "ds: 3 samples ready"
-    assert logs.PlainFormatter().format(record("connected", level=logging.DEBUG)) == "debug: connected"
+    assert runtime.PlainFormatter().format(record("ds: 3 samples ready")) == "ds: 3 samples ready"
+    assert runtime.PlainFormatter().format(record("connected", level=logging.DEBUG)) == "debug: connected"
 
 
 def test_cli_log_options(tmp_path: Path) -> None:

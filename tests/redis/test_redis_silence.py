@@ -18,7 +18,7 @@ from typing import Any, Callable
 import pytest
 import redis
 
-from budget import connection, keys
+from budget import keys, runtime
 from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload
 from demo.stack import RedisServer
@@ -31,7 +31,7 @@ from worker.rqworker import Runtime
 N = 48
 #: How long Redis stays frozen at least: past the ledger's socket timeout, so that a Redis call made on the
 #: loop would show as a stall of that length.
-FROZEN_S = connection.SOCKET_TIMEOUT_S + 2
+FROZEN_S = runtime.SOCKET_TIMEOUT_S + 2
 
 
 def _chunk(r: "redis.Redis", dataset: str, n: int) -> ChunkPayload:
@@ -123,12 +123,12 @@ def test_the_loop_reads_responses_while_redis_is_frozen(tmp_path: Path, sim_fact
 
 
 def test_a_silent_connection_is_dropped_and_the_call_resent(redis_server: RedisServer) -> None:
-    """budget/connection.py's settings against a black hole (tests/chaos/blackhole.py): the call on the silenced
+    """budget/runtime.py's settings against a black hole (tests/chaos/blackhole.py): the call on the silenced
     connection times out, is resent on a new one and succeeds, and the log says what happened."""
     from tests.chaos.blackhole import BlackHole
     with BlackHole(redis_server.port) as hole:
         url = f"redis://127.0.0.1:{hole.port}/0"
-        client = connection.connect(url)
+        client = runtime.connect(url)
         assert client.ping()
         plain = redis.Redis.from_url(url, socket_timeout=1)
         assert plain.ping()
@@ -149,15 +149,15 @@ def test_a_silent_connection_is_dropped_and_the_call_resent(redis_server: RedisS
         # A timed promise no event can stand for (docs/decisions.md, "The ledger has its own Redis pool"): a silent
         # connection costs one socket timeout, not less (the timeout is ours) and not much more (the call is resent
         # long before a 20 s lease lapses). The upper bound leaves 5 s to a resend that takes milliseconds.
-        assert connection.SOCKET_TIMEOUT_S - 0.5 <= took < connection.SOCKET_TIMEOUT_S + 5
+        assert runtime.SOCKET_TIMEOUT_S - 0.5 <= took < runtime.SOCKET_TIMEOUT_S + 5
         assert any("did not answer within" in m for m in warned), warned
         assert redis.Redis.from_url(redis_server.url).get("silence-test") == b"1"
 
 
 def test_the_worker_pool_copies_the_server_not_the_timeouts(redis_server: RedisServer) -> None:
     rq_like = redis.Redis.from_url(redis_server.url.replace("/0", "/3"), socket_timeout=415)
-    own = connection.like(rq_like)
+    own = runtime.like(rq_like)
     kw = own.connection_pool.connection_kwargs
-    assert (kw["port"], kw["db"], kw["socket_timeout"]) == (redis_server.port, 3, connection.SOCKET_TIMEOUT_S)
-    assert kw["socket_keepalive"] and kw["health_check_interval"] == connection.HEALTH_CHECK_INTERVAL_S
+    assert (kw["port"], kw["db"], kw["socket_timeout"]) == (redis_server.port, 3, runtime.SOCKET_TIMEOUT_S)
+    assert kw["socket_keepalive"] and kw["health_check_interval"] == runtime.HEALTH_CHECK_INTERVAL_S
     assert own.connection_pool is not rq_like.connection_pool and own.ping()
