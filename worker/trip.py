@@ -180,7 +180,7 @@ class RequestContext:
         self.fault(fault, log_extra or {})
 
     def tokenizer_fault(self, rc: RunningChunk, message: str) -> None:
-        """The run's tokenizer files cannot be had or do not give the run's fingerprint (worker/tokenizer_cache.py):
+        """The run's tokenizer files cannot be had or do not give the run's fingerprint (worker/turns.py):
         every later turn this worker renders would be wrong alike, so it is the worker's fault, handled as a
         refused key."""
         self.give_back(rc, f"cannot render later turns of conversations: {message}; {_GIVING_BACK}")

@@ -175,7 +175,7 @@ def share_tokenizer(client: "redis.Redis", tokenizer: str | Path, fingerprint: s
                     chat_template: ChatTemplate | None = None) -> int:
     """Store the tokenizer files of ``tokenizer`` (``--tokenizer``: a directory, or a hub id's cached snapshot)
     under ``fingerprint`` (the run's ``Renderer.fingerprint()``), for the workers that render a conversation's
-    later turns (worker/tokenizer_cache.py loads them and checks the fingerprint; a GPU host has no
+    later turns (worker/turns.py loads them and checks the fingerprint; a GPU host has no
     ``--tokenizer``); a ``--chat-template`` goes as their chat_template.jinja. Returns the files newly stored (0: stored by an earlier run). Raises UsageError (exit 2)
     naming the directory (missing files, over the size limit)."""
     try:

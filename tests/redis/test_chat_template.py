@@ -24,8 +24,8 @@ from producer.settings import ALL, CHAT_TEMPLATE, CHAT_TEMPLATE_PATH
 from render.chat import Renderer, load_tokenizer, read_chat_template
 from tests.chats import DS, SIM_ARGS, options, write_dataset
 from tests.producers import run_settings
-from worker import tokenizer_cache
-from worker.tokenizer_cache import renderer_for
+from worker import turns
+from worker.turns import renderer_for
 
 MARKER = "[[tpl]]"
 #: A Qwen-style template that writes MARKER into every message header: any prompt rendered with it shows it.
@@ -98,7 +98,7 @@ def test_a_worker_renders_a_later_turn_with_the_files_template(r: "redis.Redis",
     path = template_file(tmp_path)
     inputs = inputs_for(tmp_path, tokenizer_dir, "--chat-template", str(path))
     attach(r, tmp_path, inputs, tokenizer_dir, path).release()
-    tokenizer_cache.forget()
+    turns.forget()
     fp = str(inputs.settings.stored["tokenizer"])
     worker = renderer_for(r, fp, root=tmp_path / "worker-cache")
     assert worker.fingerprint() == fp
@@ -110,7 +110,7 @@ def test_a_worker_renders_a_later_turn_with_the_files_template(r: "redis.Redis",
     assert text.count(MARKER) == len(later)
     assert MARKER not in Renderer(load_tokenizer(tokenizer_dir)).tokenizer.decode(
         Renderer(load_tokenizer(tokenizer_dir)).render(later).input_ids, skip_special_tokens=False)
-    tokenizer_cache.forget()
+    turns.forget()
 
 
 def test_a_tokenizer_without_a_template_renders_with_the_file(r: "redis.Redis", tmp_path: Path,
@@ -127,12 +127,12 @@ def test_a_tokenizer_without_a_template_renders_with_the_file(r: "redis.Redis", 
     path = template_file(tmp_path)
     inputs = inputs_for(tmp_path, tok, "--chat-template", str(path))
     attach(r, tmp_path, inputs, tok, path).release()
-    tokenizer_cache.forget()
+    turns.forget()
     worker = renderer_for(r, str(inputs.settings.stored["tokenizer"]), root=tmp_path / "worker-cache")
     later = plan(inputs.prepared[0].prompts["two"].sample.messages)[1].context
     assert worker.render(later) == inputs.renderer.render(later)
     assert MARKER in worker.tokenizer.decode(worker.render(later).input_ids, skip_special_tokens=False)
-    tokenizer_cache.forget()
+    turns.forget()
 
 
 @pytest.mark.parametrize("content, reason", [
@@ -197,4 +197,4 @@ def test_produce_and_export_use_the_file_on_real_workers(redis_url: str, tokeniz
     assert "re-rendered prompt differs" not in exported.stderr
     rows = read_jsonl(tmp_path / "tokens.jsonl")
     assert len(rows) == 6  # every turn of every conversation: 1 + 2 + 3
-    assert list((worker_tmp / tokenizer_cache.CACHE_DIR_NAME).iterdir())  # the worker did load the shared files
+    assert list((worker_tmp / turns.CACHE_DIR_NAME).iterdir())  # the worker did load the shared files

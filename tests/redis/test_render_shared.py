@@ -22,8 +22,8 @@ from render.chat import Renderer, load_tokenizer
 from tests.families import build_family_tokenizer
 from tests.procs import produce_cmd, read_jsonl
 from tests.replies import raw
-from worker import tokenizer_cache
-from worker.tokenizer_cache import TokenizerFault, TokenizerMismatch, renderer_for
+from worker import turns
+from worker.turns import TokenizerFault, TokenizerMismatch, renderer_for
 
 ROOT = Path(__file__).resolve().parents[2]
 #: A 3-turn conversation, rendered before its third user turn: system, three user turns, two answers, a tool call.
@@ -42,9 +42,9 @@ CONVERSATION: list[dict[str, Any]] = [
 
 @pytest.fixture(autouse=True)
 def fresh_cache() -> Iterator[None]:
-    tokenizer_cache.forget()
+    turns.forget()
     yield
-    tokenizer_cache.forget()
+    turns.forget()
 
 
 def _store(client: "redis.Redis", directory: Path, kwargs: dict[str, Any] | None = None) -> Renderer:
@@ -99,9 +99,9 @@ def test_the_cache_is_under_tmpdir_and_private(r: "redis.Redis", tmp_path: Path,
     directory = build_tokenizer(tmp_path / "tok", thinking="open")
     fp = _store(r, directory).fingerprint()
     renderer_for(r, fp)
-    root = tmp_path / tokenizer_cache.CACHE_DIR_NAME
+    root = tmp_path / turns.CACHE_DIR_NAME
     assert (root / fp / "tokenizer.json").is_file() and root.stat().st_mode & 0o777 == 0o700
-    tokenizer_cache.forget()
+    turns.forget()
     root.chmod(0o777)  # what another user's directory in a shared /tmp would look like
     with pytest.raises(TokenizerFault, match="not a directory this worker owns"):
         renderer_for(r, fp)
@@ -126,7 +126,7 @@ def test_tampered_files_are_a_mismatch(r: "redis.Redis", tmp_path: Path) -> None
     with pytest.raises(TokenizerMismatch, match=f"not the run's {fp[:12]}"):
         renderer_for(r, fp, root=tmp_path / "cache")
     # Another template's kwargs are another fingerprint too, and a fault of the same kind.
-    tokenizer_cache.forget()
+    turns.forget()
     r.delete(key)
     _store(r, directory)
     with pytest.raises(TokenizerMismatch):
@@ -138,7 +138,7 @@ def test_a_damaged_local_copy_is_fetched_again(r: "redis.Redis", tmp_path: Path)
     producer = _store(r, directory)
     root = tmp_path / "cache"
     renderer_for(r, producer.fingerprint(), root=root)
-    tokenizer_cache.forget()  # a new worker process, same machine
+    turns.forget()  # a new worker process, same machine
     (root / producer.fingerprint() / "tokenizer_config.json").write_text("{}", encoding="utf-8")
     again = renderer_for(r, producer.fingerprint(), root=root)
     assert again.render(CONVERSATION) == producer.render(CONVERSATION)
@@ -215,5 +215,5 @@ def test_a_single_turn_run_never_imports_transformers_in_the_worker(
     loaded = json.loads(modules.read_text(encoding="utf-8"))  # missing: the hook never ran, the check proves nothing
     assert "worker.dispatch" in loaded and "rq.worker" in loaded  # it is the worker that served the run
     assert not [m for m in loaded if m == "transformers" or m.startswith("transformers.")]
-    assert "render.chat" not in loaded and "worker.tokenizer_cache" not in loaded
+    assert "render.chat" not in loaded and "render.tokfiles" not in loaded
     assert not r.keys("bq:tok:*")  # a single-turn run stores no tokenizer files

@@ -24,7 +24,7 @@ from render.chat import Renderer, load_tokenizer
 from tests.dispatcher import dispatcher, until
 from tests.procs import sim_stats
 from tests.replies import entries, raw
-from worker import tokenizer_cache
+from worker import turns
 
 DS = "conv"
 SIM_ARGS = ("--tokens-per-second-per-request", "2000", "--prefix-cache-pages", "0", "--prefill-tokens-per-second", "0",
@@ -48,7 +48,7 @@ def renderer(tokenizer_dir: Path, r: "redis.Redis", tmp_path: Path, monkeypatch:
     rend = Renderer(load_tokenizer(tokenizer_dir))
     share_tokenizer(r, tokenizer_dir, rend.fingerprint())
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the worker's tokenizer cache: this test's own
-    tokenizer_cache.forget()
+    turns.forget()
     return rend
 
 
@@ -129,7 +129,7 @@ def test_every_turn_is_generated_on_the_models_own_history(r: "redis.Redis", red
 
 
 def renderer_dir(rend: Renderer) -> Path:
-    return tokenizer_cache.cache_root() / rend.fingerprint()
+    return turns.cache_root() / rend.fingerprint()
 
 
 def test_a_resumed_conversation_goes_on_from_its_committed_turn(r: "redis.Redis", redis_url: str, sim_factory: Any,
