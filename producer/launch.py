@@ -133,10 +133,10 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
         recheck_context,
     )
     from producer.ops.servers import preflight as check_workers
+    from producer.ops.status import length_pictures, summary_table
     from producer.session.attach import RunOptions, check_out_dir
     from producer.session.enqueue import JobSettings
     from producer.session.loop import Producer
-    from producer.session.report import length_pictures, summary_table
     s = settings
     names = set(budgets)
     params = inputs.settings.chunk_params

@@ -24,8 +24,8 @@ from budget import record, serverinfo
 from budget.urls import server_urls
 from producer.errors import ProduceError, UsageError
 from producer.generations import MIX_SETTING, TemplateMix, labels
+from producer.ops.status import nearest_rank
 from producer.results import MANIFEST, RESULTS, ExportError, Results, atomic, failed_ids, read_run_json
-from producer.session.report import nearest_rank
 
 log = logging.getLogger("budgetq.produce")
 

@@ -20,8 +20,8 @@ from typing import Any, Mapping
 from producer.errors import UsageError
 from producer.generations import record_key
 from producer.inputs.reader import valid_name
+from producer.ops.status import Lengths, picture, sample_name
 from producer.results import RESULTS, RUN, ReadEnd, Result, iter_results
-from producer.session.report import Lengths, picture, sample_name
 
 
 def results_of(out_dir: Path, name: str) -> Path:

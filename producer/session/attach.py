@@ -14,7 +14,7 @@ Every time ``produce`` starts, for each dataset (docs/architecture.md, "Attach")
 5. compute the to-do list: the selected samples in the run's order - done - held by a live chunk.
 
 What the attached producer is told is a ``RunOptions``; what it knows of each dataset, a ``DatasetRun``: rebuilt
-here by every attach, kept up to date by the loop and read by the report (producer/session/report.py). A killed
+here by every attach, kept up to date by the loop and read by the report (producer/ops/status.py). A killed
 ``produce`` loses only what it counts in memory: a sample's reclaims (``MAX_RECLAIMS``, counted from 0 again) and
 when it saw a chunk queued.
 """

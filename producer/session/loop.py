@@ -3,7 +3,7 @@
 One ``Producer`` per ``produce`` command. It attaches first (producer/session/attach.py: the collector locks, the settings
 check, each dataset's state rebuilt from Redis and the output files), so killing it (Ctrl-C, kill -9, a crash)
 loses nothing: the next ``produce`` with the same arguments picks up where the run is. It reports with
-producer/session/report.py (the progress line, the summary table).
+producer/ops/status.py (the progress line, the summary table).
 
 Per loop step and dataset, in this order (the order is what keeps a sample from being enqueued twice):
 1. reclaim chunks whose lease expired (their worker died);
@@ -39,6 +39,7 @@ from budget.mix import Mix, MixStore, mix_id
 from budget.runstate import RunState
 from producer.errors import ProduceError
 from producer.generations import record_key, split_key
+from producer.ops.status import DatasetSummary, progress_line, summaries
 from producer.prepare import Prepared, Prompt, progress_bar
 from producer.results import FAILED_FILE, collect, write_failed
 from producer.session.attach import LOCK_TTL_MS, Attacher, DatasetRun, RunOptions
@@ -51,7 +52,6 @@ from producer.session.enqueue import (
     listening_workers,
     make_queue,
 )
-from producer.session.report import DatasetSummary, progress_line, summaries
 
 log = logging.getLogger("budgetq.produce")
 
@@ -479,7 +479,7 @@ class Producer:
         return Item(key, ids, opens, messages=prompt.sample.messages, turns=prompt.turns, sampling_params=overrides,
                     chat_template_kwargs=kwargs, tokenizer=fingerprint, tools=prompt.sample.tools)
 
-    # -- reporting (producer/session/report.py) ----------------------------------------------------------------
+    # -- reporting (producer/ops/status.py) ----------------------------------------------------------------
     def progress_line(self, now: float | None = None) -> str:
         return progress_line(self.runs, now)
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from producer.session.report import picture, read_lengths
+from producer.ops.status import picture, read_lengths
 from tests.demo_data import CODE
 from tests.procs import produce_cmd, read_jsonl, wait_for
 

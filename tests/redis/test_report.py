@@ -1,4 +1,4 @@
-"""What ``produce`` says of its datasets (producer/session/report.py): one tok/s and eta, the ones ``produce status`` shows,
+"""What ``produce`` says of its datasets (producer/ops/status.py): one tok/s and eta, the ones ``produce status`` shows,
 read from the commit scripts' 10-second token buckets in Redis (docs/cli.md, "Status columns")."""
 from __future__ import annotations
 

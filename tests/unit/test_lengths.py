@@ -1,4 +1,4 @@
-"""The length picture (producer/session/report.py ``picture``): fixed lengths in, exact lines out; and the run
+"""The length picture (producer/ops/status.py ``picture``): fixed lengths in, exact lines out; and the run
 summary that ends with it (``length_pictures``)."""
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from budget.record import RECORD_VERSION
-from producer.results import RESULTS
-from producer.session.report import (
+from producer.ops.status import (
     DatasetSummary,
     Lengths,
     bar,
@@ -17,6 +16,7 @@ from producer.session.report import (
     picture,
     read_lengths,
 )
+from producer.results import RESULTS
 
 
 def record(*turns: tuple[int, str], cap: int = 512) -> dict[str, Any]:
