@@ -9,8 +9,8 @@ first turn to its last, then taking the next: so at most that many requests are 
 conversation never waits behind unstarted ones (as a budgetq worker's window keeps a conversation's slot,
 worker/turns.py). Turn i's prompt is rendered with the chat template (render/chat.py ``Renderer``, generation
 prompt added) over (system, u1, a1', ..., ui), where a1'.. are the model's own answers parsed with the run's
-reasoning parser (worker/reasoning.py ``parse_turn``) and put in the history as budget/history.py
-``history_message`` says: the same rule as budgetq's workers (budget/history.py ``walk``: a turn cut by
+reasoning parser (worker/reasoning.py ``parse_turn``) and put in the history as budget/record.py
+``history_message`` says: the same rule as budgetq's workers (budget/record.py ``walk``: a turn cut by
 ``length`` before the last ends the conversation; a prompt that no longer fits ``--max-context`` with
 ``max_new_tokens`` ends it). Renders run in a thread, off the event loop. Turn 0 is rendered for every
 conversation before the first request, as ``produce`` renders it before it enqueues.
@@ -31,9 +31,9 @@ from typing import Any
 
 import aiohttp
 
-from budget.history import plan, walk
 from budget.keys import turn_field
 from budget.payload import request_id
+from budget.record import plan, walk
 from render.chat import Renderer, load_tokenizer
 from worker.reasoning import parse_turn
 

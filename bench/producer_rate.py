@@ -134,7 +134,7 @@ def check_cost(data: Path, tok: Path, n: int, rounds: int = 3) -> dict[str, Any]
     is sent); ``rounds`` rounds, the three interleaved in each; median and every round."""
     import statistics
 
-    from budget.history import plan
+    from budget.record import plan
     from render.chat import Renderer, load_tokenizer
     renderer = Renderer(load_tokenizer(tok))
     with open(data) as fh:

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from budget.history import plan
 from budget.payload import ConversationPayload
+from budget.record import plan
 from producer.errors import UsageError
 from producer.generations import Variants, rounds, split_key
 from producer.inputs.reader import Problem, ReadResult, Sample
@@ -155,7 +155,7 @@ def _render_part(read: ReadResult, renderer: Renderer, part: list[Sample], skip_
 
 def first_turn(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """Turn 0's prompt messages under ``--turns all``: the system message and the first user message (what comes
-    before the first answer point: budget/history.py ``plan``)."""
+    before the first answer point: budget/record.py ``plan``)."""
     return plan(messages)[0].context
 
 

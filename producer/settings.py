@@ -386,7 +386,7 @@ def permute(items: Sequence[T], order: Order, id_of: Any = None) -> list[T]:
     return sorted(items, key=lambda item: (rank(order.seed, get(item)), get(item)))
 
 
-#: ``--turns``: regenerate every assistant turn of a conversation (``all``, budget/history.py ``plan``), or only
+#: ``--turns``: regenerate every assistant turn of a conversation (``all``, budget/record.py ``plan``), or only
 #: the answer to its last user turn on the dataset's own history (``last``).
 ALL: Final = "all"
 LAST: Final = "last"

@@ -7,7 +7,7 @@ module is that conversion and nothing else: the CLI (``produce export``) only pa
 and calls `export_datasets`, which decides where each dataset goes and which servers its manifest names, then
 `export_dataset` for each. docs/export.md describes the formats, the decisions and their sharp edges. The pieces live
 beside it: producer/results.py (reading and checking the files, the atomic write), producer/export/manifest.py
-(the manifest), budget/history.py (which messages each turn answers).
+(the manifest), budget/record.py (which messages each turn answers).
 
 The rows a conversation export writes are built here too (`conversation_row`, `turn_rows`): a record's
 conversation in OpenAI messages or ShareGPT shape, whole (every regenerated turn in place, the dataset's assistant
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final, Iterator, Mapping, Sequence
 
-from budget import history, record, serverinfo
+from budget import record, serverinfo
 from producer.export.manifest import (
     Stats,
     budget_state,
@@ -425,7 +425,7 @@ def _write_batch(fh: IO[str], batch: list[tuple[int, dict[str, Any]]], options: 
     checked: list[list[tuple[list[int], list[int]] | None]] = [[] for _ in batch]
     if ids is not None:
         prompts = ids.prompt_ids([prompt for _n, rec in batch
-                                  for prompt in history.turn_prompts(rec["messages"], rec["turns"])],
+                                  for prompt in record.turn_prompts(rec["messages"], rec["turns"])],
                                  [rec.get("chat_template_kwargs") for _n, rec in batch for _turn in rec["turns"]],
                                  [rec.get("tools") for _n, rec in batch for _turn in rec["turns"]])
         k = 0
@@ -445,10 +445,10 @@ def _write_batch(fh: IO[str], batch: list[tuple[int, dict[str, Any]]], options: 
 
 
 def _points(rec: Mapping[str, Any], number: int, source: Path) -> list[int]:
-    """Where each turn of ``rec`` answers (budget.history); a record that does not fit is an error at its line."""
+    """Where each turn of ``rec`` answers (budget.record); a record that does not fit is an error at its line."""
     try:
-        return history.answer_points(rec["messages"], len(rec["turns"]))
-    except history.HistoryError as exc:
+        return record.answer_points(rec["messages"], len(rec["turns"]))
+    except record.HistoryError as exc:
         raise ExportError(f"{source}:{number}: {exc}") from None
 
 
@@ -530,7 +530,7 @@ def _trained(rec: Mapping[str, Any], points: list[int], options: ExportOptions,
              think: tuple[str, str]) -> list[list[tuple[int, list[dict[str, Any]]]]]:
     """What the trainer renders for each turn of each row (producer/export/writer.py)."""
     return trained_conversations(rec["messages"], answers(rec, options.reasoning, think),
-                                 [history.history_message(t) for t in rec["turns"]], points,
+                                 [record.history_message(t) for t in rec["turns"]], points,
                                  per_turn=options.rows_per_turn, trainer=options.trainer)
 
 
@@ -708,7 +708,7 @@ def conversation_row(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, thin
     """One conversation: the record's messages with every regenerated turn at its answer point (a one-turn
     record: the messages, then the turn)."""
     out: dict[str, Any] = {"id": rec["id"], **generation(rec)}
-    out.update(_shaped(fmt, history.conversation(rec["messages"], answers(rec, reasoning_mode, think), points)))
+    out.update(_shaped(fmt, record.conversation(rec["messages"], answers(rec, reasoning_mode, think), points)))
     out.update(template_kwargs(rec))
     out.update(record_tools(rec))
     if record.is_truncated(rec):
@@ -719,14 +719,14 @@ def conversation_row(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, thin
 def turn_rows(rec: Mapping[str, Any], fmt: str, reasoning_mode: str, think: tuple[str, str],
               points: Sequence[int]) -> list[dict[str, Any]]:
     """``--per-turn``: one row per regenerated turn, its history exactly the messages its prompt was rendered
-    from (earlier turns as budget.history.history_message: the template decides what of them it renders, as it
+    from (earlier turns as budget.record.history_message: the template decides what of them it renders, as it
     did for the prompt), then the turn itself as the answer, ``--reasoning`` applied to it alone."""
     written = answers(rec, reasoning_mode, think)
-    past = [history.history_message(t) for t in rec["turns"]]
+    past = [record.history_message(t) for t in rec["turns"]]
     rows = []
     for i, answer in enumerate(written):
         row: dict[str, Any] = {"id": rec["id"], **generation(rec), "turn": i}
-        row.update(_shaped(fmt, [*history.conversation(rec["messages"], past, points, upto=i), answer]))
+        row.update(_shaped(fmt, [*record.conversation(rec["messages"], past, points, upto=i), answer]))
         row.update(template_kwargs(rec))
         row.update(record_tools(rec))
         if record.is_truncated(rec):
@@ -770,12 +770,12 @@ def trained_conversations(messages: Sequence[Mapping[str, Any]], written: Sequen
     if trainer == "speculators":
         messages, written = [_speculators(m) for m in messages], [_speculators(m) for m in written]
     if per_turn:
-        return [[(i, [*history.conversation(messages, past, points, upto=i), dict(written[i])])]
+        return [[(i, [*record.conversation(messages, past, points, upto=i), dict(written[i])])]
                 for i in range(len(written))]
     if trainer == "specforge":
-        whole = history.conversation(messages, written, points)
+        whole = record.conversation(messages, written, points)
         return [[(i, whole) for i in range(len(written))]]
-    return [[(i, [*history.conversation(messages, written, points, upto=i), dict(written[i])])
+    return [[(i, [*record.conversation(messages, written, points, upto=i), dict(written[i])])
              for i in range(len(written))]]
 
 

@@ -33,9 +33,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import redis
 
 from budget import record, serverinfo
-from budget.history import end_as_is
 from budget.ledger import LEASE_MS, REDIS_DOWN, DatasetState, EndVerdict, Ledger, default_prior_mean
 from budget.mix import Mix, MixStore, mix_id
+from budget.record import end_as_is
 from budget.runstate import RunState
 from producer.errors import ProduceError
 from producer.generations import record_key, split_key

@@ -15,7 +15,7 @@ Checks, beyond tests/chaos/audit.py's (every conversation once, none lost, no tr
   follow it. Answers before it were answered but never committed (the killed worker's): wasted, not wrong.
 - the budget form also counts conversations ended ``stopped_by: "budget"``: those whose worker died after the
   dataset closed (a closed dataset resumes nothing; produce ends them with the turns they have,
-  budget/history.py ``end_as_is``), beside those the budget stopped in a live worker.
+  budget/record.py ``end_as_is``), beside those the budget stopped in a live worker.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from budget.history import plan
+from budget.record import plan
 from producer.cli import main
 from producer.errors import ProduceError
 from producer.export.writer import ExportError, ExportJob, ExportOptions

@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from budget import keys, runstate
-from budget.history import plan
 from budget.ledger import Ledger
+from budget.record import plan
 from producer.errors import ProduceError
 from producer.export.manifest import Stats
 from producer.ops.status import all_status, status_table

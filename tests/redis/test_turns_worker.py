@@ -13,10 +13,9 @@ import pytest
 import redis
 
 from budget import keys
-from budget.history import header, plan, turn_prompts, walk
 from budget.ledger import Ledger
 from budget.payload import VERSION, ChunkPayload, SamplePayload
-from budget.record import LENGTH, TOOL_MISMATCH, make_turn, prompt_digest
+from budget.record import LENGTH, TOOL_MISMATCH, header, make_turn, plan, prompt_digest, turn_prompts, walk
 from producer.results import entry_record
 from producer.session.attach import share_tokenizer
 from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
@@ -92,7 +91,7 @@ def records(r: "redis.Redis") -> dict[str, dict[str, Any]]:
 
 def assert_invariant(r: "redis.Redis") -> None:
     """used = Σ done + Σ unwritten turns; and every record's messages interleave with its turns as the export
-    reads them (budget/history.py raises otherwise)."""
+    reads them (budget/record.py raises otherwise)."""
     for rec in records(r).values():
         assert len(turn_prompts(rec["messages"], rec["turns"])) == len(rec["turns"])
     ledger = Ledger(r)
@@ -241,7 +240,7 @@ def test_a_truncated_turn_ends_the_conversation_unless_it_is_the_last() -> None:
 def test_a_stranded_conversation_is_ended_with_the_turns_it_has(r: "redis.Redis", renderer: Renderer) -> None:
     """No worker may pick it up (its dataset closed after its worker died): end_as_is writes its committed turns
     as one record, stopped_by budget, once; the counted tokens are then in done, nothing is left in Redis."""
-    from budget.history import end_as_is
+    from budget.record import end_as_is
     ledger = Ledger(r)
     ledger.set_mode(DS, "drain", MAX_NEW)
     ledger.set_budget(DS, None)
