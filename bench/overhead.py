@@ -135,7 +135,7 @@ CATEGORIES = [
       "length_sample (budget/ledger.py", "fail (budget/ledger.py")),
     ("HTTP (aiohttp: request write, response read)", ("(aiohttp/",)),
     ("response JSON parse + validation", ("loads (json/", "parse_generation (worker/sglang.py")),
-    ("result record + reasoning split", ("result_record (worker/trip.py",)),
+    ("result record + reasoning split", ("result_record (worker/sglang.py",)),
     ("asyncio scheduling (tasks, semaphores, futures)", ("_run_once (asyncio/base_events.py",)),
 ]
 SOCKET_LEAVES = ("send_packed_command", "read_from_socket", "recv", "sendall", "can_read")

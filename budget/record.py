@@ -16,7 +16,7 @@ A record is a conversation with a list of regenerated turns (one per assistant a
 A record of another version is refused where the file is read (producer/results.py ``iter_results``).
 
 Lives in budget/ because both sides build it: the worker the turn and the record without ``messages``
-(`worker.trip.result_record`), the producer adds ``messages`` and writes the line (`producer.results`).
+(`worker.sglang.result_record`), the producer adds ``messages`` and writes the line (`producer.results`).
 The conversation a record makes (below the record): how a record's ``messages`` and ``turns`` make one conversation: which messages each regenerated turn answers,
 the message a regenerated turn becomes in the prompts after it, and what follows a regenerated turn.
 

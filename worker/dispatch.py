@@ -47,8 +47,17 @@ from worker import window
 from worker.batch import Batcher, in_thread_until_answered
 from worker.config import WorkerConfig
 from worker.estimate import LengthModels, TurnModels
-from worker.sglang import GenerateError, Generation, SGLangClient
-from worker.trip import CLOSE_REASON, ChunkReport, Flight, RequestContext, RunningChunk, result_record
+from worker.sglang import (
+    CLOSE_REASON,
+    ChunkReport,
+    Flight,
+    GenerateError,
+    Generation,
+    RequestContext,
+    RunningChunk,
+    SGLangClient,
+    result_record,
+)
 from worker.turns import run_conversation
 from worker.window import Slots
 
@@ -103,7 +112,7 @@ class Dispatcher:
         #: Start nothing now: a stop, a fault, or every server down. Set, it wakes a dispatch waiting for a slot
         #: and holds the client (SGLangClient.hold): samples between retries are given back, not retried.
         self.hold = asyncio.Event()
-        #: What each request needs of this worker (worker/trip.py), for one-turn samples and conversations alike.
+        #: What each request needs of this worker (worker/sglang.py), for one-turn samples and conversations alike.
         self.requests = RequestContext(ledger, self.batcher, client, config, self.length_models, self.ended,
                                        self.stop_requested, self._fault)
 
@@ -137,7 +146,7 @@ class Dispatcher:
 
     def _fault(self, message: str, log_extra: Mapping[str, Any]) -> None:
         """A fault of this worker, not of its samples (a refused API key, the run's tokenizer files unusable:
-        worker/trip.py RequestContext): start nothing more and say why, once, however many requests meet it."""
+        worker/sglang.py RequestContext): start nothing more and say why, once, however many requests meet it."""
         if self.fault is not None:
             return
         self.fault = message

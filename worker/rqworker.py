@@ -58,8 +58,7 @@ from worker.dispatch import Dispatcher
 from worker.health import HealthMonitor
 from worker.loadreport import LoadReporter
 from worker.serverinfo import ServerInfoReporter
-from worker.sglang import SGLangClient
-from worker.trip import ChunkReport
+from worker.sglang import ChunkReport, SGLangClient
 
 log = logging.getLogger("budgetq.worker")
 

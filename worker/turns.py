@@ -46,8 +46,7 @@ from budget.record import BUDGET, CONTEXT, FAILED, Walk, header, make_turn, plan
 from budget.serverinfo import public_url, turn_refusal
 from render import RenderError
 from worker.batch import in_thread_until_answered
-from worker.sglang import GenerateError, Generation
-from worker.trip import Flight, RequestContext, RunningChunk, parse_response
+from worker.sglang import Flight, GenerateError, Generation, RequestContext, RunningChunk, parse_response
 
 if TYPE_CHECKING:
     import redis

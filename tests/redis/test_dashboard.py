@@ -30,7 +30,7 @@ from demo.stack import RedisServer, free_port
 from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from tests.dashboard_proc import AUTH, BAD, GOOD, Dashboard
 from tests.procs import wait_for
-from worker.trip import CLOSE_REASON
+from worker.sglang import CLOSE_REASON
 
 pytest.importorskip("rq_dashboard")
 

@@ -26,8 +26,7 @@ from tests.dispatcher import dispatcher, until
 from tests.procs import sim_stats
 from worker.config import WorkerConfig
 from worker.dispatch import Dispatcher
-from worker.sglang import SGLangClient
-from worker.trip import ChunkReport
+from worker.sglang import ChunkReport, SGLangClient
 
 DS = "ds"
 #: 100 tokens/s per request: a SLOW request (400 tokens) takes ~4 s, a FAST one (2 tokens) ~20 ms.

@@ -19,8 +19,7 @@ from render.chat import Renderer, load_tokenizer
 from tests.exports import write_dataset
 from tests.families import FAMILIES, build_family_tokenizer
 from worker.reasoning import END_OF_TURN_TOKENS, parse_turn
-from worker.sglang import Generation
-from worker.trip import result_record
+from worker.sglang import Generation, result_record
 
 PROMPT = [{"role": "user", "content": "What is the weather in Paris?"}]
 ANSWER = "It is sunny."
@@ -99,7 +98,7 @@ def test_an_end_token_the_model_wrote_is_left_out_of_the_parsed_fields(tokenizer
 
 def _record(family: str, text: str, output_ids: list[int], skip: bool, *, sid: str = "s0",
             prompt: list[int] | None = None) -> dict[str, Any]:
-    """The record a worker commits for this generation (worker/trip.py result_record)."""
+    """The record a worker commits for this generation (worker/sglang.py result_record)."""
     chunk: ChunkPayload = {"v": 4, "dataset": "d", "chunk": "c", "think": None, "reasoning_parser": family,
                            "sampling_params": {"max_new_tokens": 64, "skip_special_tokens": skip}, "samples": []}
     prompt = [1, 2, 3] if prompt is None else prompt

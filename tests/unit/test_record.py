@@ -11,8 +11,7 @@ from budget import record, serverinfo
 from budget.payload import VERSION, ChunkPayload, SamplePayload
 from producer.launch import seed_warning
 from producer.settings import skip_special_tokens_default
-from worker.sglang import GenerateError, parse_generation
-from worker.trip import result_record
+from worker.sglang import GenerateError, parse_generation, result_record
 
 
 def chunk() -> ChunkPayload:
