@@ -46,7 +46,6 @@ log = logging.getLogger("budgetq.produce")
 
 def launch(settings: RunSettings, *, warn: Callable[[str], None]) -> str:
     """Prepare the inputs, then plan them (``--dry-run``) or run them; return the text to print."""
-    from producer.launch import check_vocab_offline
     from producer.prepare import load_inputs
     started = time.monotonic()
     inputs = load_inputs(settings, echo=log.info, warn=warn)
@@ -123,15 +122,6 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     summary table (or, for a rerun after its deadline, the line saying nothing was sent)."""
     from budget.runstate import RunState
     from producer.export.manifest import write_run_manifests
-    from producer.launch import (
-        check_out_dirs,
-        check_redis,
-        check_seed,
-        check_server_parsers,
-        check_vocab_servers,
-        connect,
-        recheck_context,
-    )
     from producer.ops.servers import preflight as check_workers
     from producer.ops.status import length_pictures, summary_table
     from producer.session.attach import RunOptions, check_out_dir

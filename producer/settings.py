@@ -494,7 +494,6 @@ def resolve(s: RunSettings, renderer: Renderer, parser: str) -> DatasetSettings:
     """The settings of a dataset of ``produce run`` ``s``, with the tokenizer's ``renderer`` and the reasoning
     ``parser`` (given or detected): skip_special_tokens defaults to what the parser needs of this tokenizer (false
     when a marker it reads is one of the tokenizer's special tokens, issue 25)."""
-    from producer.settings import skip_special_tokens_default
     params = {**s.sampling_params(), "skip_special_tokens": s.skip_special_tokens if s.skip_special_tokens is not None
               else skip_special_tokens_default(parser, renderer.tokenizer)}
     kwargs = dict(s.chat_template_kwargs)
