@@ -104,9 +104,3 @@ class WorkerConfig:
             predict_model_error=_nonneg(env, "BUDGETQ_PREDICT_MODEL_ERROR", cls.predict_model_error),
             affinity=_flag(env, "BUDGETQ_AFFINITY", cls.affinity),
         )
-
-    def timeout_for(self, max_new_tokens: int) -> float:
-        """Per-request deadline. aiohttp's default 300 s total would cut a 16K-token answer short."""
-        if self.request_timeout is not None:
-            return self.request_timeout
-        return 120.0 + max_new_tokens / self.min_tokens_per_second

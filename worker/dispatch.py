@@ -1,5 +1,6 @@
 """The worker's window: up to BUDGETQ_CONCURRENCY requests in flight (unset: as many as its servers can take,
-worker/window.py), fed by one chunk after another.
+worker/window.py), fed by one chunk after another. The window itself is ``Slots``, a semaphore whose size the
+automatic window changes while requests run.
 
 Why not "run a chunk, wait for its last request, take the next": completion lengths are long-tailed (the
 longest of 64 lognormal requests is several times the mean), so a chunk that waits for its slowest request
@@ -34,6 +35,7 @@ counted, and it is not a reclaim. RQ's loop takes no chunk meanwhile (worker/rqw
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import Any, Callable, Mapping
@@ -59,7 +61,6 @@ from worker.sglang import (
     result_record,
 )
 from worker.turns import run_conversation
-from worker.window import Slots
 
 log = logging.getLogger("budgetq.worker")
 
@@ -72,6 +73,54 @@ HEARTBEAT_S = 10.0
 def _log_meta_error(chunk: str, done: "asyncio.Future[bool]") -> None:
     if not done.cancelled() and done.exception() is not None:
         log.debug("progress of %s not written to its job meta: %s", chunk, done.exception())
+
+
+
+# -- the window the dispatcher waits on ------------------------------------------------------------------------
+class Slots:
+    """asyncio.Semaphore's acquire/release/locked with a size that can change: shrinking takes no slot back (a
+    request in flight runs to its end); freed slots are not handed out again until fewer than ``size`` are used."""
+
+    def __init__(self, size: int) -> None:
+        self.size = max(1, size)
+        self.used = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def locked(self) -> bool:
+        return self.used >= self.size or any(not w.done() for w in self._waiters)
+
+    async def acquire(self) -> bool:
+        if self.used < self.size and not any(not w.done() for w in self._waiters):
+            self.used += 1
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # granted, then cancelled before it ran: give it back
+                self.release()
+            raise
+        return True
+
+    def release(self) -> None:
+        self.used -= 1
+        self._wake()
+
+    def resize(self, size: int) -> None:
+        self.size = max(1, size)
+        self._wake()
+
+    def usage(self) -> tuple[int, int]:
+        """(slots used, size): read from the window thread (two ints: a torn read is one look off)."""
+        return self.used, self.size
+
+    def _wake(self) -> None:
+        while self._waiters and self.used < self.size:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.used += 1
+                waiter.set_result(None)
 
 
 class Dispatcher:

@@ -158,6 +158,14 @@ def _retry_after(headers: Any) -> float | None:
         return None
 
 
+def deadline(config: WorkerConfig, max_new_tokens: int) -> float:
+    """A request's deadline in seconds: BUDGETQ_REQUEST_TIMEOUT, else sized for the answer at the slowest decode
+    waited for. aiohttp's default 300 s total would cut a 16K-token answer short."""
+    if config.request_timeout is not None:
+        return config.request_timeout
+    return 120.0 + max_new_tokens / config.min_tokens_per_second
+
+
 class SGLangClient:
     """Sends attempts to the least-busy healthy server of the configured ones over one persistent session.
 
@@ -331,7 +339,7 @@ class SGLangClient:
         timeout = self._timeouts.get(max_new_tokens)
         if timeout is None:
             timeout = self._timeouts[max_new_tokens] = aiohttp.ClientTimeout(
-                total=self.config.timeout_for(max_new_tokens), sock_connect=self.config.connect_timeout)
+                total=deadline(self.config, max_new_tokens), sock_connect=self.config.connect_timeout)
             self._check_router_timeout()
         began = self.server_time.start(server)
         self.in_flight[server] += 1

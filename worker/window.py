@@ -30,9 +30,7 @@ goes to the request loop (``on_window``, which the dispatcher hands to ``Slots.r
 """
 from __future__ import annotations
 
-import asyncio
 import base64
-import collections
 import http.client
 import json
 import logging
@@ -72,53 +70,6 @@ def headroom(capacity: int) -> int:
     """The queue aimed at beyond what the server runs: enough that a freed slot is refilled at once, small beside
     the batch (2 + 1/16: 6 at 64, 18 at 256, 66 at 1,024)."""
     return 2 + capacity // 16
-
-
-# -- the window the dispatcher waits on ------------------------------------------------------------------------
-class Slots:
-    """asyncio.Semaphore's acquire/release/locked with a size that can change: shrinking takes no slot back (a
-    request in flight runs to its end); freed slots are not handed out again until fewer than ``size`` are used."""
-
-    def __init__(self, size: int) -> None:
-        self.size = max(1, size)
-        self.used = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-
-    def locked(self) -> bool:
-        return self.used >= self.size or any(not w.done() for w in self._waiters)
-
-    async def acquire(self) -> bool:
-        if self.used < self.size and not any(not w.done() for w in self._waiters):
-            self.used += 1
-            return True
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():  # granted, then cancelled before it ran: give it back
-                self.release()
-            raise
-        return True
-
-    def release(self) -> None:
-        self.used -= 1
-        self._wake()
-
-    def resize(self, size: int) -> None:
-        self.size = max(1, size)
-        self._wake()
-
-    def usage(self) -> tuple[int, int]:
-        """(slots used, size): read from the window thread (two ints: a torn read is one look off)."""
-        return self.used, self.size
-
-    def _wake(self) -> None:
-        while self._waiters and self.used < self.size:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                self.used += 1
-                waiter.set_result(None)
 
 
 # -- what a server says ----------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ from pathlib import Path
 from sglang_sim.config import SimConfig
 from sglang_sim.engine import EngineStats
 from sglang_sim.responses import get_load_body, loads_body, server_info
-from worker.window import Load, ServerWindow, Slots, capacity_of, counts_of, headroom, server_name
+from worker.dispatch import Slots
+from worker.window import Load, ServerWindow, capacity_of, counts_of, headroom, server_name
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "sglang_real"
 

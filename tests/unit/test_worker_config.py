@@ -6,6 +6,7 @@ import pytest
 
 from budget.urls import server_urls
 from worker.config import WorkerConfig
+from worker.sglang import deadline
 
 
 def test_unset_or_empty_variables_keep_the_defaults() -> None:
@@ -22,6 +23,13 @@ def test_values_are_read() -> None:
     assert cfg.servers == ("http://a:1", "http://b:2")
     assert WorkerConfig.from_env({}).predict_model_error == 1.0
     assert WorkerConfig.from_env({"BUDGETQ_PREDICT_MODEL_ERROR": "0"}).predict_model_error == 0.0
+
+
+def test_a_request_deadline_is_the_set_timeout_or_grows_with_the_answer() -> None:
+    assert deadline(WorkerConfig(request_timeout=30.0), 16384) == 30.0
+    slow = WorkerConfig(min_tokens_per_second=5.0)
+    assert deadline(slow, 0) == 120.0
+    assert deadline(slow, 16384) == 120.0 + 16384 / 5.0 > 300.0  # beyond aiohttp's default 300 s total
 
 
 @pytest.mark.parametrize("name, raw, message", [
