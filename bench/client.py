@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from budget.payload import request_id
+from budget.record import request_id
 
 
 async def run(url: str, bodies: list[list[int]], sampling_params: dict[str, Any], in_flight: int,

@@ -57,7 +57,7 @@ from typing import Any, Sequence
 from bench.harness import save_results, scratch, sim_args
 from bench.mix_proportion import PROMPTS, Mix, Trace, build_mix, deviation, length_sim_args, run_produce
 from budget.keys import DatasetKeys
-from budget.payload import request_id
+from budget.record import request_id
 from demo.appending import read_jsonl
 from demo.stack import Stack
 
@@ -119,7 +119,7 @@ class Request:
 
 
 def rid_names(m: Mix) -> dict[str, str]:
-    """A rid's first 28 characters (budget.payload.request_id: the hash of dataset and sample) -> the dataset."""
+    """A rid's first 28 characters (budget.record.request_id: the hash of dataset and sample) -> the dataset."""
     return {request_id(n, str(x["id"]), 0)[:28]: n for n, path in m.files.items() for x in read_jsonl(path)}
 
 

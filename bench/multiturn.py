@@ -162,7 +162,7 @@ def replay_log(path: Path, conversations: int, page: int, tok: Path) -> dict[str
     from tokenizers import Tokenizer
 
     from budget import keys
-    from budget.payload import request_id
+    from budget.record import request_id
     from sglang_sim.prefix_cache import PrefixCache
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     cache = PrefixCache(page, 1 << 40)

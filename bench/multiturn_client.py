@@ -32,8 +32,7 @@ from typing import Any
 import aiohttp
 
 from budget.keys import turn_field
-from budget.payload import request_id
-from budget.record import plan, walk
+from budget.record import plan, request_id, walk
 from render.chat import Renderer, load_tokenizer
 from worker.reasoning import parse_turn
 

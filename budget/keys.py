@@ -305,7 +305,7 @@ def turn_bucket(turn: int) -> int:
 #: |                | generation 0 is the prompt id alone)   | ``sample_key``               | (``split_key``)  |
 #: | turn field     | ``{turn}SEP{sample key}``              | ``turn_field`` (below),      | its first SEP    |
 #: |                | (``turns``, ``turnrec`` hash fields)   | COMMIT_TURN and its kin      | (digits first)   |
-#: | turn request   | ``{turn}SEP{sample key}`` (turn >= 1;  | budget/payload.py            | never: hashed    |
+#: | turn request   | ``{turn}SEP{sample key}`` (turn >= 1;  | budget/record.py            | never: hashed    |
 #: | key            | turn 0 is the sample key alone)        | ``turn_request_key``         | into the rid     |
 #: | progress field | ``{chunk}SEP{turn bucket}``            | REFRESH_CHUNK                | its last SEP     |
 #: |                | (the progress hash)                    |                              | (outcomes.py)    |

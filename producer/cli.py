@@ -20,7 +20,7 @@ from typing import Any, Callable, TypeVar
 import click
 
 from budget import runtime
-from budget.payload import REASONING_PARSERS
+from budget.record import REASONING_PARSERS
 from budget.urls import DEFAULT_SGLANG_URL
 from producer.errors import ProduceError, UsageError
 from producer.launch import connect

@@ -8,7 +8,7 @@ is ``id + "\\x1f" + str(k)``: ids hold no control characters (producer/inputs/re
 key parses back at its last ``\\x1f`` whatever the id is.
 
 What a generation sends differently from its chunk travels in the sample payload as a ``sampling_params``
-override (budget/payload.py SamplePayload), which the worker merges over the chunk's for every turn. Generation
+override (budget/record.py SamplePayload), which the worker merges over the chunk's for every turn. Generation
 0 never carries one.
 
 A weighted mix of chat-template kwargs (`TemplateMix`), one value drawn per generation:
@@ -19,7 +19,7 @@ run's order seed (``--order-seed``), never a random generator: a rerun, a reatta
 draws exactly what it drew before, whatever else changed in the file.
 
 The drawn values are merged over ``--chat-template-kwargs`` for every turn of that sample's conversation; the
-producer renders turn 0 with them, and a worker renders later turns with them (budget/payload.py SamplePayload).
+producer renders turn 0 with them, and a worker renders later turns with them (budget/record.py SamplePayload).
 """
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
 # -- the checks before a run writes anything (the module's docstring) ----------------------------------------
 
 if TYPE_CHECKING:
-    from budget.payload import ConversationPayload
+    from budget.record import ConversationPayload
     from producer.prepare import Inputs, Prepared
 
 

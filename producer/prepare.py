@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from budget.payload import ConversationPayload
-from budget.record import plan
+from budget.record import ConversationPayload, plan
 from producer.errors import UsageError
 from producer.generations import Variants, rounds, split_key
 from producer.inputs.reader import Problem, ReadResult, Sample
@@ -291,7 +290,7 @@ class Inputs:
     variants: Variants | None = None  # --template-kwargs-mix: the renderer of each drawn combination
 
     def conversation(self, context: Context) -> ConversationPayload | None:
-        """The chunk's ``conversation`` block (budget/payload.py) when a dataset has multi-turn conversations:
+        """The chunk's ``conversation`` block (budget/record.py) when a dataset has multi-turn conversations:
         the renderer's fingerprint (its files go to Redis under it), the template kwargs, the ``context`` turn 0
         was checked against, and the parser's think markers when they are not the template's (Kimi)."""
         if not any(p.turns for p in self.prepared):

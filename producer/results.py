@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Final, Iterable, Iterator, Mapping
 
 from budget import record
-from budget.payload import OTHER_VERSION
+from budget.record import OTHER_VERSION
 from budget.runstate import RESULTS_BATCH, RunState
 from producer.errors import UsageError
 from producer.generations import record_key, split_key

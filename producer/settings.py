@@ -10,7 +10,7 @@ checked by `RunSettings.budgets_for` once they are read. docs/cli.md describes e
 A dataset's settings. A response made under other settings would mix two distributions in one training set (and
 two parsers, two splits of the same text, in one file), so a dataset's settings are stored when its run starts
 and a rerun must give the same ones (producer/session/attach.py checks them before anything is written). The
-settings carry the run format (``version``, budget/payload.py VERSION): a run of another format is refused,
+settings carry the run format (``version``, budget/record.py VERSION): a run of another format is refused,
 never read.
 
 The order. The subset a budget keeps is the first prompts of the order. Public datasets are often sorted (by
@@ -55,7 +55,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Iterable, Literal, Mapping, Sequence, TypeVar, Union
 
-from budget.payload import VERSION, ThinkPayload
+from budget.record import VERSION, ThinkPayload
 from budget.urls import server_urls
 from producer.errors import UsageError
 from producer.generations import MIX_SETTING, Generations, MixError, TemplateMix, chunk_params, parse_temperatures

@@ -283,7 +283,7 @@ def add_fault_options(p: argparse.ArgumentParser) -> None:
                    help="wall seconds after start: /generate and /health fail for DURATION (repeatable)")
     g.add_argument("--hang-rid-prefix", dest="hang_rid_prefixes", metavar="PREFIX", action="append",
                    help="never answer a /generate whose rid starts with PREFIX, on every attempt: a poison sample "
-                        "(repeatable; budget.payload.request_id's first 28 characters name a sample)")
+                        "(repeatable; budget.record.request_id's first 28 characters name a sample)")
     g.add_argument("--outage-mode", choices=OUTAGE_MODES, default="503",
                    help="503: answer 503 at once; refuse: close the listening socket (default %(default)s)")
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from budget.payload import request_id, turn_request_key
+from budget.record import request_id, turn_request_key
 
-#: How many leading characters of a rid name its request (budget.payload.request_id: 28 hex of the hash of the
+#: How many leading characters of a rid name its request (budget.record.request_id: 28 hex of the hash of the
 #: dataset and the sample's turn, then 4 digits that count the attempts).
 SAMPLE_PREFIX = 28
 

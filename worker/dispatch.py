@@ -44,7 +44,7 @@ import redis
 from rq.serializers import JSONSerializer
 
 from budget.ledger import LEASE_MS, TURN_BUCKETS, Admission, Admit, Ledger, turn_bucket
-from budget.payload import ChunkPayload, SamplePayload, sampling_params_of
+from budget.record import ChunkPayload, SamplePayload, sampling_params_of
 from worker import window
 from worker.batch import Batcher, in_thread_until_answered
 from worker.config import WorkerConfig

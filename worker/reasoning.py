@@ -71,7 +71,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Final, Mapping
 
-from budget.payload import REASONING_PARSERS
+from budget.record import REASONING_PARSERS
 
 #: tool-call format -> the text that starts a call; also what ends reasoning early for qwen3/glm45/kimi_k2.
 HERMES_START: Final = "<tool_call>"
@@ -80,7 +80,7 @@ KIMI_SECTION_END: Final = "<|tool_calls_section_end|>"
 DS_CALLS_BEGIN: Final = "<｜tool▁calls▁begin｜>"
 DS_CALLS_END: Final = "<｜tool▁calls▁end｜>"
 
-PARSERS: Final[tuple[str, ...]] = REASONING_PARSERS  # SGLang's names; budget/payload.py holds the list
+PARSERS: Final[tuple[str, ...]] = REASONING_PARSERS  # SGLang's names; budget/record.py holds the list
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ from rq.worker import BaseWorker, SimpleWorker
 from budget import runtime
 from budget import runtime as budget_connection
 from budget.ledger import REDIS_DOWN, Ledger
-from budget.payload import JOB_FUNCTION, OTHER_VERSION, REASONING_PARSERS, VERSION, ChunkPayload
+from budget.record import JOB_FUNCTION, OTHER_VERSION, REASONING_PARSERS, VERSION, ChunkPayload
 from worker.config import WorkerConfig
 from worker.dispatch import Dispatcher
 from worker.health import HealthMonitor
@@ -448,7 +448,7 @@ def current() -> Runtime:
 def run_chunk(chunk: ChunkPayload) -> dict[str, Any]:
     """Generate and commit one chunk of samples. Returns a small report (RQ keeps it as the job result).
 
-    Refused before anything is generated: a payload of another run format (budget/payload.py VERSION), a
+    Refused before anything is generated: a payload of another run format (budget/record.py VERSION), a
     reasoning parser this worker does not know, a multi-turn sample without the chunk's conversation block."""
     if not isinstance(chunk, dict) or chunk.get("v") != VERSION:
         version = chunk.get("v") if isinstance(chunk, dict) else None

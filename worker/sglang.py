@@ -40,8 +40,7 @@ import aiohttp
 import orjson
 
 from budget.ledger import Ledger
-from budget.payload import ChunkPayload, SamplePayload, request_id, sampling_params_of
-from budget.record import make_record, make_turn
+from budget.record import ChunkPayload, SamplePayload, make_record, make_turn, request_id, sampling_params_of
 from budget.serverinfo import ROUTER_DEFAULT_TIMEOUT_S, public_url
 from worker.batch import Batcher, in_thread_until_answered
 from worker.config import WorkerConfig

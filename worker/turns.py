@@ -41,8 +41,19 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from budget import runstate
 from budget.ledger import EndVerdict, TurnAdmit, TurnVerdict
-from budget.payload import SamplePayload, sampling_params_of, turn_request_key
-from budget.record import BUDGET, CONTEXT, FAILED, Walk, header, make_turn, plan, walk
+from budget.record import (
+    BUDGET,
+    CONTEXT,
+    FAILED,
+    SamplePayload,
+    Walk,
+    header,
+    make_turn,
+    plan,
+    sampling_params_of,
+    turn_request_key,
+    walk,
+)
 from budget.serverinfo import public_url, turn_refusal
 from render import RenderError
 from worker.batch import in_thread_until_answered

@@ -35,7 +35,7 @@ import redis
 from budget import runstate
 from budget.ledger import Ledger
 from budget.mix import Mix
-from budget.payload import OTHER_VERSION, VERSION, ConversationPayload
+from budget.record import OTHER_VERSION, VERSION, ConversationPayload
 from budget.runstate import RunState
 from producer.errors import ProduceError, UsageError
 from producer.generations import SETTING as GENERATIONS
@@ -70,7 +70,7 @@ class RunOptions:
     poll_s: float = 0.2
     progress_s: float = 5.0
     show_progress: bool = False  # a bar on stderr while --detach enqueues (produce: a terminal and not --quiet)
-    #: ``--turns all``: what a chunk holding a multi-turn sample tells its worker (budget/payload.py), and the
+    #: ``--turns all``: what a chunk holding a multi-turn sample tells its worker (budget/record.py), and the
     #: --tokenizer whose files are stored in Redis for the workers to render later turns with (attach, once), with
     #: the --chat-template as their chat_template.jinja; both written in run.json (``tokenizer_path``,
     #: ``chat_template_path``) for ``produce export``.

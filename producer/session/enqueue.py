@@ -29,7 +29,7 @@ from rq import Queue, Worker
 from rq.job import Job
 
 from budget import keys
-from budget.payload import JOB_FUNCTION, VERSION, ConversationPayload, ThinkPayload
+from budget.record import JOB_FUNCTION, VERSION, ConversationPayload, ThinkPayload
 from budget.runstate import RunState
 
 #: Chunks per MULTI/EXEC when a whole dataset is enqueued (``--detach``, the first fill): 64 chunks of 64
@@ -72,16 +72,16 @@ class Item:
     input_ids: TokenIds
     opens_think: bool
     #: ``--turns all``, a conversation of more than one turn: the dataset's messages and its turns at most
-    #: (budget/payload.py SamplePayload); None and 1 for every other sample.
+    #: (budget/record.py SamplePayload); None and 1 for every other sample.
     messages: list[dict[str, Any]] | None = None
     turns: int = 1
     #: What this sample's generation sends differently from the chunk (producer/generations.py); None: the chunk's.
     sampling_params: dict[str, Any] | None = None
     #: --template-kwargs-mix: the kwargs the sample was rendered with, and (a conversation) their Renderer's
-    #: fingerprint (budget/payload.py SamplePayload); None: the run's.
+    #: fingerprint (budget/record.py SamplePayload); None: the run's.
     chat_template_kwargs: dict[str, Any] | None = None
     tokenizer: str | None = None
-    #: The record's tool definitions (budget/payload.py SamplePayload); None: none.
+    #: The record's tool definitions (budget/record.py SamplePayload); None: none.
     tools: list[dict[str, Any]] | None = None
 
 
@@ -171,7 +171,7 @@ def enqueue_chunks(client: "redis.Redis", queue: Queue, dataset: str, chunks: Se
                    conversation: ConversationPayload | None = None, at_front: bool = False) -> list[str]:
     """Enqueue ``chunks`` (lists of samples) for ``dataset`` in one MULTI/EXEC; returns their chunk ids in order.
 
-    The payload is ``budget.payload.ChunkPayload`` on the wire; ``input_ids`` arrays are written as JSON arrays
+    The payload is ``budget.record.ChunkPayload`` on the wire; ``input_ids`` arrays are written as JSON arrays
     without becoming lists first. ``reasoning_parser`` names the parser the workers split the responses with (``none``: no split). With ``compress`` (a thread pool), each chunk's data is compressed there while
     the next chunks are serialized and the jobs built here. A sample with ``turns`` > 1 carries its ``messages`` and
     ``turns``, and its chunk carries ``conversation`` (what a worker needs to render the later turns: required

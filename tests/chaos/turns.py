@@ -10,7 +10,7 @@ Checks, beyond tests/chaos/audit.py's (every conversation once, none lost, no tr
 - 0 turns counted twice: the dataset's ``stats.turns`` (one HINCRBY per committed turn in ``commit_turn``) = the
   turns on disk, and no record holds more turns than its conversation plans;
 - 0 committed turns regenerated, from the server's side: the simulator's request log (``--request-log``) names
-  each answer's (sample, turn) by its rid (budget/payload.py ``turn_request_key``, ``request_id``); a turn's
+  each answer's (sample, turn) by its rid (budget/record.py ``turn_request_key``, ``request_id``); a turn's
   committed answer is the logged answer whose ``output_ids`` are the record's, and no answer to that turn may
   follow it. Answers before it were answered but never committed (the killed worker's): wasted, not wrong.
 - the budget form also counts conversations ended ``stopped_by: "budget"``: those whose worker died after the
@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from budget.payload import request_id, turn_request_key
+from budget.record import request_id, turn_request_key
 from demo.appending import read_jsonl
 from demo.stack import wait_until
 from demo.synthetic import CONVERSATIONS_PARSER as PARSER

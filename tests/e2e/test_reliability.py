@@ -277,7 +277,7 @@ def test_a_sample_whose_worker_dies_three_times_is_failed(redis_url: str, r: "re
     failed.jsonl. The first death comes while other samples are in flight on that worker: they go back to the
     queue once and complete. The second and third come once everything else is done, so only the poison
     sample is unfinished in its chunk and only it reaches three deaths."""
-    from budget.payload import request_id
+    from budget.record import request_id
     from producer.session.loop import MAX_RECLAIMS
     selected = [str(x["id"]) for x in read_jsonl(GLAIVE)][:24]
     poison = selected[2]

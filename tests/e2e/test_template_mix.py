@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from budget import keys
-from budget.payload import VERSION
+from budget.record import VERSION
 from producer.generations import MixError, TemplateMix, labels, sample_key, split_key, variant
 from tests import sim_log
 from tests.chats import DS, MESSAGES, SIM_ARGS, write_dataset

@@ -11,7 +11,7 @@ import redis
 from click.testing import CliRunner
 
 from budget import keys
-from budget.payload import OTHER_VERSION, VERSION
+from budget.record import OTHER_VERSION, VERSION
 from producer.cli import main
 from tests.procs import produce_cmd
 

@@ -19,7 +19,7 @@ import redis
 
 from budget import keys
 from budget.ledger import Ledger
-from budget.payload import VERSION, ChunkPayload
+from budget.record import VERSION, ChunkPayload
 from demo.stack import RedisServer
 from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from tests.dispatcher import dispatcher, until

@@ -31,7 +31,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from budget import keys
-from budget.payload import VERSION, ThinkPayload
+from budget.record import VERSION, ThinkPayload
 from producer.session.enqueue import (
     BATCH_CHUNKS,
     ZLIB_LEVEL,

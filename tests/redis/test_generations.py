@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from budget.ledger import Ledger
-from budget.payload import VERSION, ChunkPayload, SamplePayload, sampling_params_of
+from budget.record import VERSION, ChunkPayload, SamplePayload, sampling_params_of
 from producer.errors import ProduceError
 from producer.export.manifest import Stats
 from producer.generations import Generations, derived_seed, parse_temperatures, record_key, sample_key, split_key

@@ -20,7 +20,7 @@ import redis
 
 from budget import keys, runtime
 from budget.ledger import Ledger
-from budget.payload import VERSION, ChunkPayload
+from budget.record import VERSION, ChunkPayload
 from demo.stack import RedisServer
 from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
 from tests.procs import wait_for

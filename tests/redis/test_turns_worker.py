@@ -14,8 +14,19 @@ import redis
 
 from budget import keys
 from budget.ledger import Ledger
-from budget.payload import VERSION, ChunkPayload, SamplePayload
-from budget.record import LENGTH, TOOL_MISMATCH, header, make_turn, plan, prompt_digest, turn_prompts, walk
+from budget.record import (
+    LENGTH,
+    TOOL_MISMATCH,
+    VERSION,
+    ChunkPayload,
+    SamplePayload,
+    header,
+    make_turn,
+    plan,
+    prompt_digest,
+    turn_prompts,
+    walk,
+)
 from producer.results import entry_record
 from producer.session.attach import share_tokenizer
 from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue

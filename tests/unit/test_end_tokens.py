@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from budget.payload import ChunkPayload, SamplePayload
+from budget.record import ChunkPayload, SamplePayload
 from producer.export.writer import ExportOptions, export_dataset
 from producer.settings import PARSER_TEXT_MARKERS, special_markers
 from render.chat import Renderer, load_tokenizer

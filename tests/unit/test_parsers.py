@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from budget.payload import OTHER_VERSION, VERSION
+from budget.record import OTHER_VERSION, VERSION
 from tests.families import FAMILIES, build_family_tokenizer
 from worker.reasoning import PARSERS, ParsedTurn, call_id, parse_turn, skip_special_tokens_for
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from budget import record, serverinfo
-from budget.payload import VERSION, ChunkPayload, SamplePayload
+from budget.record import VERSION, ChunkPayload, SamplePayload
 from producer.launch import seed_warning
 from producer.settings import skip_special_tokens_default
 from worker.sglang import GenerateError, parse_generation, result_record

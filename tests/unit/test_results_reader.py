@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from budget.payload import OTHER_VERSION
-from budget.record import RECORD_VERSION
+from budget.record import OTHER_VERSION, RECORD_VERSION
 from producer.errors import UsageError
 from producer.generations import sample_key
 from producer.plan import existing_turns

@@ -674,7 +674,7 @@ def test_request_log_holds_each_answer_as_sent_and_the_helper_finds_each_turn(tm
     from tokenizers import Tokenizer
 
     from budget.keys import turn_field
-    from budget.payload import request_id
+    from budget.record import request_id
     from tests.sim_log import exchanges, load, of_sample, of_turn
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     log = tmp_path / "requests.jsonl"

@@ -432,7 +432,7 @@ def test_sim_faults_get_post_and_validation() -> None:
 
 
 def test_a_poison_rid_hangs_on_every_attempt_and_other_rids_are_answered() -> None:
-    from budget.payload import request_id
+    from budget.record import request_id
     poison = request_id("ds", "bad", 0)[:28]
     assert request_id("ds", "bad", 7).startswith(poison) and not request_id("ds", "good", 0).startswith(poison)
 
