@@ -29,7 +29,7 @@ can never forge another dataset's key, an RQ job id or a path outside ``--out``.
 |                             |        |                          | the run whose Renderer fingerprint is fp, for the |
 |                             |        |                          | workers that render later turns; HSETNX, never    |
 |                             |        |                          | changed (docs/multiturn.md)                       |
-| ``bq:mix:{id}``             | hash   | producer (budget/mix.py) | a mix (docs/mix.md): ``total``, ``weight:<name>``,|
+| ``bq:mix:{id}``             | hash   | producer (MixStore)      | a mix (docs/mix.md): ``total``, ``weight:<name>``,|
 |                             |        |                          | ``dry:<name>`` (tokens when it ran dry), ``given``|
 |                             |        |                          | (the last command's mix); id = members, sorted,   |
 |                             |        |                          | joined by ","                                     |
@@ -96,7 +96,7 @@ The fields of ``bq:ds:{n}`` (META_FIELDS; a field missing means its default):
 | ``out_dir``        | producer (RunState.register)            | the absolute, resolved --out of the run's last       |
 |                    |                                         | ``produce``: a rerun whose --out resolves elsewhere  |
 |                    |                                         | is refused (it would regenerate what is on disk)     |
-| ``mix``            | producer (budget/mix.py MixStore)       | the id of the mix the dataset belongs to; unset: none|
+| ``mix``            | producer (MixStore)                     | the id of the mix the dataset belongs to; unset: none|
 | ``deadline``       | producer (Ledger.set_deadline)          | unix ms by which requests must end: ``admit`` closes |
 |                    |                                         | the dataset at the first that could not; unset: none |
 | ``closed_by``      | ``admit`` (past_deadline)               | ``deadline`` when the deadline closed the dataset    |
@@ -137,7 +137,7 @@ WINDOW = PREFIX + "window"
 
 
 def mix(mix_id: str) -> str:
-    """The hash of the mix whose members are ``mix_id`` (budget/mix.py ``mix_id``: names sorted, joined by ",")."""
+    """The hash of the mix whose members are ``mix_id`` (budget/ledger.py ``mix_id``: names sorted, joined by ",")."""
     return f"{PREFIX}mix:{{{mix_id}}}"
 
 

@@ -61,7 +61,7 @@ def launch(settings: RunSettings, *, warn: Callable[[str], None]) -> str:
 def dry_run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]) -> str:
     """``--dry-run``: each dataset's plan (samples needed, projected tokens, ETA), as a table or JSON. Writes
     nothing; with ``--pilot`` it sends real requests to SGLANG_URL (a failure is exit 1)."""
-    from budget.mix import plan_shares
+    from budget.ledger import plan_shares
     from producer.plan import DatasetPlan, PilotResult, plan_dataset, plan_table, run_pilot
     s = settings
     mix = s.template_mix.describe() if s.template_mix else ""

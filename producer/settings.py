@@ -65,7 +65,7 @@ from producer.inputs.records import FieldMapping
 from render.chat import ThinkMarkers
 
 if TYPE_CHECKING:  # render.chat loads jinja2: not for `produce --help` (tests/redis/test_turns_producer.py)
-    from budget.mix import Mix
+    from budget.ledger import Mix
     from render.chat import ChatTemplate, Renderer
     from render.modeldir import Context
 
@@ -221,7 +221,7 @@ class RunSettings:
 
     def given_mix(self) -> "Mix | None":
         """--budget TOTAL --mix ...: the mix as given (no member dry yet); None without --mix."""
-        from budget.mix import Mix
+        from budget.ledger import Mix
         if self.mix is None:
             return None
         return Mix(total=int(self.budget), weights=dict(self.mix))  # type: ignore[arg-type]

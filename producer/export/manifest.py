@@ -109,7 +109,7 @@ def budget_state(client: "redis.Redis", name: str) -> dict[str, Any]:
     if deadline:  # docs/mix.md: the deadline, and whether it is what closed the dataset
         out["deadline"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(int(deadline) / 1000))
         out["closed_by_deadline"] = state.fields.get("closed_by") == "deadline"
-    from budget.mix import MixStore
+    from budget.ledger import MixStore
     store = MixStore(client)
     mix_id = store.mix_of(name)
     mix = store.load(mix_id) if mix_id else None

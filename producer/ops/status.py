@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Any, Final, Mapping, Sequence
 import redis
 
 from budget import serverinfo
-from budget.ledger import DatasetState, Ledger
-from budget.mix import Mix, MixStore, mix_id
+from budget.ledger import DatasetState, Ledger, Mix, MixStore, mix_id
 from budget.runstate import RunState
 from producer.errors import UsageError
 from producer.generations import split_key

@@ -33,8 +33,7 @@ from typing import Any, Callable, Iterable, Mapping
 import redis
 
 from budget import runstate
-from budget.ledger import Ledger
-from budget.mix import Mix
+from budget.ledger import Ledger, Mix
 from budget.record import OTHER_VERSION, VERSION, ConversationPayload
 from budget.runstate import RunState
 from producer.errors import ProduceError, UsageError
@@ -77,7 +76,7 @@ class RunOptions:
     conversation: ConversationPayload | None = None
     tokenizer: str | None = None
     chat_template: ChatTemplate | None = None
-    #: --budget TOTAL --mix ...: the mix as given (budget/mix.py); None: no --mix (a stored mix still applies).
+    #: --budget TOTAL --mix ...: the mix as given (budget/ledger.py); None: no --mix (a stored mix still applies).
     mix: Mix | None = None
     #: --no-mix-pacing: let a mix's members progress at whatever rate their chunks are pulled (for comparison).
     mix_pacing: bool = True
@@ -200,7 +199,7 @@ class Attacher:
         self.opt = options
         self.echo = echo
         self.locks = locks
-        #: The budget of each dataset in a mix: its share (budget/mix.py), set by ``Producer.attach`` first.
+        #: The budget of each dataset in a mix: its share (budget/ledger.py), set by ``Producer.attach`` first.
         self.shares: dict[str, int] = {}
 
     def check(self, datasets: list[Prepared]) -> None:

@@ -17,7 +17,7 @@ Per loop step and dataset, in this order (the order is what keeps a sample from 
 runs dry passing its rest on, and the shares applied again on every lease check (a ``produce budget --mix`` from
 elsewhere, or another producer's apply, converges here).
 
-The numbers come from budget/mix.py; each share becomes a member's budget through ``Ledger.set_budget``, so the
+The numbers come from budget/ledger.py; each share becomes a member's budget through ``Ledger.set_budget``, so the
 per-dataset scripts enforce it in every worker.
 """
 from __future__ import annotations
@@ -33,8 +33,17 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import redis
 
 from budget import record, serverinfo
-from budget.ledger import LEASE_MS, REDIS_DOWN, DatasetState, EndVerdict, Ledger, default_prior_mean
-from budget.mix import Mix, MixStore, mix_id
+from budget.ledger import (
+    LEASE_MS,
+    REDIS_DOWN,
+    DatasetState,
+    EndVerdict,
+    Ledger,
+    Mix,
+    MixStore,
+    default_prior_mean,
+    mix_id,
+)
 from budget.record import end_as_is
 from budget.runstate import RunState
 from producer.errors import ProduceError

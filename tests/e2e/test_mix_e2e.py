@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from budget import keys
-from budget.mix import mix_id
+from budget.ledger import mix_id
 from demo.stack import RedisServer
 from tests.demo_data import CODE, GLAIVE
 from tests.exactly_once import check_exact

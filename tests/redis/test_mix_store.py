@@ -12,8 +12,7 @@ import redis
 from click.testing import CliRunner
 
 from budget import keys
-from budget.ledger import Ledger
-from budget.mix import Mix, MixStore
+from budget.ledger import Ledger, Mix, MixStore
 from producer.cli import main
 from tests.demo_data import CODE, GLAIVE
 from tests.procs import run_keys

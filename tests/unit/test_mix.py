@@ -1,4 +1,4 @@
-"""The mix's numbers (budget/mix.py) and its option (producer/settings.py parse_mix): exact shares that sum to the
+"""The mix's numbers (budget/ledger.py) and its option (producer/settings.py parse_mix): exact shares that sum to the
 total, the rest of a dry member passed on by weight, and bad entries refused by name (docs/mix.md)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from budget.mix import Mix, mix_id, plan_shares, split_shares
+from budget.ledger import Mix, mix_id, plan_shares, split_shares
 from producer.settings import parse_mix
 
 W = {"code": Fraction(1), "fc": Fraction(1), "traces": Fraction(2)}
