@@ -342,7 +342,7 @@ def sample_cmd(name: str, count: int, out_dir: Path, seed: int | None, latest: b
 def servers_cmd(redis_url: str, as_json: bool) -> None:
     import redis
 
-    from producer.ops.servers import read_view, servers_table
+    from producer.ops.status import read_view, servers_table
     try:
         view = read_view(connect(redis_url))
     except redis.RedisError as exc:

@@ -3,7 +3,7 @@
 1. Read, validate and render every file (producer/prepare.py), before Redis is touched.
 2. ``--dry-run``: plan each dataset (producer/plan.py; ``--pilot`` asks SGLang for real lengths) and stop.
 3. Otherwise: check the output folders, Redis and what the workers recorded of their servers (the checks,
-   below `run`), attach, say who listens on the queue and how the servers are (producer/ops/servers.py),
+   below `run`), attach, say who listens on the queue and how the servers are (producer/ops/status.py),
    run (producer/session/loop.py), then write each dataset's manifest (producer/export/manifest.py).
 
 `launch` returns what the command prints (the plan or the summary table); progress and warnings go to the log as
@@ -122,8 +122,8 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     summary table (or, for a rerun after its deadline, the line saying nothing was sent)."""
     from budget.runstate import RunState
     from producer.export.manifest import write_run_manifests
-    from producer.ops.servers import preflight as check_workers
     from producer.ops.status import length_pictures, summary_table
+    from producer.ops.status import preflight as check_workers
     from producer.session.attach import RunOptions, check_out_dir
     from producer.session.enqueue import JobSettings
     from producer.session.loop import Producer

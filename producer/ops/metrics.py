@@ -1,7 +1,7 @@
 """``produce metrics``: every dataset's budget state as Prometheus text over HTTP, read-only.
 
 Each scrape reads Redis afresh (``producer.ops.status.all_status``, the length of the shared RQ queue, and the
-per-server view of ``produce servers``, producer/ops/servers.py), so the
+per-server view of ``produce servers``, producer/ops/status.py), so the
 exporter holds no state: it can run anywhere that reaches Redis, several of them can run at once, and it needs no
 attached ``produce``. It binds 127.0.0.1 by default: the figures name the datasets and their progress, so expose
 it to a Prometheus on another host on purpose (``--host``), never by accident.
@@ -23,8 +23,7 @@ from rq import Queue
 
 from budget import keys, serverinfo
 from producer.errors import ProduceError
-from producer.ops.servers import ServersView, ServerUse, read_view
-from producer.ops.status import DatasetStatus, all_status
+from producer.ops.status import DatasetStatus, ServersView, ServerUse, all_status, read_view
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9464
@@ -138,7 +137,7 @@ def render_metrics(client: "redis.Redis", now: float | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: Per (server, host) families from ``produce servers``' view (producer/ops/servers.py): what the live workers of
+#: Per (server, host) families from ``produce servers``' view (producer/ops/status.py): what the live workers of
 #: ``host`` do with ``server``. No sample where the value is unknown (a fixed BUDGETQ_CONCURRENCY over several
 #: servers has no per-server window; max_running_requests is known to the automatic window only).
 PER_SERVER: tuple[tuple[str, str, Callable[[ServerUse], float | int | None]], ...] = (

@@ -16,7 +16,7 @@ from rq import Queue, Worker
 from budget import keys, serverinfo
 from producer.cli import main
 from producer.ops.metrics import render_metrics
-from producer.ops.servers import preflight, read_view, servers_table
+from producer.ops.status import preflight, read_view, servers_table
 
 SHARED = "http://10.0.0.5:30000"
 LOCAL = "http://127.0.0.1:30000"
