@@ -13,7 +13,7 @@
      closed (an upper bound: a start between two polls counts at the later poll).
    Reported: median and max over the runs of (time - closed_at), per budget mode (drain, predict).
 2. Discard. A private redis-server; ``--discard-chunks`` chunks of a closed dataset enqueued with
-   producer.session.enqueue.enqueue_chunks, interleaved with another dataset's chunks in the shared queue; median of
+   producer.session.loop.enqueue_chunks, interleaved with another dataset's chunks in the shared queue; median of
    the runs of: the ``discard`` script's time in Redis (SLOWLOG at 0 µs), after which no worker can start any
    of them (the target); the wall time of the whole ``Ledger.discard``, which then marks the jobs canceled in
    ``mark_discarded`` calls of 1,000; the longest single script, i.e. the longest Redis served nothing else.
@@ -110,7 +110,8 @@ def close_runs(args: argparse.Namespace, work: Path, tok: Path, data: Path) -> l
 
 def discard_runs(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     from budget.ledger import Ledger
-    from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+    from producer.session.attach import JobSettings
+    from producer.session.loop import Item, enqueue_chunks, make_queue
     rows = []
     with Stack(work / "discard", workers=0, sim_count=0) as stack:
         r = stack.client()

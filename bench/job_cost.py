@@ -52,7 +52,8 @@ def cpu_with_children(pid: int) -> float:
 
 def latency_runs(stack: Stack, kind: str, jobs: int, size: int) -> dict[str, Any]:
     from budget.ledger import Ledger
-    from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+    from producer.session.attach import JobSettings
+    from producer.session.loop import Item, enqueue_chunks, make_queue
     r = stack.client()
     name = f"lat_{kind}"
     Ledger(r).set_budget(name, None)

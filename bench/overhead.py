@@ -188,7 +188,8 @@ def redis_round_trips(redis_url: str, n: int = 2048, batch: int = 64) -> dict[st
     """admit + commit for n samples: one call at a time (the worker before worker/batch.py) vs ``batch`` at a
     time in one pipeline (budget/ledger.py ``run_many``, what the worker's batcher sends)."""
     from budget.ledger import Ledger, run_many
-    from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+    from producer.session.attach import JobSettings
+    from producer.session.loop import Item, enqueue_chunks, make_queue
     out: dict[str, Any] = {"samples": n, "batch": batch}
     client = redis.Redis.from_url(redis_url)
     for mode in ("one_by_one", "pipelined"):

@@ -184,12 +184,12 @@ def run_child(argv: list[str], env: dict[str, str] | None = None, watch: list[in
 # Where produce's time goes: the nearest enclosing frame that matches (leaf upward) names the activity.
 PRODUCE_CATEGORIES = [
     ("imports (transformers, rq, ...)", ("(<frozen importlib",)),
-    ("enqueue: zlib of each payload (level 1, in threads)", ("ChunkJob.to_dict (producer/session/enqueue.py",
+    ("enqueue: zlib of each payload (level 1, in threads)", ("ChunkJob.to_dict (producer/session/loop.py",
                                                              "_WorkItem.run (concurrent/futures/thread.py")),
     ("enqueue: RQ Job.to_dict (RQ's own fields)", ("Job.to_dict (rq/job.py",)),
-    ("enqueue: JSON of each payload (orjson)", ("ChunkSerializer.dumps (producer/session/enqueue.py",
+    ("enqueue: JSON of each payload (orjson)", ("ChunkSerializer.dumps (producer/session/loop.py",
                                                  "JSONSerializer.dumps (rq/serializers.py")),
-    ("enqueue: RQ job objects, pipeline, MULTI/EXEC", ("enqueue_chunks (producer/session/enqueue.py",)),
+    ("enqueue: RQ job objects, pipeline, MULTI/EXEC", ("enqueue_chunks (producer/session/loop.py",)),
     ("enqueue: Items, batches", ("Producer._refill (producer/session/loop.py", "Producer._batches (producer/session/loop.py")),
     ("render: chat template (jinja)", ("render_jinja_template (transformers",)),
     ("render: tokenize (tokenizers + transformers glue)", ("TokenizersBackend", "PreTrainedTokenizerBase.__call__")),
@@ -267,10 +267,10 @@ def serialization_options(data: Path, tok: Path, chunks: int = 20, size: int = 6
                          "samples": [{"id": f"p{c * size + j}", "input_ids": r.input_ids, "opens_think": r.opens_think}
                                      for j, r in enumerate(rendered)]})
     # What produce holds after prepare: each sample's ids as an array('i'); it writes them with
-    # producer.session.enqueue's serializer and zlib level (the zlib part runs in threads there).
+    # producer.session.loop's serializer and zlib level (the zlib part runs in threads there).
     from array import array
 
-    from producer.session.enqueue import ZLIB_LEVEL, ChunkSerializer, wire_ids
+    from producer.session.loop import ZLIB_LEVEL, ChunkSerializer, wire_ids
     held = [{**p, "samples": [{**x, "input_ids": array("i", x["input_ids"])} for x in p["samples"]]}
             for p in payloads]
     out: dict[str, Any] = {"chunks": chunks, "samples_per_chunk": size}

@@ -23,7 +23,7 @@ work item submitted, inside a stage gets that stage). The stages, each entered a
 - ``read``: producer/inputs/reader.py ``read_all`` (the line read and validated);
 - ``prepare``: the rest of producer/prepare.py ``load_inputs`` (settings resolved, the prompt rendered, selected);
 - ``attach``: producer/session/loop.py ``Producer.attach`` (run.json, locks, budgets, what is left to do);
-- ``enqueue``: producer/session/enqueue.py ``enqueue_chunks`` (the chunk payload onto the RQ queue);
+- ``enqueue``: producer/session/loop.py ``enqueue_chunks`` (the chunk payload onto the RQ queue);
 - ``work``: worker/rqworker.py ``Worker.execute_job`` on the chunk (admit, /generate, commit);
 - ``collect``: producer/results.py ``collect`` (the results stream into raw_responses.jsonl);
 - ``produce``: the rest of the ``produce`` process, the command around its stages (options, launch, the
@@ -61,7 +61,7 @@ ENTRIES: Final = {
     ("producer.inputs.reader", "read_all"): "read",
     ("producer.prepare", "load_inputs"): "prepare",
     ("producer.session.loop", "Producer.attach"): "attach",
-    ("producer.session.enqueue", "enqueue_chunks"): "enqueue",
+    ("producer.session.loop", "enqueue_chunks"): "enqueue",
     ("worker.rqworker", "Worker.execute_job"): "work",
     ("producer.results", "collect"): "collect",
 }

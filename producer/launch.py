@@ -125,8 +125,7 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
     from producer.ops.status import length_pictures, summary_table
     from producer.ops.status import preflight as check_workers
     from producer.session.attach import RunOptions, check_out_dir
-    from producer.session.enqueue import JobSettings
-    from producer.session.loop import Producer
+    from producer.session.loop import JobSettings, Producer
     s = settings
     names = set(budgets)
     params = inputs.settings.chunk_params

@@ -41,7 +41,6 @@ from producer.generations import SETTING as GENERATIONS
 from producer.generations import Variants
 from producer.prepare import Prepared
 from producer.results import RESULTS, RUN, ResultsFile, check_version
-from producer.session.enqueue import JobSettings
 from producer.settings import VERSION_KEY, Budget, budget_limit, run_json, settings_diff, without_location
 from render import tokfiles
 from render.chat import ChatTemplate
@@ -50,6 +49,15 @@ from render.modeldir import ModelDirError, resolve_tokenizer
 #: The collector lock's time to live: the loop refreshes it every step, so another ``produce`` may take a dataset
 #: over this long after its collector died or stalled (at once when it died on the same host: ``pid_alive``).
 LOCK_TTL_MS = 30_000
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """What RQ keeps of each chunk job the loop enqueues."""
+
+    job_timeout: int = 6 * 3600  # a chunk's whole run; liveness is the lease, not this
+    result_ttl: int = 24 * 3600  # how long finished chunks stay visible in rq-dashboard
+    failure_ttl: int = 7 * 24 * 3600  # always explicit: RQ's failure stream never expires otherwise
 
 
 @dataclass(frozen=True)

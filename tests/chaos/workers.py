@@ -15,7 +15,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from demo.stack import wait_until
-from producer.session.enqueue import BATCH_CHUNKS
+from producer.session.loop import BATCH_CHUNKS
 from tests.chaos.audit import DATASET, Result, audit, log_files, sample_ids
 from tests.chaos.audit import rounded as _r
 from tests.chaos.run import KEYS, QUEUE, ChaosStack, Ctx, Produce, Watch

@@ -123,7 +123,8 @@ def test_admissions_in_one_call_match_one_by_one(r: "redis.Redis") -> None:
     """A strict budget with room for exactly two requests: of five samples admitted in one call, the first two
     start and the rest are refused, as when admitted one at a time; a committed sample is skipped without
     stopping the ones after it."""
-    from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+    from producer.session.attach import JobSettings
+    from producer.session.loop import Item, enqueue_chunks, make_queue
     ledger = Ledger(r)
     for name in ("one", "many"):
         ledger.set_budget(name, 20)

@@ -4,7 +4,7 @@ and every page (the Workers page too) works while workers run chunks.
 The dashboard runs as a real process with the compose file's ``dashboard`` command (``produce dashboard``:
 rq-dashboard 0.9.0's app with RQ's JSON serializer everywhere, deletes disabled) and basic auth from the
 ``RQ_DASHBOARD_*`` variables, as the container runs it; only the bind address and port are this test's. The
-Redis holds real chunk jobs (producer.session.enqueue.enqueue_chunks) of two datasets, one closed and discarded by the
+Redis holds real chunk jobs (producer.session.loop.enqueue_chunks) of two datasets, one closed and discarded by the
 ledger's scripts, and the assertions read the JSON endpoints the dashboard's pages poll. With real ``rq worker``
 processes busy on chunks (the simulator answering slowly), headless Chromium (Debian's ``chromium``) loads the
 Queues, Jobs and Workers pages, through basic auth, and each must show its content.
@@ -27,7 +27,8 @@ import redis
 
 from budget.ledger import Ledger
 from demo.stack import RedisServer, free_port
-from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.session.attach import JobSettings
+from producer.session.loop import Item, enqueue_chunks, make_queue
 from tests.dashboard_proc import AUTH, BAD, GOOD, Dashboard
 from tests.procs import wait_for
 from worker.sglang import CLOSE_REASON

@@ -21,7 +21,8 @@ from budget import keys
 from budget.ledger import Ledger
 from budget.record import VERSION, ChunkPayload
 from demo.stack import RedisServer
-from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.session.attach import JobSettings
+from producer.session.loop import Item, enqueue_chunks, make_queue
 from tests.dispatcher import dispatcher, until
 from tests.procs import sim_stats
 from worker.config import WorkerConfig

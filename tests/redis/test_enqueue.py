@@ -32,7 +32,7 @@ from rq.serializers import JSONSerializer
 
 from budget import keys
 from budget.record import VERSION, ThinkPayload
-from producer.session.enqueue import (
+from producer.session.loop import (
     BATCH_CHUNKS,
     ZLIB_LEVEL,
     ChunkJob,
@@ -41,8 +41,8 @@ from producer.session.enqueue import (
     JobSettings,
     enqueue_chunks,
     make_queue,
+    pop_chunk,
 )
-from producer.session.loop import pop_chunk
 from tests.demo_data import CODE
 from tests.procs import produce, produce_cmd, read_jsonl
 from tests.rq_jobs import job_payloads, rq_reader

@@ -14,7 +14,8 @@ from rq.serializers import JSONSerializer
 
 from budget import keys
 from budget.ledger import Admit, Ledger
-from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.session.attach import JobSettings
+from producer.session.loop import Item, enqueue_chunks, make_queue
 from tests import replies
 
 

@@ -24,7 +24,8 @@ from budget.ledger import Admit, Ledger
 from demo.stack import free_port
 from producer.ops import metrics as metrics
 from producer.ops.status import all_status
-from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.session.attach import JobSettings
+from producer.session.loop import Item, enqueue_chunks, make_queue
 
 SAMPLE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -9,7 +9,8 @@ import redis
 
 from budget import keys
 from budget.ledger import Admit, Ledger, run
-from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.session.attach import JobSettings
+from producer.session.loop import Item, enqueue_chunks, make_queue
 from worker.estimate import LengthModel, RateTracker, predict_admits, prior_sample
 
 

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from budget import keys
-from producer.session.enqueue import ASSUMED_WORKERS, MIN_CHUNK, TAIL_SPREAD, chunk_size_for
+from producer.session.loop import ASSUMED_WORKERS, MIN_CHUNK, TAIL_SPREAD, chunk_size_for
 from producer.settings import FILE, RANDOM, Order, permute, rank
 from tests.exactly_once import check_exact
 from tests.procs import produce, produce_cmd, read_jsonl, wait_for

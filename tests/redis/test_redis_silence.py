@@ -22,7 +22,8 @@ from budget import keys, runtime
 from budget.ledger import Ledger
 from budget.record import VERSION, ChunkPayload
 from demo.stack import RedisServer
-from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.session.attach import JobSettings
+from producer.session.loop import Item, enqueue_chunks, make_queue
 from tests.procs import wait_for
 from worker import dispatch
 from worker.config import WorkerConfig

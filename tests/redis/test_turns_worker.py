@@ -28,8 +28,8 @@ from budget.record import (
     walk,
 )
 from producer.results import entry_record
-from producer.session.attach import share_tokenizer
-from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.session.attach import JobSettings, share_tokenizer
+from producer.session.loop import Item, enqueue_chunks, make_queue
 from render.chat import Renderer, load_tokenizer
 from tests.dispatcher import dispatcher, until
 from tests.procs import sim_stats

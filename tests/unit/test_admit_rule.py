@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from budget import keys
 from budget.ledger import Admit, Ledger, run
-from producer.session.enqueue import Item, JobSettings, enqueue_chunks, make_queue
+from producer.session.attach import JobSettings
+from producer.session.loop import Item, enqueue_chunks, make_queue
 from worker.estimate import predict_admits
 
 BATCH = 8  # samples in the chunk under test: a worker's free slots admitted by one script run
