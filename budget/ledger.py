@@ -68,7 +68,7 @@ class Ledger:
     """Budget state of every dataset in one Redis database. Pass it the client; it registers the scripts.
 
     Each script has a plain method (``commit``: sent at once, for tests and the producer) and a ``*_call`` form
-    (``commit_call``: a budget/ledger.py ``Call``, for the worker, whose batcher sends many in one round trip)."""
+    (``commit_call``: a ``Call``, for the worker, whose batcher sends many in one round trip)."""
 
     def __init__(self, client: "redis.Redis") -> None:
         self.r = client

@@ -430,7 +430,7 @@ class _SamplePayloadRequired(TypedDict):
 
 
 class SamplePayload(_SamplePayloadRequired, total=False):
-    #: ``--turns all``, a conversation of more than one turn (budget/record.py ``plan``): the dataset's messages
+    #: ``--turns all``, a conversation of more than one turn (``plan``): the dataset's messages
     #: (system prompt applied, trailing assistant answer dropped), from which the worker renders turn i+1 on the
     #: model's own turns 0..i. Both missing: one turn, committed with ``commit``.
     messages: list[dict[str, Any]]

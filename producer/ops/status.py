@@ -375,7 +375,7 @@ class DatasetSummary:
 
 def progress_line(runs: list[DatasetRun], now: float | None = None) -> str:
     """One line for every dataset, printed every ``--progress`` seconds while attached. Its tok/s, eta and
-    deadline projection are ``produce status``'s (producer/ops/status.py): from the 10-second token buckets of the
+    deadline projection are ``produce status``'s: from the 10-second token buckets of the
     stats last read."""
     parts = []
     projections: list[tuple[int, int | None]] = []

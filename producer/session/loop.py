@@ -425,7 +425,7 @@ class Producer:
         In batches of ``BATCH_CHUNKS`` chunks, each one MULTI/EXEC (all of it or none): a ``--detach`` of a
         whole dataset never holds more than one batch's payloads, and a produce killed between batches leaves
         whole batches, which its rerun finds live and does not enqueue again. Chunk data is compressed in a
-        small thread pool while this thread serializes and builds the jobs (producer/session/loop.py)."""
+        small thread pool while this thread serializes and builds the jobs (``enqueue_chunks``)."""
         with ThreadPoolExecutor(COMPRESS_THREADS, thread_name_prefix="bq-zlib") as pool:
             for chunks, front in self._batches(d, max_chunks, max_samples):
                 try:
@@ -454,7 +454,7 @@ class Producer:
     def _batches(self, d: DatasetRun, max_chunks: int | None,
                  max_samples: int | None) -> Iterator[tuple[list[list[Item]], bool]]:
         """Pop ``d``'s to-do samples into chunks, one batch at a time: only the batch being sent exists as Items.
-        Each chunk's size is ``chunk_size_for`` the to-do left (producer/session/loop.py): --chunk-size at most.
+        Each chunk's size is ``chunk_size_for`` the to-do left: --chunk-size at most.
         Items keep the prepared ``array``s; their JSON is written from the arrays (no Python int per token).
 
         Yields (chunks, front). ``front``: the chunks hold only samples that came back (``d.returned``), which come
