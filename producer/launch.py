@@ -26,6 +26,7 @@ import logging
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
@@ -34,7 +35,7 @@ import redis
 from budget import runtime, serverinfo
 from budget.serverinfo import Vocab, check_prompts, config_vocab, servers_vocab, smallest
 from producer.errors import ProduceError, UsageError
-from producer.prepare import Inputs
+from producer.prepare import Inputs, Prepared
 from producer.settings import Budget, RunSettings, budget_limit, check_max_tokens
 from render.modeldir import Context, ModelDirError, resolve_tokenizer, sane_context
 
@@ -139,19 +140,19 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
             passed = deadline_passed(RunState(client), names, time.time())
             if passed:
                 return passed
-    context = recheck_context(client, inputs, s.max_tokens, warn=warn)
+    inputs = recheck_context(client, inputs, s.max_tokens, warn=warn)
+    context = inputs.context
     check_max_tokens(s.max_tokens, context)  # the servers' smaller limit: still before anything is written
     check_out_dirs(s.out_dir, names)
     check_redis(client, allow_eviction=s.allow_eviction, require_aof=s.require_aof, warn=warn)
     check_server_parsers(client, inputs.settings.reasoning_parser, warn=warn)
     check_seed(client, params, warn=warn)
+    vocab = check_vocab_servers(client, inputs, s.tokenizer)
     options = RunOptions(out_dir=s.out_dir, budgets=budgets, modes=s.modes_for(names), expect_mean=s.expect_mean,
                          chunk_size=s.chunk_size, queue_depth=s.queue_depth, new_run=s.new_run,
                          job=JobSettings(job_timeout=s.job_timeout), show_progress=s.show_progress,
-                         conversation=inputs.conversation(context), tokenizer=s.tokenizer, chat_template=s.chat_template,
-                         variants=inputs.variants,
+                         conversation=inputs.conversation(context, vocab.size if vocab is not None else None),
                          mix=s.given_mix(), mix_pacing=s.mix_pacing, deadline=s.deadline)
-    check_vocab_servers(client, inputs, s.tokenizer, options.conversation)  # sets vocab_size
     producer = Producer(client, inputs.prepared, options, echo=log.info)
     try:
         producer.attach()  # enqueues nothing yet
@@ -169,12 +170,6 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
 
 
 # -- the checks before a run writes anything (the module's docstring) ----------------------------------------
-
-if TYPE_CHECKING:
-    from budget.record import ConversationPayload
-    from producer.prepare import Inputs, Prepared
-
-
 
 def connect(redis_url: str) -> "redis.Redis":
     """A client for ``redis_url`` (budget/runtime.py: short explicit timeouts, not redis-py's defaults), pinged
@@ -279,27 +274,31 @@ def server_context(servers: Sequence[Mapping[str, Any]]) -> Context | None:
     return best
 
 
-def apply_server_context(prepared: Sequence["Prepared"], limit: Context, max_tokens: int) -> dict[str, int]:
-    """Drop from each dataset the selected samples whose prompt + ``max_tokens`` exceeds ``limit``; they join
-    its ``over_context`` problems. Returns {dataset: samples dropped} (datasets with none left out)."""
+def apply_server_context(prepared: Sequence["Prepared"], limit: Context,
+                         max_tokens: int) -> tuple[list["Prepared"], dict[str, int]]:
+    """Each dataset without the selected samples whose prompt + ``max_tokens`` exceeds ``limit``, which join its
+    ``over_context`` problems; and {dataset: samples dropped} (datasets with none left out)."""
+    kept: list[Prepared] = []
     dropped: dict[str, int] = {}
     for p in prepared:
         over = [prompt for prompt in p.prompts.values() if prompt.length + max_tokens > limit.tokens]
-        for prompt in over:
-            p.over_context.append(prompt.sample.problem(
-                f"prompt of {prompt.length} tokens + --max-tokens {max_tokens} exceeds the servers' context of "
-                f"{limit.tokens} ({limit.source})"))
-            del p.prompts[prompt.sample.id]
         if over:
             dropped[p.name] = len(over)
-    return dropped
+            problems = [prompt.sample.problem(
+                f"prompt of {prompt.length} tokens + --max-tokens {max_tokens} exceeds the servers' context of "
+                f"{limit.tokens} ({limit.source})") for prompt in over]
+            gone = {prompt.sample.id for prompt in over}
+            p = replace(p, prompts={pid: prompt for pid, prompt in p.prompts.items() if pid not in gone},
+                        over_context=[*p.over_context, *problems])
+        kept.append(p)
+    return kept, dropped
 
 
 def recheck_context(client: "redis.Redis", inputs: "Inputs", max_tokens: int, *,
-                    warn: Callable[[str], None]) -> Context:
+                    warn: Callable[[str], None]) -> "Inputs":
     """At attach, the SGLang servers' own context limit wins over the offline one the prompts were checked against
-    (``--max-context``, the tokenizer, config.json: producer.prepare.choose_context). Returns the context the
-    prompts are checked against now, what later turns of a conversation are checked against too.
+    (``--max-context``, the tokenizer, config.json: producer.prepare.choose_context). Returns the inputs as they
+    are checked now: their ``context`` is what later turns of a conversation are checked against too.
 
     SGLang's limit is its own: ``--context-length`` may have lowered it, and a KV cache smaller than the context
     (``max_total_num_tokens``) caps every request too; a prompt over it would be refused (400) or cut short one
@@ -316,19 +315,19 @@ def recheck_context(client: "redis.Redis", inputs: "Inputs", max_tokens: int, *,
     if limit is None:
         log.info("no worker recorded its SGLang servers' context length in Redis: prompts stay checked "
                  f"against {checked.tokens:,} ({checked.source})")
-        return checked
+        return inputs
     if limit.tokens >= checked.tokens:
         log.info(f"the SGLang servers' context is {limit.tokens:,} ({limit.source}): every prompt checked against "
                  f"{checked.tokens:,} ({checked.source}) fits")
-        return checked
-    dropped = apply_server_context(inputs.prepared, limit, max_tokens)
+        return inputs
+    kept, dropped = apply_server_context(inputs.prepared, limit, max_tokens)
     for name, n in sorted(dropped.items()):
         warn(f"warning: {name}: {n:,} samples skipped, not enqueued: prompt + --max-tokens {max_tokens:,} exceeds "
              f"the SGLang servers' context of {limit.tokens:,} ({limit.source}), which is below the "
              f"{checked.tokens:,} they were checked against ({checked.source})")
     if not dropped:
         log.info(f"the SGLang servers' context is {limit.tokens:,} ({limit.source}): every selected prompt fits")
-    return limit
+    return replace(inputs, prepared=kept, context=limit)
 
 
 def check_seed(client: "redis.Redis", sampling_params: Mapping[str, Any], *, warn: Callable[[str], None],
@@ -370,9 +369,10 @@ def check_vocab_offline(inputs: "Inputs", tokenizer: str) -> None:
     _check(inputs, _tokenizer_vocab(tokenizer))
 
 
-def check_vocab_servers(client: "redis.Redis", inputs: "Inputs", tokenizer: str, conversation: "ConversationPayload | None") -> None:
+def check_vocab_servers(client: "redis.Redis", inputs: "Inputs", tokenizer: str) -> Vocab | None:
     """At attach: the prompts against a smaller ``vocab_size`` the servers report, if any (best effort: none
-    recorded, or Redis unreadable, changes nothing); the conversation block gets the size in force."""
+    recorded, or Redis unreadable, changes nothing). Returns the vocabulary in force (None: none known), which
+    the conversation block carries."""
     try:
         servers = serverinfo.load(client)
     except Exception:  # noqa: BLE001 - the run itself reports Redis trouble
@@ -381,5 +381,4 @@ def check_vocab_servers(client: "redis.Redis", inputs: "Inputs", tokenizer: str,
     vocab = smallest(offline, servers_vocab(servers))
     if vocab is not None and vocab != offline:
         _check(inputs, vocab)
-    if conversation is not None and vocab is not None:
-        conversation["vocab_size"] = vocab.size
+    return vocab

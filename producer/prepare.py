@@ -6,7 +6,7 @@ found while the database is still untouched (exit 2, DBSIZE unchanged).
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -59,9 +59,10 @@ class Prompt:
         return max(len(ids) for ids, _opens in self.renderings.values())
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
-    """A dataset ready to enqueue: its settings and the selected prompts in the order they are sent."""
+    """A dataset ready to enqueue: its settings and the selected prompts in the order they are sent. Frozen:
+    the servers' context check (producer/launch.py ``apply_server_context``) makes new ones."""
 
     name: str
     path: Path
@@ -69,8 +70,8 @@ class Prepared:
     prompts: dict[str, Prompt]  # selected: valid, fitting the context, within --max-samples; by id, in send order
     invalid: list[Problem]
     duplicates: list[Problem]
-    over_context: list[Problem] = field(default_factory=list)
-    beyond_max_samples: int = 0
+    over_context: list[Problem]
+    beyond_max_samples: int
 
     @property
     def samples(self) -> list[Sample]:
@@ -199,8 +200,8 @@ def _render_variants(read: ReadResult, variants: Variants, part: list[Sample], s
 
 
 def prepare(read: ReadResult, renderer: Renderer, settings: DatasetSettings, *, max_tokens: int, context: Context,
-            max_samples: int | None, skip_invalid: bool = False, progress: Callable[[int], None] | None = None,
-            variants: Variants | None = None) -> Prepared:
+            max_samples: int | None, skip_invalid: bool = False,
+            progress: Callable[[int], None] | None = None) -> Prepared:
     """Render ``read``'s samples in the settings' order and select them: valid, fitting the ``context``, and the
     first ``max_samples`` of that order (with --order random: a seeded random subset, not the file's first lines).
 
@@ -208,39 +209,40 @@ def prepare(read: ReadResult, renderer: Renderer, settings: DatasetSettings, *, 
     turns on the model's own answers), so its prompt and its context check are turn 0's; it is rendered whole
     as well, so a template that refuses a later turn's shape is found here (exit 2), not by a worker.
 
-    ``variants`` (a template kwargs mix): each prompt is rendered with the variant of each of its generations,
-    and checked against the context with the longest."""
-    prepared = Prepared(read.name, read.path, settings, {}, list(read.invalid), list(read.duplicates))
+    A template kwargs mix (``settings.variants``): each prompt is rendered with the variant of each of its
+    generations, and checked against the context with the longest."""
+    prompts: dict[str, Prompt] = {}
+    invalid, over_context, beyond = list(read.invalid), [], 0
     batch = 256
     samples = permute(read.samples, settings.order)
+    variants = settings.variants
     for start in range(0, len(samples), batch):
-        if max_samples is not None and len(prepared.prompts) >= max_samples:
-            prepared.beyond_max_samples += len(samples) - start
+        if max_samples is not None and len(prompts) >= max_samples:
+            beyond += len(samples) - start
             break
         part = samples[start:start + batch]
         if variants is None:
-            rendered, conversations = _render_batch(read, renderer, part, skip_invalid, prepared.invalid,
-                                                    settings.turns)
+            rendered, conversations = _render_batch(read, renderer, part, skip_invalid, invalid, settings.turns)
             by_variant = {s.id: {"": out} for s, out in rendered}
         else:
-            rendered, conversations, by_variant = _render_variants(read, variants, part, skip_invalid,
-                                                                   prepared.invalid, settings.turns)
+            rendered, conversations, by_variant = _render_variants(read, variants, part, skip_invalid, invalid,
+                                                                   settings.turns)
         if progress is not None:
             progress(len(part))
         for i, (sample, _out) in enumerate(rendered):
-            if max_samples is not None and len(prepared.prompts) >= max_samples:
-                prepared.beyond_max_samples += len(part) - i
+            if max_samples is not None and len(prompts) >= max_samples:
+                beyond += len(part) - i
                 break
             prompt = Prompt(sample, {name: (array("i", o.input_ids), o.opens_think)
                                      for name, o in by_variant[sample.id].items()},
                             conversations.get(sample.id, 1))
             if prompt.length + max_tokens > context.tokens:
-                prepared.over_context.append(sample.problem(
+                over_context.append(sample.problem(
                     f"prompt of {prompt.length} tokens + --max-tokens {max_tokens} exceeds the context of "
                     f"{context.tokens} ({context.source})"))
                 continue
-            prepared.prompts[sample.id] = prompt
-    return prepared
+            prompts[sample.id] = prompt
+    return Prepared(read.name, read.path, settings, prompts, invalid, list(read.duplicates), over_context, beyond)
 
 
 def tools_ignored(renderer: Renderer, prepared: Prepared) -> Problem | None:
@@ -287,20 +289,24 @@ class Inputs:
     renderer: Renderer
     settings: DatasetSettings  # every dataset's (``Prepared.settings``)
     context: Context  # what the prompts were checked against, and where it came from
-    variants: Variants | None = None  # --template-kwargs-mix: the renderer of each drawn combination
 
-    def conversation(self, context: Context) -> ConversationPayload | None:
+    def conversation(self, context: Context, vocab_size: int | None = None) -> ConversationPayload | None:
         """The chunk's ``conversation`` block (budget/record.py) when a dataset has multi-turn conversations:
         the renderer's fingerprint (its files go to Redis under it), the template kwargs, the ``context`` turn 0
-        was checked against, and the parser's think markers when they are not the template's (Kimi)."""
+        was checked against, the parser's think markers when they are not the template's (Kimi), and the
+        ``vocab_size`` the prompts were checked against (a later turn's ids are checked against it too)."""
         if not any(p.turns for p in self.prepared):
             return None
         from producer.settings import PARSER_MARKERS
         markers = PARSER_MARKERS[self.settings.reasoning_parser]
         think = self.renderer.think
-        return {"tokenizer": str(self.settings.stored["tokenizer"]),
-                "chat_template_kwargs": dict(self.settings.chat_template_kwargs), "max_context": context.tokens,
-                "open_markers": [markers.start, markers.end] if markers is not None and markers != think else None}
+        block: ConversationPayload = {
+            "tokenizer": str(self.settings.stored["tokenizer"]),
+            "chat_template_kwargs": dict(self.settings.chat_template_kwargs), "max_context": context.tokens,
+            "open_markers": [markers.start, markers.end] if markers is not None and markers != think else None}
+        if vocab_size is not None:
+            block["vocab_size"] = vocab_size
+        return block
 
 
 def choose_context(max_context: int | None, tokenizer: Any) -> Context:
@@ -357,7 +363,6 @@ def load_inputs(s: RunSettings, *, echo: Callable[[str], None], warn: Callable[[
     if opens_markers is not None:  # Kimi's ◁think▷: opens_think must look for those
         renderer = Renderer(tok, chat_template_kwargs=kwargs, opens_markers=opens_markers)
     echo(f"reasoning parser: {parser}" + (" (detected from the tokenizer)" if s.reasoning_parser == AUTO else ""))
-    settings = resolve(s, renderer, parser)
     variants = None
     if s.template_mix is not None:
         clash = sorted(set(s.template_mix.keys) & set(kwargs))
@@ -366,14 +371,14 @@ def load_inputs(s: RunSettings, *, echo: Callable[[str], None], warn: Callable[[
                              "give each key in one of them")
         variants = Variants(tok, kwargs, s.template_mix, s.generations, opens_markers=opens_markers)
         echo(s.template_mix.describe())
+    settings = resolve(s, renderer, parser, variants)
     context = choose_context(s.max_context, tok)
     check_max_tokens(s.max_tokens, context)
     echo(f"context: {context.tokens:,} tokens ({context.source})")
     bar = progress_bar(sum(len(r.samples) for r in reads), "rendering", show=s.show_progress)
     try:
         prepared = [prepare(r, renderer, settings, max_tokens=s.max_tokens, context=context,
-                            max_samples=s.max_samples, skip_invalid=s.skip_invalid, progress=bar.update,
-                            variants=variants)
+                            max_samples=s.max_samples, skip_invalid=s.skip_invalid, progress=bar.update)
                     for r in reads]
     except RenderError as exc:
         raise UsageError(str(exc)) from None
@@ -392,4 +397,4 @@ def load_inputs(s: RunSettings, *, echo: Callable[[str], None], warn: Callable[[
         echo(f"{p.name}: {p.selected} samples ready ({prompts}{p.prompt_tokens} prompt tokens), "
              f"{len(p.invalid)} invalid, {len(p.duplicates)} duplicate ids, {len(p.over_context)} over context; "
              f"order: {settings.order.describe()}{conversations}")
-    return Inputs(prepared, renderer, settings, context, variants)
+    return Inputs(prepared, renderer, settings, context)

@@ -66,6 +66,7 @@ from render.chat import ThinkMarkers
 
 if TYPE_CHECKING:  # render.chat loads jinja2: not for `produce --help` (tests/redis/test_turns_producer.py)
     from budget.ledger import Mix
+    from producer.generations import Variants
     from render.chat import ChatTemplate, Renderer
     from render.modeldir import Context
 
@@ -484,16 +485,22 @@ class DatasetSettings:
     generations: Generations
     think: ThinkPayload | None  # the chat template's thinking markers
     stored: Mapping[str, Any]
+    #: --tokenizer as given and --chat-template: where run.json points (``run_json``), and the files a multi-turn
+    #: run stores for its workers (producer/session/attach.py ``share_tokenizer``).
+    tokenizer: str
+    chat_template: ChatTemplate | None
+    #: --template-kwargs-mix: the renderer of each drawn combination (producer/generations.py); None: no mix.
+    variants: Variants | None = None
 
     @property
     def max_new_tokens(self) -> int:
         return int(self.chunk_params["max_new_tokens"])
 
 
-def resolve(s: RunSettings, renderer: Renderer, parser: str) -> DatasetSettings:
-    """The settings of a dataset of ``produce run`` ``s``, with the tokenizer's ``renderer`` and the reasoning
-    ``parser`` (given or detected): skip_special_tokens defaults to what the parser needs of this tokenizer (false
-    when a marker it reads is one of the tokenizer's special tokens, issue 25)."""
+def resolve(s: RunSettings, renderer: Renderer, parser: str, variants: Variants | None = None) -> DatasetSettings:
+    """The settings of a dataset of ``produce run`` ``s``, with the tokenizer's ``renderer``, the reasoning
+    ``parser`` (given or detected) and the renderers of ``s``'s template mix: skip_special_tokens defaults to
+    what the parser needs of this tokenizer (false when a marker it reads is one of its special tokens, issue 25)."""
     params = {**s.sampling_params(), "skip_special_tokens": s.skip_special_tokens if s.skip_special_tokens is not None
               else skip_special_tokens_default(parser, renderer.tokenizer)}
     kwargs = dict(s.chat_template_kwargs)
@@ -505,7 +512,8 @@ def resolve(s: RunSettings, renderer: Renderer, parser: str) -> DatasetSettings:
     return DatasetSettings(order=s.order, turns=s.turns, reasoning_parser=parser, chat_template_kwargs=kwargs,
                            mix=s.template_mix, sampling_params=params, chunk_params=chunk_params(params),
                            generations=Generations.from_params(s.generations, params),
-                           think={"start": think.start, "end": think.end} if think else None, stored=stored)
+                           think={"start": think.start, "end": think.end} if think else None, stored=stored,
+                           tokenizer=s.tokenizer, chat_template=s.chat_template, variants=variants)
 
 
 MAX_AMOUNT = 2**53 - 1

@@ -34,11 +34,10 @@ SIM_ARGS = ("--tokens-per-second-per-request", "2000", "--prefix-cache-pages", "
             "--length-dist", "fixed", "--mean-tokens", "12", "--reasoning-fraction", "0")
 
 
-def options(tmp_path: Path, inputs: "Inputs", tokenizer: Path | None, **kw: Any) -> "RunOptions":
+def options(tmp_path: Path, inputs: "Inputs", **kw: Any) -> "RunOptions":
     """produce's run options for the chats dataset as the producer tests attach it (chunks of 2, no budget)."""
     from producer.session.attach import RunOptions
     return RunOptions(out_dir=tmp_path / "out", conversation=inputs.conversation(inputs.context),
-                      tokenizer=str(tokenizer) if tokenizer else None,
                       **{"chunk_size": 2, "budgets": {DS: None}, **kw})
 
 

@@ -38,7 +38,6 @@ from budget.record import OTHER_VERSION, VERSION, ConversationPayload
 from budget.runstate import RunState
 from producer.errors import ProduceError, UsageError
 from producer.generations import SETTING as GENERATIONS
-from producer.generations import Variants
 from producer.prepare import Prepared
 from producer.results import RESULTS, RUN, ResultsFile, check_version
 from producer.settings import VERSION_KEY, Budget, budget_limit, run_json, settings_diff, without_location
@@ -63,7 +62,8 @@ class JobSettings:
 @dataclass(frozen=True)
 class RunOptions:
     """What the attached producer is told: where it writes, each dataset's budget and mode as given, how it sizes
-    and paces its chunks. What a dataset is rendered, sent and stored with is its ``Prepared.settings``."""
+    and paces its chunks, what a chunk of a multi-turn sample tells its worker. What a dataset is rendered, sent
+    and stored with is its ``Prepared.settings`` (producer/settings.py ``DatasetSettings``)."""
 
     out_dir: Path
     budgets: Mapping[str, Budget | None]  # explicit --budget per dataset (or UNLIMITED); None: keep the stored one
@@ -77,21 +77,15 @@ class RunOptions:
     poll_s: float = 0.2
     progress_s: float = 5.0
     show_progress: bool = False  # a bar on stderr while --detach enqueues (produce: a terminal and not --quiet)
-    #: ``--turns all``: what a chunk holding a multi-turn sample tells its worker (budget/record.py), and the
-    #: --tokenizer whose files are stored in Redis for the workers to render later turns with (attach, once), with
-    #: the --chat-template as their chat_template.jinja; both written in run.json (``tokenizer_path``,
-    #: ``chat_template_path``) for ``produce export``.
+    #: ``--turns all``: what a chunk holding a multi-turn sample tells its worker (budget/record.py; built by
+    #: producer/prepare.py ``Inputs.conversation``); None: no dataset has one.
     conversation: ConversationPayload | None = None
-    tokenizer: str | None = None
-    chat_template: ChatTemplate | None = None
     #: --budget TOTAL --mix ...: the mix as given (budget/ledger.py); None: no --mix (a stored mix still applies).
     mix: Mix | None = None
     #: --no-mix-pacing: let a mix's members progress at whatever rate their chunks are pulled (for comparison).
     mix_pacing: bool = True
     #: --deadline / --for, unix seconds (None: keep the stored one, if any).
     deadline: float | None = None
-    #: --template-kwargs-mix: the renderer of each drawn combination (producer/generations.py Variants); None: no mix.
-    variants: Variants | None = None
 
 
 @dataclass
@@ -251,12 +245,13 @@ class Attacher:
         """A run with multi-turn conversations stores its tokenizer files in Redis once (bq:tok:{fingerprint}):
         GPU workers render the later turns with them (docs/multiturn.md). Refused files are an input error
         (exit 2), found before anything of the run is written."""
-        if not any(p.conversations for p in datasets):
+        multi = next((p.settings for p in datasets if p.conversations), None)
+        if multi is None:
             return
-        if self.opt.tokenizer is None or self.opt.conversation is None:
-            raise ProduceError("multi-turn conversations need the tokenizer directory and the conversation block "
-                               "(RunOptions.tokenizer, RunOptions.conversation)", 2)
-        stored = share_tokenizer(self.r, self.opt.tokenizer, self.opt.conversation["tokenizer"], self.opt.chat_template)
+        if self.opt.conversation is None:
+            raise ProduceError("multi-turn conversations need their chunks' conversation block "
+                               "(RunOptions.conversation: producer/prepare.py Inputs.conversation)", 2)
+        stored = share_tokenizer(self.r, multi.tokenizer, str(multi.stored["tokenizer"]), multi.chat_template)
         if stored:
             self.echo(f"stored the tokenizer files in Redis for the workers ({stored} files)")
 
@@ -277,7 +272,7 @@ class Attacher:
         self.store.register(p.name, json.dumps(p.settings.stored, sort_keys=True), created_at=time.time(),
                             out_dir=str(self.opt.out_dir.resolve()))
         out_dir.mkdir(parents=True, exist_ok=True)
-        stored_json = run_json(p.settings.stored, self.opt.tokenizer, self.opt.chat_template)
+        stored_json = run_json(p.settings.stored, p.settings.tokenizer, p.settings.chat_template)
         (out_dir / RUN).write_text(json.dumps(stored_json, indent=2, sort_keys=True) + "\n")
 
         budget = self._set_budget(p)

@@ -348,7 +348,7 @@ class Producer:
         pid, generation = split_key(sid)
         settings = d.prepared.settings
         params = {**settings.chunk_params, **(settings.generations.overrides(pid, generation) or {})}
-        variants = self.opt.variants
+        variants = settings.variants
         return params, variants.kwargs(variants.name(pid, generation)) if variants is not None else None
 
     def _release(self, d: DatasetRun, cid: str, reclaimed: bool) -> list[str]:
@@ -489,7 +489,7 @@ class Producer:
         ids, opens = prompt.input_ids, prompt.opens_think
         kwargs: dict[str, Any] | None = None
         fingerprint: str | None = None
-        variants = self.opt.variants
+        variants = p.settings.variants
         if variants is not None:
             name = variants.name(pid, generation)
             ids, opens = prompt.renderings[name]

@@ -245,8 +245,7 @@ def test_a_record_produce_writes_in_a_workers_stead_says_what_its_sample_was_sen
     key = sample_key("two", 1)
     assert ledger.commit_turn(DS, key, 0, 4, turn(key, 0, 4) | {"content": "hi", "reasoning": None},
                               chunk="bq-chats-dead").committed
-    producer = Producer(r, inputs.prepared, options(tmp_path, inputs, hybrid_dir, budgets={DS: 4},
-                                                    variants=inputs.variants),
+    producer = Producer(r, inputs.prepared, options(tmp_path, inputs, budgets={DS: 4}),
                         echo=lambda m: None)
     producer.attach()
     producer.run()

@@ -45,10 +45,8 @@ def inputs_for(tmp_path: Path, tokenizer: Path, *extra: str) -> Inputs:
     return load_inputs(run_settings(*args), echo=lambda m: None, warn=lambda m: None)
 
 
-def attach(r: "redis.Redis", tmp_path: Path, inputs: Inputs, tokenizer: Path, template: Path | None) -> Producer:
-    chat_template = None if template is None else read_chat_template(template)
-    producer = Producer(r, inputs.prepared, options(tmp_path, inputs, tokenizer, chat_template=chat_template),
-                        echo=lambda m: None)
+def attach(r: "redis.Redis", tmp_path: Path, inputs: Inputs) -> Producer:
+    producer = Producer(r, inputs.prepared, options(tmp_path, inputs), echo=lambda m: None)
     producer.attach()
     return producer
 
@@ -70,7 +68,7 @@ def test_the_file_renders_every_prompt_and_is_a_setting_of_the_run(r: "redis.Red
     assert given.settings.stored[CHAT_TEMPLATE] == read_chat_template(path).digest
     assert CHAT_TEMPLATE not in plain.settings.stored
 
-    attach(r, tmp_path, given, tokenizer_dir, path).release()
+    attach(r, tmp_path, given).release()
     run_file = tmp_path / "out" / DS / RUN
     stored = json.loads(run_file.read_text())
     assert stored[CHAT_TEMPLATE_PATH] == str(path.resolve())
@@ -82,9 +80,9 @@ def test_the_file_renders_every_prompt_and_is_a_setting_of_the_run(r: "redis.Red
     # The same file path with other content is another run's settings: refused before anything is written.
     path.write_text(TEMPLATE.replace(MARKER, "[[other]]"), encoding="utf-8")
     changed = inputs_for(tmp_path, tokenizer_dir, "--chat-template", str(path))
-    for rerun, template, said in ((changed, path, "--chat-template: stored sha256 "), (plain, None, ", now none")):
+    for rerun, said in ((changed, "--chat-template: stored sha256 "), (plain, ", now none")):
         with pytest.raises(ProduceError) as err:
-            attach(r, tmp_path, rerun, tokenizer_dir, template)
+            attach(r, tmp_path, rerun)
         assert err.value.exit_code == 2 and said in str(err.value), str(err.value)
         assert (run_file.read_bytes(), r.dbsize()) == before
     with pytest.raises(ExportError, match=f"chat template file {path} .*changed since the run"):
@@ -97,7 +95,7 @@ def test_a_worker_renders_a_later_turn_with_the_files_template(r: "redis.Redis",
     has the run's fingerprint and renders turn 2 of a conversation as the producer does, marker and all."""
     path = template_file(tmp_path)
     inputs = inputs_for(tmp_path, tokenizer_dir, "--chat-template", str(path))
-    attach(r, tmp_path, inputs, tokenizer_dir, path).release()
+    attach(r, tmp_path, inputs).release()
     turns.forget()
     fp = str(inputs.settings.stored["tokenizer"])
     worker = renderer_for(r, fp, root=tmp_path / "worker-cache")
@@ -126,7 +124,7 @@ def test_a_tokenizer_without_a_template_renders_with_the_file(r: "redis.Redis", 
         inputs_for(tmp_path, tok)
     path = template_file(tmp_path)
     inputs = inputs_for(tmp_path, tok, "--chat-template", str(path))
-    attach(r, tmp_path, inputs, tok, path).release()
+    attach(r, tmp_path, inputs).release()
     turns.forget()
     worker = renderer_for(r, str(inputs.settings.stored["tokenizer"]), root=tmp_path / "worker-cache")
     later = plan(inputs.prepared[0].prompts["two"].sample.messages)[1].context

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,7 @@ def test_a_chunk_of_conversations_carries_messages_turns_and_the_conversation_bl
         r: "redis.Redis", tmp_path: Path, tokenizer_dir: Path) -> None:
     inputs = inputs_for(tmp_path, tokenizer_dir, ALL)
     [p] = inputs.prepared
-    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir, chunk_size=1))
+    producer = attach(r, inputs, options(tmp_path, inputs, chunk_size=1))
     producer.run(detach=True)
     payloads = job_payloads(r)
     by_id = {pl["samples"][0]["id"]: pl for pl in payloads}
@@ -161,7 +162,7 @@ def test_a_chunk_of_conversations_carries_messages_turns_and_the_conversation_bl
 def test_last_enqueues_what_it_always_did(r: "redis.Redis", tmp_path: Path, tokenizer_dir: Path) -> None:
     inputs = inputs_for(tmp_path, tokenizer_dir, LAST)
     [p] = inputs.prepared
-    producer = attach(r, inputs, options(tmp_path, inputs, None, chunk_size=8))
+    producer = attach(r, inputs, options(tmp_path, inputs, chunk_size=8))
     producer.run(detach=True)
     [payload] = job_payloads(r)
     assert "conversation" not in payload
@@ -177,8 +178,10 @@ def test_a_tokenizer_that_cannot_be_shared_is_exit_2_before_anything_is_written(
     slow = tmp_path / "slow"
     slow.mkdir()
     (slow / "vocab.json").write_text("{}")
+    # The run's --tokenizer, as its settings say, is a directory without the fast tokenizer's files.
+    unshared = [replace(p, settings=replace(p.settings, tokenizer=str(slow))) for p in inputs.prepared]
     with pytest.raises(ProduceError) as err:
-        attach(r, inputs, options(tmp_path, inputs, slow))
+        attach(r, replace(inputs, prepared=unshared), options(tmp_path, inputs))
     assert err.value.exit_code == 2 and "cannot share the tokenizer" in str(err.value)
     assert r.dbsize() == 0
 
@@ -186,12 +189,12 @@ def test_a_tokenizer_that_cannot_be_shared_is_exit_2_before_anything_is_written(
 def test_a_run_stored_as_last_is_refused_under_all_before_anything_is_written(
         r: "redis.Redis", tmp_path: Path, tokenizer_dir: Path) -> None:
     last = inputs_for(tmp_path, tokenizer_dir, LAST)
-    attach(r, last, options(tmp_path, last, None)).release()
+    attach(r, last, options(tmp_path, last)).release()
     run_file = tmp_path / "out" / DS / RUN
     before = (run_file.read_bytes(), r.dbsize())
     every = inputs_for(tmp_path, tokenizer_dir, ALL)
     with pytest.raises(ProduceError) as err:
-        attach(r, every, options(tmp_path, every, tokenizer_dir))
+        attach(r, every, options(tmp_path, every))
     assert err.value.exit_code == 2 and "turns: stored 'last', now 'all'" in str(err.value)
     assert (run_file.read_bytes(), r.dbsize()) == before
 
@@ -223,7 +226,7 @@ def test_attach_reopens_a_failed_conversation_and_resumes_started_ones(r: "redis
     ledger.set_budget(DS, None)
     assert ledger.commit_turn(DS, "two", 0, 4, turn("two", 0, 4), chunk="bq-chats-dead").committed
     echoed: list[str] = []
-    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir), echoed)
+    producer = attach(r, inputs, options(tmp_path, inputs), echoed)
     [d] = producer.runs
     k = keys.DatasetKeys(DS)
     assert set(d.todo) == {"two", "three"} and d.done == {"one"} and d.resuming == {"three"}
@@ -232,14 +235,14 @@ def test_attach_reopens_a_failed_conversation_and_resumes_started_ones(r: "redis
     assert any("1 conversations whose turn failed resume" in m for m in echoed)
     producer.release()
     # Again (the first rerun died before enqueueing): nothing counted twice, the same to-do list.
-    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir))
+    producer = attach(r, inputs, options(tmp_path, inputs))
     [d] = producer.runs
     assert set(d.todo) == {"two", "three"} and d.resuming == {"three"} and audit(r) == 27
     producer.run(detach=True)
     held = set(ledger.holders(DS))
     assert held == {"two", "three"}
     # Attached again while a live chunk holds them: not enqueued twice.
-    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir))
+    producer = attach(r, inputs, options(tmp_path, inputs))
     [d] = producer.runs
     assert not d.todo and set(d.chunk_samples.get(next(iter(d.chunk_samples)), [])) <= {"two", "three"}
     assert audit(r) == 27
@@ -262,7 +265,7 @@ def test_a_conversation_ended_again_while_no_produce_was_attached_is_collected_n
     assert ledger.commit_turn(DS, "three", 2, 6, turn("three", 2, 6), chunk="c").committed
     header = {k: v for k, v in record("three", [], None).items() if k not in ("turns", "completion_tokens")}
     assert ledger.end_conversation(DS, "three", 3, header).ended
-    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir))
+    producer = attach(r, inputs, options(tmp_path, inputs))
     [d] = producer.runs
     assert audit(r) == 24 and int(r.hget(keys.DatasetKeys(DS).done, "three") or 0) == 24
     assert "three" not in d.todo
@@ -293,7 +296,7 @@ def test_dry_run_counts_conversations_and_turns_and_its_eta_takes_turns_in_seque
 
 def test_status_and_progress_count_turns(r: "redis.Redis", tmp_path: Path, tokenizer_dir: Path) -> None:
     inputs = inputs_for(tmp_path, tokenizer_dir, ALL)
-    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir))
+    producer = attach(r, inputs, options(tmp_path, inputs))
     ledger = Ledger(r)
     for i, n in enumerate((3, 4)):
         assert ledger.commit_turn(DS, "three", i, n, turn("three", i, n), chunk="c").committed
@@ -367,7 +370,7 @@ def test_a_started_conversation_of_a_closed_dataset_is_ended_with_the_turns_it_h
     assert ledger.commit_turn(DS, "two", 0, 4, turn("two", 0, 4) | {"content": "hi", "reasoning": None},
                               chunk="bq-chats-dead").committed
     echoed: list[str] = []
-    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir, budgets={DS: 4}), echoed)
+    producer = attach(r, inputs, options(tmp_path, inputs, budgets={DS: 4}), echoed)
     assert ledger.state(DS).status == "closed"
     producer.run()
     recs = [json.loads(line) for line in (tmp_path / "out" / DS / RESULTS).read_text().splitlines()]
@@ -386,7 +389,7 @@ def test_a_conversation_whose_workers_keep_dying_is_written_failed_unless_it_pro
     inputs = inputs_for(tmp_path, tokenizer_dir, ALL)
     ledger = Ledger(r)
     ledger.set_budget(DS, None)
-    producer = attach(r, inputs, options(tmp_path, inputs, tokenizer_dir))
+    producer = attach(r, inputs, options(tmp_path, inputs))
     [d] = producer.runs
     assert ledger.commit_turn(DS, "three", 0, 4, turn("three", 0, 4) | {"content": "a", "reasoning": None}).committed
     for n in (1, 2):
