@@ -383,6 +383,8 @@ class Stack:
             raise
 
     def __exit__(self, *exc: object) -> None:
+        if self._sigterm is not None:  # a second `kill PID` while stopping would leave the rest running
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             self.stop()
         finally:

