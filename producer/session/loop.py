@@ -461,7 +461,7 @@ class Producer:
         before every queued chunk in the run's order, so they go to the front of the queue: a budget closing
         later keeps rounds and the order's first prompts (docs/generations.md). A batch never mixes the two."""
         p = d.prepared
-        workers = listening_workers(self.queue)
+        workers = listening_count(self.queue)
         samples = len(d.todo) if max_samples is None else max_samples
         chunks_left = max_chunks
         while d.todo and samples > 0 and (chunks_left is None or chunks_left > 0):
@@ -726,7 +726,7 @@ def chunk_size_for(todo: int, maximum: int, workers: int) -> int:
     return max(1, min(maximum, max(MIN_CHUNK, -(-todo // spread))))
 
 
-def listening_workers(queue: Queue) -> int:
+def listening_count(queue: Queue) -> int:
     """RQ workers registered on the chunk queue (RQ's own registry; a crashed worker stays in it until RQ's
     cleanup), for ``chunk_size_for``. 0 when none has started yet."""
     return Worker.count(queue=queue)
