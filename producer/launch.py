@@ -52,7 +52,7 @@ def launch(settings: RunSettings, *, warn: Callable[[str], None]) -> str:
     inputs = load_inputs(settings, echo=log.info, warn=warn)
     log.debug("read, validated and rendered %d dataset(s) in %.1f s", len(inputs.prepared),
               time.monotonic() - started)
-    check_vocab_offline(inputs, settings.tokenizer)  # exit 2 on an id the model cannot take
+    check_vocab_offline(inputs)  # exit 2 on an id the model cannot take
     budgets = settings.budgets_for(p.name for p in inputs.prepared)
     if settings.dry_run:
         return dry_run(settings, inputs, budgets)
@@ -141,17 +141,16 @@ def run(settings: RunSettings, inputs: Inputs, budgets: dict[str, Budget | None]
             if passed:
                 return passed
     inputs = recheck_context(client, inputs, s.max_tokens, warn=warn)
-    context = inputs.context
-    check_max_tokens(s.max_tokens, context)  # the servers' smaller limit: still before anything is written
+    check_max_tokens(s.max_tokens, inputs.context)  # the servers' smaller limit: still before anything is written
     check_out_dirs(s.out_dir, names)
     check_redis(client, allow_eviction=s.allow_eviction, require_aof=s.require_aof, warn=warn)
     check_server_parsers(client, inputs.settings.reasoning_parser, warn=warn)
     check_seed(client, params, warn=warn)
-    vocab = check_vocab_servers(client, inputs, s.tokenizer)
+    vocab = check_vocab_servers(client, inputs)
     options = RunOptions(out_dir=s.out_dir, budgets=budgets, modes=s.modes_for(names), expect_mean=s.expect_mean,
                          chunk_size=s.chunk_size, queue_depth=s.queue_depth, new_run=s.new_run,
                          job=JobSettings(job_timeout=s.job_timeout), show_progress=s.show_progress,
-                         conversation=inputs.conversation(context, vocab.size if vocab is not None else None),
+                         conversation=inputs.conversation(vocab.size if vocab is not None else None),
                          mix=s.given_mix(), mix_pacing=s.mix_pacing, deadline=s.deadline)
     producer = Producer(client, inputs.prepared, options, echo=log.info)
     try:
@@ -274,8 +273,8 @@ def server_context(servers: Sequence[Mapping[str, Any]]) -> Context | None:
     return best
 
 
-def apply_server_context(prepared: Sequence["Prepared"], limit: Context,
-                         max_tokens: int) -> tuple[list["Prepared"], dict[str, int]]:
+def apply_server_context(prepared: Sequence[Prepared], limit: Context,
+                         max_tokens: int) -> tuple[list[Prepared], dict[str, int]]:
     """Each dataset without the selected samples whose prompt + ``max_tokens`` exceeds ``limit``, which join its
     ``over_context`` problems; and {dataset: samples dropped} (datasets with none left out)."""
     kept: list[Prepared] = []
@@ -294,8 +293,8 @@ def apply_server_context(prepared: Sequence["Prepared"], limit: Context,
     return kept, dropped
 
 
-def recheck_context(client: "redis.Redis", inputs: "Inputs", max_tokens: int, *,
-                    warn: Callable[[str], None]) -> "Inputs":
+def recheck_context(client: "redis.Redis", inputs: Inputs, max_tokens: int, *,
+                    warn: Callable[[str], None]) -> Inputs:
     """At attach, the SGLang servers' own context limit wins over the offline one the prompts were checked against
     (``--max-context``, the tokenizer, config.json: producer.prepare.choose_context). Returns the inputs as they
     are checked now: their ``context`` is what later turns of a conversation are checked against too.
@@ -355,7 +354,7 @@ def _tokenizer_vocab(tokenizer: str) -> Vocab | None:
         return None
 
 
-def _check(inputs: "Inputs", vocab: Vocab | None) -> None:
+def _check(inputs: Inputs, vocab: Vocab | None) -> None:
     message = check_prompts(((p.name, [{pid if not variant else f"{pid} ({variant})": ids
                                          for pid, prompt in p.prompts.items()
                                          for variant, (ids, _opens) in prompt.renderings.items()}])
@@ -364,12 +363,12 @@ def _check(inputs: "Inputs", vocab: Vocab | None) -> None:
         raise UsageError(message)
 
 
-def check_vocab_offline(inputs: "Inputs", tokenizer: str) -> None:
+def check_vocab_offline(inputs: Inputs) -> None:
     """Every rendered prompt against config.json's ``vocab_size`` (when the tokenizer directory has one)."""
-    _check(inputs, _tokenizer_vocab(tokenizer))
+    _check(inputs, _tokenizer_vocab(inputs.settings.tokenizer))
 
 
-def check_vocab_servers(client: "redis.Redis", inputs: "Inputs", tokenizer: str) -> Vocab | None:
+def check_vocab_servers(client: "redis.Redis", inputs: Inputs) -> Vocab | None:
     """At attach: the prompts against a smaller ``vocab_size`` the servers report, if any (best effort: none
     recorded, or Redis unreadable, changes nothing). Returns the vocabulary in force (None: none known), which
     the conversation block carries."""
@@ -377,7 +376,7 @@ def check_vocab_servers(client: "redis.Redis", inputs: "Inputs", tokenizer: str)
         servers = serverinfo.load(client)
     except Exception:  # noqa: BLE001 - the run itself reports Redis trouble
         servers = []
-    offline = _tokenizer_vocab(tokenizer)
+    offline = _tokenizer_vocab(inputs.settings.tokenizer)
     vocab = smallest(offline, servers_vocab(servers))
     if vocab is not None and vocab != offline:
         _check(inputs, vocab)

@@ -290,10 +290,10 @@ class Inputs:
     settings: DatasetSettings  # every dataset's (``Prepared.settings``)
     context: Context  # what the prompts were checked against, and where it came from
 
-    def conversation(self, context: Context, vocab_size: int | None = None) -> ConversationPayload | None:
+    def conversation(self, vocab_size: int | None = None) -> ConversationPayload | None:
         """The chunk's ``conversation`` block (budget/record.py) when a dataset has multi-turn conversations:
-        the renderer's fingerprint (its files go to Redis under it), the template kwargs, the ``context`` turn 0
-        was checked against, the parser's think markers when they are not the template's (Kimi), and the
+        the renderer's fingerprint (its files go to Redis under it), the template kwargs, the context turn 0
+        was checked against (``context``: the servers' once launch.py rechecked it), the parser's think markers when they are not the template's (Kimi), and the
         ``vocab_size`` the prompts were checked against (a later turn's ids are checked against it too)."""
         if not any(p.turns for p in self.prepared):
             return None
@@ -302,7 +302,7 @@ class Inputs:
         think = self.renderer.think
         block: ConversationPayload = {
             "tokenizer": str(self.settings.stored["tokenizer"]),
-            "chat_template_kwargs": dict(self.settings.chat_template_kwargs), "max_context": context.tokens,
+            "chat_template_kwargs": dict(self.settings.chat_template_kwargs), "max_context": self.context.tokens,
             "open_markers": [markers.start, markers.end] if markers is not None and markers != think else None}
         if vocab_size is not None:
             block["vocab_size"] = vocab_size

@@ -37,7 +37,7 @@ SIM_ARGS = ("--tokens-per-second-per-request", "2000", "--prefix-cache-pages", "
 def options(tmp_path: Path, inputs: "Inputs", **kw: Any) -> "RunOptions":
     """produce's run options for the chats dataset as the producer tests attach it (chunks of 2, no budget)."""
     from producer.session.attach import RunOptions
-    return RunOptions(out_dir=tmp_path / "out", conversation=inputs.conversation(inputs.context),
+    return RunOptions(out_dir=tmp_path / "out", conversation=inputs.conversation(),
                       **{"chunk_size": 2, "budgets": {DS: None}, **kw})
 
 

@@ -68,10 +68,10 @@ def test_all_sends_turn_zero_of_a_conversation_and_one_turn_samples_as_last_does
     assert every.settings.stored["turns"] == ALL and last.settings.stored["turns"] == LAST
     assert {k: v for k, v in every.settings.stored.items() if k != "turns"} == \
         {k: v for k, v in last.settings.stored.items() if k != "turns"}
-    block = every.conversation(every.context)
+    block = every.conversation()
     assert block == {"tokenizer": every.settings.stored["tokenizer"], "chat_template_kwargs": {},
                      "max_context": every.context.tokens, "open_markers": None}
-    assert last.conversation(last.context) is None
+    assert last.conversation() is None
 
 
 def test_the_context_check_of_a_conversation_is_its_turn_zero(tmp_path: Path, tokenizer_dir: Path) -> None:
@@ -150,7 +150,7 @@ def test_a_chunk_of_conversations_carries_messages_turns_and_the_conversation_bl
         [sample] = by_id[sid]["samples"]
         assert sample["turns"] == k and sample["messages"] == messages[sid]
         assert sample["input_ids"] == list(p.prompts[sid].input_ids)
-        assert by_id[sid]["conversation"] == inputs.conversation(inputs.context)
+        assert by_id[sid]["conversation"] == inputs.conversation()
     # The tokenizer files are in Redis once, under the run's fingerprint.
     fp = inputs.settings.stored["tokenizer"]
     assert set(runstate.fetch_files(r, fp)) >= {"tokenizer.json", "tokenizer_config.json"}
